@@ -1,0 +1,32 @@
+"""The extension-point ABCs that plugins implement."""
+
+from pagedllm.core.interfaces.device import Device
+from pagedllm.core.interfaces.guided import Grammar, GuidedBackend, GuidedConstraint
+from pagedllm.core.interfaces.loader import ModelLoader
+from pagedllm.core.interfaces.model import ModelArchitecture
+from pagedllm.core.interfaces.parsers import (
+    DeltaMessage,
+    DeltaToolCall,
+    ExtractedToolCalls,
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+)
+from pagedllm.core.interfaces.quantization import LinearMethod, QuantizationConfig
+
+__all__ = [
+    "DeltaMessage",
+    "DeltaToolCall",
+    "Device",
+    "ExtractedToolCalls",
+    "Grammar",
+    "GuidedBackend",
+    "GuidedConstraint",
+    "LinearMethod",
+    "ModelArchitecture",
+    "ModelLoader",
+    "QuantizationConfig",
+    "ReasoningParser",
+    "ToolCall",
+    "ToolParser",
+]

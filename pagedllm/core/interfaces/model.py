@@ -1,0 +1,42 @@
+"""The model-architecture extension point, registered under Hugging Face names."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModelArchitecture(ABC):
+    """A causal language model implemented for pagedllm's flat, paged batches.
+
+    Implementations are ``torch.nn.Module`` subclasses that also derive from this class
+    and are registered under the ``architectures`` name found in a Hugging Face config
+    (``LlamaForCausalLM``, ...).
+
+    Contract:
+    - ``__init__(config, quant_config)``: ``config`` is the model's Hugging Face config
+      after overrides; ``quant_config`` a QuantizationConfig or ``None``.
+    - :meth:`forward` takes the flat token ids and positions of every scheduled token of
+      every request, plus the attention metadata, and returns one hidden state per token.
+    - :meth:`compute_logits` maps selected hidden states to vocabulary logits.
+    - :meth:`load_weights` consumes ``(checkpoint_name, tensor)`` pairs and returns the
+      parameter names it filled.
+    """
+
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        """Hidden states, one row per input token."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits, one row per hidden state."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; return the names filled."""

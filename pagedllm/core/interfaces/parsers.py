@@ -1,0 +1,111 @@
+"""Tool-call and reasoning parser extension points and the data they produce."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(slots=True)
+class ToolCall:
+    """A complete function call found in model output; ``arguments`` is a JSON string."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+
+@dataclasses.dataclass(slots=True)
+class ExtractedToolCalls:
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    # Text around the calls that is meant for the user, if any.
+    content: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class DeltaToolCall:
+    """A streamed piece of the tool call at ``index`` (OpenAI's delta format)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    type: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class DeltaMessage:
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = dataclasses.field(default_factory=list)
+
+
+class ToolParser(ABC):
+    """Turns a model's tool-call syntax into OpenAI tool calls.
+
+    Contract: never raises on malformed model output: what does not parse is returned as
+    ``content``. Streaming receives the text so far and the new delta, and returns what
+    to send now (or ``None``); the concatenated deltas must equal the non-streaming result.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCalls:
+        """Parse a complete output."""
+
+    @abstractmethod
+    def extract_tool_calls_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+        request: Any,
+    ) -> DeltaMessage | None:
+        """Parse the output incrementally."""
+
+    def adjust_request(self, request: Any) -> Any:
+        """Change the request before generation (e.g. keep special tokens); optional."""
+        return request
+
+
+class ReasoningParser(ABC):
+    """Separates a model's reasoning from its answer.
+
+    Contract: never raises on model output; an output whose reasoning never closes is all
+    reasoning. :meth:`is_reasoning_end` lets guided decoding start its constraint only
+    after the reasoning ends.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
+        """Whether the reasoning section is over in ``token_ids``."""
+
+    @abstractmethod
+    def extract_reasoning_content(
+        self, model_output: str, request: Any
+    ) -> tuple[str | None, str | None]:
+        """``(reasoning_content, content)`` of a complete output."""
+
+    @abstractmethod
+    def extract_reasoning_content_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+    ) -> DeltaMessage | None:
+        """What to send for this delta."""

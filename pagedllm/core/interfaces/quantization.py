@@ -1,0 +1,58 @@
+"""The quantization extension point (``--quantization``): a config and per-layer methods."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores its weights and computes ``x @ W.T + b``.
+
+    Contract: :meth:`create_weights` registers parameters on ``layer`` (their names are
+    what the loader fills); :meth:`process_weights_after_loading` may repack them once;
+    :meth:`apply` must be numerically a linear map of ``x``.
+    """
+
+    @abstractmethod
+    def create_weights(
+        self, layer: torch.nn.Module, input_size: int, output_size: int, params_dtype: Any
+    ) -> None:
+        """Register this method's parameters on ``layer``."""
+
+    @abstractmethod
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Compute the layer's output for activations ``x``."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:  # noqa: B027
+        """Repack loaded weights (optional)."""
+
+
+class QuantizationConfig(ABC):
+    """A quantization method's settings, read from the checkpoint or the command line.
+
+    Contract: :meth:`from_config` accepts the model's ``quantization_config`` dict (empty
+    when the user chose the method with ``--quantization`` alone) and raises
+    ``ValueError`` naming what it cannot handle; :meth:`get_linear_method` returns the
+    method for one layer, or ``None`` to leave that layer unquantized.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """Build from a ``quantization_config`` dict."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethod | None:
+        """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.mlp``)."""
+
+    def supported_dtypes(self) -> tuple[str, ...]:
+        """Activation dtypes this method works with."""
+        return ("float32", "float16", "bfloat16")

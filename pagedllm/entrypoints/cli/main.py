@@ -1,0 +1,65 @@
+"""The ``pagedllm`` command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from pagedllm import __version__
+from pagedllm.core.argparser import FlexibleArgumentParser
+from pagedllm.core.errors import PagedLLMError
+from pagedllm.core.plugins import PluginManager, make_plugin_manager
+from pagedllm.entrypoints.cli.types import CLISubcommand
+
+# The order of the vLLM command line; subcommands added by plugins follow.
+_BUILTIN_ORDER = ["chat", "complete", "serve", "bench", "collect-env", "run-batch", "plugins"]
+
+
+def build_parser(pm: PluginManager) -> tuple[FlexibleArgumentParser, dict[str, CLISubcommand]]:
+    parser = FlexibleArgumentParser(
+        prog="pagedllm",
+        description="pagedllm: LLM inference and serving with a paged KV cache and plugins.",
+        epilog="Run 'pagedllm SUBCOMMAND --help' for the options of one subcommand.",
+    )
+    parser.add_argument("-v", "--version", action="version", version=f"pagedllm {__version__}")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+    registry = pm.registry("cli_subcommands")
+    names = sorted(
+        registry.names(),
+        key=lambda n: (_BUILTIN_ORDER.index(n) if n in _BUILTIN_ORDER else len(_BUILTIN_ORDER), n),
+    )
+    commands: dict[str, CLISubcommand] = {}
+    for name in names:
+        command = registry.load(name)()
+        command.add_parser(subparsers, pm)
+        commands[name] = command
+    return parser, commands
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
+    try:
+        pm = make_plugin_manager()
+        parser, commands = build_parser(pm)
+    except PagedLLMError as exc:
+        print(f"pagedllm: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        return commands[args.subcommand].run(args, pm)
+    except PagedLLMError as exc:
+        print(f"pagedllm {args.subcommand}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

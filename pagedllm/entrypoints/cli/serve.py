@@ -1,0 +1,85 @@
+"""``pagedllm serve``: the OpenAI-compatible API server."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs, refused_fields
+from pagedllm.core.engine_args import EngineArgs
+from pagedllm.core.errors import ConfigError, NotBuiltError
+from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
+from pagedllm.entrypoints.cli.types import CLISubcommand
+from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
+if TYPE_CHECKING:
+    from pagedllm.core.plugins import PluginManager
+
+
+class ServeSubcommand(CLISubcommand):
+    name = "serve"
+    help = "Start the OpenAI-compatible API server."
+
+    def add_parser(
+        self, subparsers: argparse._SubParsersAction, pm: PluginManager
+    ) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(
+            self.name,
+            help=self.help,
+            description=self.help,
+            usage="pagedllm serve [model_tag] [options]",
+            epilog=HELP_TIP,
+        )
+        parser.add_argument(
+            "model_tag",
+            nargs="?",
+            default=None,
+            help="The model to serve: a local directory or file, or a Hugging Face id "
+            "already in the local cache. Optional if given in --config or with --model.",
+        )
+        add_config_arg(parser)
+        add_dataclass_args(parser, FrontendArgs, pm.choices)
+        EngineArgs.add_cli_args(parser, pm)
+        pm.hook.pagedllm_add_cli_args(parser=parser, subcommand=self.name)
+        return parser
+
+    def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        engine_args = engine_args_from_serve(args)
+        frontend_args = FrontendArgs(**dataclass_kwargs(FrontendArgs, args))
+        validate_frontend_args(frontend_args, pm)
+        engine_args.create_engine_config(pm)
+        raise NotBuiltError(
+            "the options are valid, but the OpenAI-compatible server is not part of "
+            "this pagedllm build yet"
+        )
+
+
+def engine_args_from_serve(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs with the positional model (which must agree with ``--model``)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    default_model = EngineArgs().model
+    if args.model_tag is not None:
+        if engine_args.model not in (default_model, args.model_tag):
+            raise ConfigError(
+                f"the model is given twice: positional {args.model_tag!r} and "
+                f"--model {engine_args.model!r}; give it once"
+            )
+        engine_args.model = args.model_tag
+    return engine_args
+
+
+def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:
+    problems = refused_fields(frontend_args)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if frontend_args.tool_parser_plugin:
+        pm.load_plugin_file(frontend_args.tool_parser_plugin)
+    parser_name = frontend_args.tool_call_parser
+    if parser_name is not None and parser_name not in pm.registry("tool_parsers"):
+        raise ConfigError(
+            f"--tool-call-parser: invalid choice {parser_name!r} (choose from "
+            f"{', '.join(pm.choices('tool_parsers')) or 'none installed'}, or a name "
+            f"registered by --tool-parser-plugin)"
+        )
+    if frontend_args.enable_auto_tool_choice and parser_name is None:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")

@@ -1,0 +1,12 @@
+"""Built-in devices. Targets are lazy strings: no vendor library is imported here."""
+
+from pagedllm.core.hookspecs import hookimpl
+
+
+@hookimpl
+def pagedllm_register_devices(registry):
+    registry.add("cpu", "pagedllm.plugins.devices.cpu:CpuDevice")
+    registry.add("cuda", "pagedllm.plugins.devices.cuda:CudaDevice")
+    registry.add("xpu", "pagedllm.plugins.devices.xpu:XpuDevice")
+    registry.add("neuron", "pagedllm.plugins.devices.neuron:NeuronDevice")
+    registry.add("tpu", "pagedllm.plugins.devices.tpu:TpuDevice")

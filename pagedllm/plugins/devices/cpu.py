@@ -1,0 +1,56 @@
+"""The CPU device: always available, runs every model pagedllm supports."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+from pagedllm.core.interfaces import Device
+
+
+class CpuDevice(Device):
+    name = "cpu"
+    priority = 0
+    runs_models = True
+    default_block_size = 16
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+    def torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def memory_info(self) -> tuple[int, int]:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
+    def describe(self) -> dict[str, Any]:
+        import torch
+
+        free, total = self.memory_info()
+        return {
+            "name": self.name,
+            "processor": _cpu_model() or platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "memory_total_gib": round(total / 2**30, 1),
+            "memory_available_gib": round(free / 2**30, 1),
+            "isa": torch.backends.cpu.get_cpu_capability(),
+        }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

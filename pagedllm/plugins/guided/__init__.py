@@ -1,0 +1,1 @@
+"""Built-in guided-decoding backends (``--guided-decoding-backend``)."""

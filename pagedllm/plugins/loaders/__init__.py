@@ -1,0 +1,12 @@
+"""Built-in load formats (``--load-format``)."""
+
+from pagedllm.core.hookspecs import hookimpl
+
+
+@hookimpl
+def pagedllm_register_load_formats(registry):
+    registry.add("auto", "pagedllm.plugins.loaders.default:AutoLoader")
+    registry.add("safetensors", "pagedllm.plugins.loaders.default:SafetensorsLoader")
+    registry.add("pt", "pagedllm.plugins.loaders.default:PtLoader")
+    registry.add("npcache", "pagedllm.plugins.loaders.npcache:NpcacheLoader")
+    registry.add("dummy", "pagedllm.plugins.loaders.dummy:DummyLoader")

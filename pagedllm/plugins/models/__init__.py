@@ -1,0 +1,1 @@
+"""Built-in model architectures, registered under their Hugging Face names."""

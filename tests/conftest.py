@@ -1,0 +1,82 @@
+"""Shared test helpers.
+
+The dummy plugin under ``tests/plugins/dummy_plugin`` is a real pip package; the test
+command installs it, and this file installs it when it is missing (no network needed).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+DUMMY_PLUGIN = TESTS / "plugins" / "dummy_plugin"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        importlib.metadata.distribution("pagedllm-dummy-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                str(DUMMY_PLUGIN),
+            ],
+            check=True,
+        )
+        importlib.invalidate_caches()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``pagedllm ARGS`` in a fresh interpreter, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def make_distribution(
+    site: Path, name: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> Path:
+    """Write an installed distribution (``*.dist-info`` plus modules) into ``site``, so a
+    process with ``site`` on ``PYTHONPATH`` discovers its ``pagedllm`` entry points."""
+    site.mkdir(parents=True, exist_ok=True)
+    info = site / f"{name.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
+    lines = ["[pagedllm]", *(f"{k} = {v}" for k, v in entry_points.items())]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for module, source in modules.items():
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+    return site
+
+
+@pytest.fixture
+def pm():
+    from pagedllm.core.plugins import make_plugin_manager
+
+    return make_plugin_manager(env={})

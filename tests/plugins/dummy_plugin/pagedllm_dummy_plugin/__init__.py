@@ -1,0 +1,34 @@
+"""A third-party plugin, installed with pip, registering one of each kind of thing."""
+
+from pagedllm import hookimpl
+
+
+@hookimpl
+def pagedllm_register_devices(registry):
+    registry.add("dummydev", "pagedllm_dummy_plugin.device:DummyDevice")
+
+
+@hookimpl
+def pagedllm_register_load_formats(registry):
+    registry.add("dummyfmt", "pagedllm_dummy_plugin.loader:JsonWeightsLoader")
+
+
+@hookimpl
+def pagedllm_register_quantization_methods(registry):
+    registry.add("dummyq", "pagedllm_dummy_plugin.quant:Int8RowConfig")
+
+
+@hookimpl
+def pagedllm_register_tool_parsers(registry):
+    registry.add("dummy_tool", "pagedllm_dummy_plugin.tool_parser:CallLineToolParser")
+
+
+@hookimpl
+def pagedllm_register_cli_subcommands(registry):
+    registry.add("dummy-hello", "pagedllm_dummy_plugin.cli:HelloSubcommand")
+
+
+@hookimpl
+def pagedllm_add_cli_args(parser, subcommand):
+    if subcommand == "serve":
+        parser.add_argument("--dummy-greeting", default=None, help="Added by the dummy plugin.")

@@ -1,0 +1,212 @@
+"""The plugin system: entry points, registries, allow/block lists, conflicts, failures."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from conftest import clean_env, make_distribution, run_cli
+
+from pagedllm import hookimpl
+from pagedllm.core.errors import PluginError
+from pagedllm.core.interfaces import Device, ToolParser
+from pagedllm.core.plugins import PluginStatus, Registry, make_plugin_manager
+
+BUILTIN_DEVICES = {"cpu", "cuda", "xpu", "neuron", "tpu"}
+
+
+def test_builtin_plugins_register_through_entry_points(pm):
+    infos = {p.name: p for p in pm.plugins}
+    assert infos["pagedllm.devices"].distribution == "pagedllm"
+    assert infos["pagedllm.devices"].status is PluginStatus.LOADED
+    devices = pm.registry("devices")
+    assert BUILTIN_DEVICES <= set(devices.names())
+    assert devices.entry("cpu").source == "pagedllm.devices"
+    assert {"auto", "safetensors", "pt", "npcache", "dummy"} <= set(pm.choices("load_formats"))
+
+
+def test_third_party_plugin_registers_each_kind(pm):
+    assert pm.info("dummy").distribution == "pagedllm-dummy-plugin"
+    expected = {
+        "devices": "dummydev",
+        "load_formats": "dummyfmt",
+        "quantization_methods": "dummyq",
+        "tool_parsers": "dummy_tool",
+        "cli_subcommands": "dummy-hello",
+    }
+    for kind, name in expected.items():
+        entry = pm.registry(kind).entry(name)
+        assert entry.source == "dummy", kind
+        # Lazy: a string target, imported and type-checked on first use.
+        assert isinstance(entry.target, str)
+    device_cls = pm.load("devices", "dummydev")
+    assert issubclass(device_cls, Device) and device_cls.is_available()
+    assert issubclass(pm.load("tool_parsers", "dummy_tool"), ToolParser)
+
+
+def test_registries_are_fresh_per_manager():
+    first = make_plugin_manager(env={})
+    second = make_plugin_manager(env={})
+    assert first.registry("devices") is not second.registry("devices")
+
+
+def test_allow_list_filters_third_party_plugins_only():
+    pm = make_plugin_manager(env={"PAGEDLLM_PLUGINS": "someone-else"})
+    assert pm.info("dummy").status is PluginStatus.NOT_ALLOWED
+    assert "dummydev" not in pm.registry("devices")
+    assert BUILTIN_DEVICES <= set(pm.choices("devices"))
+
+    pm = make_plugin_manager(env={"PAGEDLLM_PLUGINS": "dummy"})
+    assert pm.info("dummy").status is PluginStatus.LOADED
+    assert "dummydev" in pm.registry("devices")
+
+
+def test_block_list_disables_any_plugin():
+    pm = make_plugin_manager(env={"PAGEDLLM_DISABLED_PLUGINS": "dummy, pagedllm.devices"})
+    assert pm.info("dummy").status is PluginStatus.DISABLED
+    assert pm.info("pagedllm.devices").status is PluginStatus.DISABLED
+    assert pm.choices("devices") == []
+    assert "dummyq" not in pm.registry("quantization_methods")
+
+
+def _device_plugin(name: str, *, override: bool = False) -> types.SimpleNamespace:
+    @hookimpl
+    def pagedllm_register_devices(registry):
+        registry.add(name, "pagedllm_dummy_plugin.device:DummyDevice", override=override)
+
+    return types.SimpleNamespace(pagedllm_register_devices=pagedllm_register_devices)
+
+
+def test_duplicate_name_is_an_error_naming_both_plugins():
+    pm = make_plugin_manager(env={}, extra_plugins=[("clash", _device_plugin("cpu"))])
+    with pytest.raises(PluginError) as excinfo:
+        pm.registry("devices")
+    message = str(excinfo.value)
+    assert "'cpu'" in message and "pagedllm.devices" in message and "clash" in message
+
+
+def test_override_replaces_whatever_the_order():
+    pm = make_plugin_manager(env={}, extra_plugins=[("mine", _device_plugin("cpu", override=True))])
+    entry = pm.registry("devices").entry("cpu")
+    assert entry.source == "mine" and entry.replaced == ["pagedllm.devices"]
+
+    # The override registered first still wins over a later plain registration.
+    registry = Registry("devices")
+    registry.current_source = "first"
+    registry.add("x", "a:B", override=True)
+    registry.current_source = "second"
+    registry.add("x", "c:D")
+    assert registry.entry("x").source == "first"
+    assert registry.entry("x").replaced == ["second"]
+
+
+def test_two_overrides_of_one_name_conflict():
+    registry = Registry("devices")
+    registry.add("x", "a:B", override=True)
+    with pytest.raises(PluginError, match="registered by both"):
+        registry.add("x", "c:D", override=True)
+
+
+def test_invalid_targets_are_refused_with_the_plugin_named():
+    registry = Registry("devices", "pagedllm.core.interfaces.device:Device")
+    registry.current_source = "bad"
+    with pytest.raises(PluginError, match="invalid devices name"):
+        registry.add("has space", "a:B")
+    registry.add("missing", "no_such_module_xyz:Thing")
+    with pytest.raises(PluginError, match="'bad'.*cannot be imported"):
+        registry.load("missing")
+    registry.add("wrongtype", "pagedllm.core.interfaces.parsers:ToolParser")
+    with pytest.raises(PluginError, match="not a subclass of .*Device"):
+        registry.load("wrongtype")
+    with pytest.raises(KeyError, match="registered: missing, wrongtype"):
+        registry.entry("nope")
+
+
+def test_plugin_whose_hook_raises_is_reported(caplog):
+    @hookimpl
+    def pagedllm_register_devices(registry):
+        raise RuntimeError("kaboom in registration")
+
+    plugin = types.SimpleNamespace(pagedllm_register_devices=pagedllm_register_devices)
+    pm = make_plugin_manager(env={}, extra_plugins=[("explodes", plugin)])
+    devices = pm.registry("devices")
+    assert "cpu" in devices
+    assert pm.info("explodes").status is PluginStatus.FAILED
+    assert "kaboom in registration" in pm.info("explodes").error
+    assert "kaboom in registration" in caplog.text
+
+    strict = make_plugin_manager(env={}, extra_plugins=[("explodes", plugin)], strict=True)
+    with pytest.raises(PluginError, match="kaboom in registration"):
+        strict.registry("devices")
+
+
+BROKEN_MODULE = """
+raise ImportError("this plugin is broken on purpose")
+"""
+
+
+def test_broken_plugin_is_reported_with_traceback(tmp_path):
+    site = make_distribution(
+        tmp_path / "site",
+        "broken-plugin",
+        {"broken": "broken_plugin_mod"},
+        {"broken_plugin_mod": BROKEN_MODULE},
+    )
+    env = clean_env(PYTHONPATH=str(site))
+    result = run_cli("plugins", "--json", env=env)
+    assert result.returncode == 1, result.stderr  # plugins exits non-zero when one failed
+    assert "Traceback" in result.stderr
+    assert "this plugin is broken on purpose" in result.stderr
+    report = json.loads(result.stdout)
+    broken = next(p for p in report["plugins"] if p["name"] == "broken")
+    assert broken["status"] == "failed" and "broken on purpose" in broken["error"]
+    # Everything else still works.
+    assert any(d["name"] == "cpu" for d in report["registries"]["devices"])
+    assert run_cli("collect-env", env=env).returncode == 0
+
+    strict = run_cli("plugins", env=clean_env(PYTHONPATH=str(site), PAGEDLLM_STRICT_PLUGINS="1"))
+    assert strict.returncode == 2
+    assert "broken on purpose" in strict.stderr and "failed to import" in strict.stderr
+
+
+DUPLICATE_MODULE = """
+from pagedllm import hookimpl
+
+@hookimpl
+def pagedllm_register_load_formats(registry):
+    registry.add("safetensors", "pagedllm.plugins.loaders.default:SafetensorsLoader")
+"""
+
+
+def test_installed_duplicate_is_refused_at_startup(tmp_path):
+    site = make_distribution(
+        tmp_path / "site",
+        "dup-plugin",
+        {"dup": "dup_plugin_mod"},
+        {"dup_plugin_mod": DUPLICATE_MODULE},
+    )
+    result = run_cli("plugins", env=clean_env(PYTHONPATH=str(site)))
+    assert result.returncode == 2
+    assert "'safetensors'" in result.stderr and "dup" in result.stderr
+    assert "pagedllm.loaders" in result.stderr
+    # Disabling the offender is the documented way out.
+    ok = run_cli("plugins", env=clean_env(PYTHONPATH=str(site), PAGEDLLM_DISABLED_PLUGINS="dup"))
+    assert ok.returncode == 0, ok.stderr
+    assert any(line.split()[:2] == ["dup", "disabled"] for line in ok.stdout.splitlines())
+
+
+def test_plugin_file_registers_a_tool_parser(tmp_path, pm):
+    plugin_file = tmp_path / "my_parser.py"
+    plugin_file.write_text(
+        "from pagedllm import hookimpl\n"
+        "@hookimpl\n"
+        "def pagedllm_register_tool_parsers(registry):\n"
+        "    registry.add('from_file', 'pagedllm_dummy_plugin.tool_parser:CallLineToolParser')\n"
+    )
+    assert "from_file" not in pm.registry("tool_parsers")
+    info = pm.load_plugin_file(plugin_file)
+    assert info.status is PluginStatus.LOADED
+    assert pm.registry("tool_parsers").entry("from_file").source == info.name
+    with pytest.raises(PluginError, match="does not exist"):
+        pm.load_plugin_file(tmp_path / "nope.py")
