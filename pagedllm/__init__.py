@@ -12,13 +12,25 @@ __version__ = "0.1.0"
 
 # Heavy names are imported on first use so that ``pagedllm --help`` stays fast.
 _LAZY = {
+    "CompletionOutput": "pagedllm.core.outputs",
     "EngineArgs": "pagedllm.core.engine_args",
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.core.engine",
+    "RequestOutput": "pagedllm.core.outputs",
+    "SamplingParams": "pagedllm.core.sampling",
+    "TextPrompt": "pagedllm.inputs",
+    "TokensPrompt": "pagedllm.inputs",
     "make_plugin_manager": "pagedllm.core.plugins",
 }
 
 if TYPE_CHECKING:
+    from pagedllm.core.engine import LLMEngine
     from pagedllm.core.engine_args import EngineArgs
+    from pagedllm.core.outputs import CompletionOutput, RequestOutput
     from pagedllm.core.plugins import make_plugin_manager
+    from pagedllm.core.sampling import SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.inputs import TextPrompt, TokensPrompt
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +42,16 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["EngineArgs", "__version__", "hookimpl", "make_plugin_manager"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+    "hookimpl",
+    "make_plugin_manager",
+]

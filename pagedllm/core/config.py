@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.argspec import (
@@ -52,7 +53,8 @@ class ModelConfig:
     seed: int | None
     max_model_len: int | None
     hf_config_path: str | None
-    hf_overrides: dict[str, Any]
+    # A dict of config attributes, or (from Python) a callable that edits the config.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any]
     rope_scaling: dict[str, Any]
     rope_theta: float | None
     served_model_name: list[str]
@@ -356,7 +358,9 @@ def create_engine_config(
             seed=args.seed,
             max_model_len=args.max_model_len,
             hf_config_path=args.hf_config_path,
-            hf_overrides=dict(args.hf_overrides or {}),
+            hf_overrides=(
+                args.hf_overrides if callable(args.hf_overrides) else dict(args.hf_overrides or {})
+            ),
             rope_scaling=dict(args.rope_scaling or {}),
             rope_theta=args.rope_theta,
             served_model_name=served_names,

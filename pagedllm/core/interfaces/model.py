@@ -18,8 +18,11 @@ class ModelArchitecture(ABC):
     (``LlamaForCausalLM``, ...).
 
     Contract:
-    - ``__init__(config, quant_config)``: ``config`` is the model's Hugging Face config
-      after overrides; ``quant_config`` a QuantizationConfig or ``None``.
+    - ``__init__(config, quant_config=None, *, max_positions=None,
+      disable_sliding_window=False)``: ``config`` is the model's Hugging Face config after
+      overrides; ``quant_config`` a QuantizationConfig or ``None``; ``max_positions`` the
+      context length the engine will use (size rotary tables for it);
+      ``disable_sliding_window`` asks for full attention everywhere.
     - :meth:`forward` takes the flat token ids and positions of every scheduled token of
       every request, plus the attention metadata, and returns one hidden state per token.
     - :meth:`compute_logits` maps selected hidden states to vocabulary logits.

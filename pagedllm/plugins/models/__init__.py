@@ -1,1 +1,15 @@
 """Built-in model architectures, registered under their Hugging Face names."""
+
+from pagedllm.core.hookspecs import hookimpl
+
+_LLAMA = "pagedllm.plugins.models.llama"
+
+
+@hookimpl
+def pagedllm_register_models(registry):
+    registry.add("LlamaForCausalLM", f"{_LLAMA}:LlamaForCausalLM")
+    registry.add("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
+    registry.add("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
+    registry.add("Qwen3ForCausalLM", f"{_LLAMA}:Qwen3ForCausalLM")
+    registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
+    registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")

@@ -1,0 +1,120 @@
+"""What every attention layer needs to know about one step's flat batch.
+
+Built once per step by the model runner and shared by all layers. Requests that add one
+token (decodes) are attended to together, padded to the longest context; the others
+(prefills and prefill chunks) one by one, each over its whole context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedllm.kernels.attention import causal_window_mask
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillSequence:
+    """A request contributing several tokens this step."""
+
+    token_start: int
+    token_end: int
+    # Cache slots of its whole context (cached tokens and this step's), in order.
+    slots: torch.Tensor
+    # Masks by sliding window (None = full attention); None when plainly causal.
+    masks: dict[int | None, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        if sliding_window not in self.masks:
+            context = self.slots.shape[0]
+            if self.num_query_tokens == context and (
+                sliding_window is None or sliding_window >= context
+            ):
+                # No cached context: plain causal attention.
+                self.masks[sliding_window] = None
+            else:
+                key_pos = torch.arange(context)
+                query_pos = key_pos[context - self.num_query_tokens :]
+                mask = causal_window_mask(query_pos, key_pos, sliding_window)
+                self.masks[sliding_window] = mask[None, None]
+        return self.masks[sliding_window]
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    # Cache slot of every token of the flat batch.
+    slot_mapping: torch.Tensor
+    # Decodes: their index in the flat batch, their context's slots [B, max_context]
+    # (padded with slot 0) and context lengths.
+    decode_token_indices: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefills: list[PrefillSequence]
+    kv_caches: list[torch.Tensor]
+    _decode_masks: dict[int | None, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_token_indices.shape[0])
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, max_context]``: which padded context slots each decode attends."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            lens = self.decode_context_lens
+            key_pos = torch.arange(self.decode_slots.shape[1])
+            query_pos = (lens - 1).unsqueeze(-1)
+            mask = causal_window_mask(query_pos, key_pos, sliding_window)  # [B, 1, K]
+            self._decode_masks[sliding_window] = mask[:, None]
+            mask = self._decode_masks[sliding_window]
+        return mask
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Metadata for requests adding ``query_lens[i]`` tokens to reach ``context_lens[i]``
+    tokens of context, whose blocks are ``block_tables[i]``; in flat-batch order."""
+    slot_chunks: list[torch.Tensor] = []
+    decode_idx: list[int] = []
+    decode_slot_rows: list[torch.Tensor] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillSequence] = []
+    offset = 0
+    for query_len, context_len, blocks in zip(query_lens, context_lens, block_tables, strict=True):
+        num_blocks = -(-context_len // block_size)
+        table = torch.tensor(blocks[:num_blocks], dtype=torch.long)
+        context_slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()
+        context_slots = context_slots[:context_len]
+        slot_chunks.append(context_slots[context_len - query_len :])
+        if query_len == 1:
+            decode_idx.append(offset)
+            decode_slot_rows.append(context_slots)
+            decode_lens.append(context_len)
+        else:
+            prefills.append(PrefillSequence(offset, offset + query_len, context_slots.to(device)))
+        offset += query_len
+    max_context = max(decode_lens, default=0)
+    decode_slots = torch.zeros((len(decode_lens), max_context), dtype=torch.long)
+    for row, slots in enumerate(decode_slot_rows):
+        decode_slots[row, : slots.shape[0]] = slots
+    return AttentionMetadata(
+        num_tokens=offset,
+        slot_mapping=torch.cat(slot_chunks).to(device) if slot_chunks else torch.empty(0),
+        decode_token_indices=torch.tensor(decode_idx, dtype=torch.long, device=device),
+        decode_slots=decode_slots.to(device),
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.long),
+        prefills=prefills,
+        kv_caches=kv_caches,
+    )

@@ -1,0 +1,268 @@
+"""``LLMEngine``: requests in, ``RequestOutput``s out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.kv_cache import KVCacheManager
+from pagedllm.core.model_setup import load_model, num_kv_blocks
+from pagedllm.core.output_processor import OutputProcessor, ParentRequest
+from pagedllm.core.outputs import Logprob, RequestMetrics, RequestOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.runner import ModelRunner, kv_cache_spec
+from pagedllm.core.sampling import SamplingParams
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.stats import StatLogger
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import PagedLLMConfig
+    from pagedllm.core.plugins import PluginManager
+    from pagedllm.inputs import PromptType
+
+logger = logging.getLogger("pagedllm.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
+        import torch
+
+        self.config = config
+        self.pm = pm
+        if config.model_config.seed is not None:
+            torch.manual_seed(config.model_config.seed)
+        loaded = load_model(config, pm)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        sched = config.scheduler_config
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens={sched.max_num_batched_tokens} is smaller than "
+                f"--max-model-len={self.max_model_len}: a long prompt could never be scheduled "
+                f"without --enable-chunked-prefill"
+            )
+        if sched.preemption_mode == "swap":
+            raise ConfigError(
+                "--preemption-mode swap is not supported: pagedllm preempts by recomputation "
+                "(on the cpu the KV cache already lives in host memory, so swapping would only "
+                "copy it); leave --preemption-mode unset or use recompute"
+            )
+        cache = config.cache_config
+        spec = kv_cache_spec(loaded.hf_config, loaded.dtype)
+        num_blocks = num_kv_blocks(
+            config, spec.bytes_per_block(cache.block_size), self.max_model_len
+        )
+        self.kv_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+        )
+        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+        self.vocab_size = loaded.hf_config.vocab_size
+        self.runner = ModelRunner(
+            loaded.model,
+            spec,
+            num_blocks,
+            cache.block_size,
+            self.vocab_size,
+            config.device_config.torch_device,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.parents: dict[str, ParentRequest] = {}
+        # engine request id -> (parent, sequence index)
+        self.sequences: dict[str, tuple[ParentRequest, int]] = {}
+        self.stat_logger = StatLogger(
+            self, enabled=not config.observability_config.disable_log_stats
+        )
+        self._ids = itertools.count()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            num_blocks * spec.bytes_per_block(cache.block_size) / 2**30,
+        )
+        pm.hook.pagedllm_engine_started(engine=self)
+
+    # ------------------------------------------------------------------ requests
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's generation-config defaults applied."""
+        return SamplingParams(**self.loaded.generation_defaults)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, token_ids = prompt["prompt"], None
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(
+                f"a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                f"'prompt_token_ids'; got {type(prompt).__name__}"
+            )
+        if token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "the tokenizer is disabled (--skip-tokenizer-init): give token ids"
+                )
+            token_ids = self.tokenizer.encode(text)
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError("priority is only used with --scheduling-policy priority")
+        text, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) leaves no room for output within the "
+                f"maximum model length of {self.max_model_len} tokens"
+            )
+        if params.prompt_logprobs is not None or params.logprobs is not None:
+            limit = self.config.model_config.max_logprobs
+            asked = max(params.logprobs or 0, params.prompt_logprobs or 0)
+            if limit != -1 and asked > limit:
+                raise ValueError(f"requested {asked} logprobs; the limit is --max-logprobs={limit}")
+        params = params.clone()
+        params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(token_ids)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        parent = ParentRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            sequences=[],
+            metrics=RequestMetrics(arrival_time=now),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        count = params.num_sequences
+        for index in range(count):
+            child_params = params
+            if count > 1:
+                child_params = params.clone()
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            child_id = request_id if count == 1 else f"{index}_{request_id}"
+            if index > 0:
+                # Only the first sequence computes prompt logprobs.
+                child_params.prompt_logprobs = None
+            request = Request(
+                request_id=child_id,
+                prompt_token_ids=token_ids,
+                sampling_params=child_params,
+                eos_token_id=self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None,
+                arrival_time=now,
+                priority=priority,
+            )
+            parent.sequences.append(self.output_processor.new_sequence(request, index))
+            self.sequences[child_id] = (parent, index)
+        self.parents[request_id] = parent
+        for seq in parent.sequences:
+            self.scheduler.add_request(seq.request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests now; their KV blocks are freed."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            parent = self.parents.pop(request_id, None)
+            if parent is None:
+                continue
+            child_ids = [s.request.request_id for s in parent.sequences]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for child_id in child_ids:
+                self.sequences.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        now = time.monotonic()
+        for item in scheduler_output.scheduled:
+            parent, _ = self.sequences[item.request.request_id]
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+        result = self.runner.execute(scheduler_output, self.kv_manager)
+        for request_id, rows in result.prompt_logprobs.items():
+            parent, _ = self.sequences[request_id]
+            parent.prompt_logprobs.extend(self._prompt_positions(rows))
+        updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
+        self.stat_logger.on_step(scheduler_output, len(updated))
+        touched: dict[str, ParentRequest] = {}
+        stopped: list[str] = []
+        now = time.monotonic()
+        for request in updated:
+            parent, index = self.sequences[request.request_id]
+            seq = parent.sequences[index]
+            token = request.output_token_ids[-1]
+            stop = self.output_processor.on_token(
+                seq, token, result.logprobs.get(request.request_id)
+            )
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+                parent.num_cached_tokens = max(request.num_cached_tokens, 0)
+            parent.metrics.last_token_time = now
+            if stop is not None:
+                stopped.append(request.request_id)
+                self.output_processor.finish(seq, "stop", stop)
+            elif request.is_finished:
+                self.output_processor.finish(seq, request.status.finish_reason, request.stop_reason)
+            touched[parent.request_id] = parent
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = []
+        for parent in touched.values():
+            parent.metrics.num_preemptions = sum(
+                s.request.num_preemptions for s in parent.sequences
+            )
+            output = self.output_processor.make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self._forget(parent)
+                self.pm.hook.pagedllm_request_finished(request_output=output)
+        return outputs
+
+    def _prompt_positions(self, rows: list[Any]) -> list[dict[int, Logprob]]:
+        return [self.output_processor.position_logprobs(row) for row in rows]
+
+    def _forget(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        for seq in parent.sequences:
+            self.sequences.pop(seq.request.request_id, None)

@@ -1,0 +1,45 @@
+"""A linear layer whose storage and matmul a quantization method may take over."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.core.interfaces import QuantizationConfig
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b``. With a quantization config, the method it returns for this
+    layer's ``prefix`` creates the parameters and computes the product."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.prefix = prefix
+        self.method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        dtype = torch.get_default_dtype()
+        if self.method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        else:
+            self.method.create_weights(self, input_size, output_size, dtype)
+        self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -1,0 +1,69 @@
+"""Rotary embedding tables computed exactly as Hugging Face computes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.errors import ConfigError
+from pagedllm.kernels.rotary import apply_rotary
+
+# RoPE types whose frequencies do not depend on the sequence being processed.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` for the config's RoPE type."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"RoPE type {rope_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}); set --rope-scaling to change it"
+        )
+    if rope_type == "default":
+        base = params["rope_theta"]
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table for positions ``[0, max_positions)``."""
+
+    def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``."""
+        cos = self.cos[positions].to(query.dtype)
+        sin = self.sin[positions].to(query.dtype)
+        return (
+            apply_rotary(query, cos, sin, self.rotary_dim),
+            apply_rotary(key, cos, sin, self.rotary_dim),
+        )

@@ -1,0 +1,253 @@
+"""From a validated config to a ready model: HF config, dtype, context length,
+tokenizer, generation defaults, weights and the KV-cache size."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.layers.rotary import rope_parameters
+from pagedllm.core.loading import get_model_loader, get_quantization_config
+from pagedllm.core.model_files import resolve_model_path
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import PagedLLMConfig
+    from pagedllm.core.plugins import PluginManager
+
+logger = logging.getLogger("pagedllm.model")
+
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+# Sampling defaults a model's generation_config.json may set (vLLM's list).
+_GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+
+
+@dataclasses.dataclass(slots=True)
+class LoadedModel:
+    hf_config: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    dtype: torch.dtype
+    max_model_len: int
+    architecture: str
+    eos_token_ids: tuple[int, ...]
+    # Non-default sampling settings from the generation config (plus overrides).
+    generation_defaults: dict[str, Any]
+    # max_new_tokens of the generation config: a server-wide cap, or None.
+    max_new_tokens: int | None
+    load_seconds: float
+
+
+def load_hf_config(config: PagedLLMConfig) -> Any:
+    from transformers import AutoConfig
+
+    mc = config.model_config
+    path = resolve_model_path(
+        mc.hf_config_path or mc.model,
+        revision=mc.revision,
+        download_dir=config.load_config.download_dir,
+    )
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
+    if callable(mc.hf_overrides):
+        hf_config = mc.hf_overrides(hf_config) or hf_config
+    for key, value in ({} if callable(mc.hf_overrides) else mc.hf_overrides).items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(current, dict):
+            value = {**current, **value}
+        setattr(hf_config, key, value)
+    if mc.rope_scaling or mc.rope_theta is not None:
+        params = rope_parameters(hf_config)
+        scaling = dict(mc.rope_scaling)
+        if "type" in scaling:
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        params.update(scaling)
+        if mc.rope_theta is not None:
+            params["rope_theta"] = mc.rope_theta
+        hf_config.rope_parameters = params
+    return hf_config
+
+
+def resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
+    """``--dtype``; ``auto`` is FP16 for FP32 and FP16 checkpoints, BF16 for BF16 ones."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return torch.bfloat16 if stored == torch.bfloat16 else torch.float16
+
+
+def derive_max_model_len(
+    hf_config: Any, requested: int | None, disable_sliding_window: bool
+) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            derived = value
+            break
+    if derived is None:
+        raise ConfigError("the model config states no context length; pass --max-model-len")
+    params = rope_parameters(hf_config)
+    if params.get("rope_type") == "linear":
+        derived = int(derived * params.get("factor", 1.0))
+    window = getattr(hf_config, "sliding_window", None)
+    if disable_sliding_window and window:
+        derived = min(derived, window)
+    if requested is None:
+        return derived
+    if requested > derived:
+        raise ConfigError(
+            f"--max-model-len={requested} is larger than the model's context length "
+            f"({derived}{', capped to the sliding window' if disable_sliding_window else ''})"
+        )
+    return requested
+
+
+def load_tokenizer(config: PagedLLMConfig) -> Any:
+    mc = config.model_config
+    if mc.skip_tokenizer_init:
+        return None
+    if mc.tokenizer_mode not in ("auto", "slow"):
+        raise ConfigError(f"--tokenizer-mode {mc.tokenizer_mode}: not supported (use auto or slow)")
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(
+        mc.tokenizer, revision=mc.tokenizer_revision, download_dir=config.load_config.download_dir
+    )
+    try:
+        return AutoTokenizer.from_pretrained(
+            path,
+            revision=mc.tokenizer_revision,
+            use_fast=mc.tokenizer_mode != "slow",
+            trust_remote_code=mc.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the tokenizer from {mc.tokenizer!r}: {exc}") from exc
+
+
+def generation_defaults(config: PagedLLMConfig, hf_config: Any) -> tuple[dict[str, Any], Any]:
+    """``(sampling defaults, raw generation-config dict)`` per ``--generation-config``."""
+    mc = config.model_config
+    raw: dict[str, Any] = {}
+    if mc.generation_config not in ("vllm", "pagedllm"):
+        from transformers import GenerationConfig
+
+        source = mc.model if mc.generation_config == "auto" else mc.generation_config
+        try:
+            path = resolve_model_path(source, revision=mc.revision)
+            raw = GenerationConfig.from_pretrained(path).to_diff_dict()
+        except (OSError, ConfigError):
+            if mc.generation_config != "auto":
+                raise ConfigError(
+                    f"--generation-config {mc.generation_config}: no generation_config.json there"
+                ) from None
+    raw.update(mc.override_generation_config)
+    defaults = {k: raw[k] for k in _GENERATION_DEFAULTS if k in raw}
+    return defaults, raw
+
+
+def _eos_ids(tokenizer: Any, hf_config: Any, generation: dict[str, Any]) -> tuple[int, ...]:
+    value = generation.get("eos_token_id")
+    if value is None:
+        value = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
+    start = time.perf_counter()
+    mc = config.model_config
+    hf_config = load_hf_config(config)
+    dtype = resolve_dtype(mc.dtype, hf_config)
+    max_model_len = derive_max_model_len(hf_config, mc.max_model_len, mc.disable_sliding_window)
+    registry = pm.registry("models")
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    architecture = next((a for a in architectures if a in registry), None)
+    if architecture is None:
+        raise ConfigError(
+            f"model architecture {architectures or '(none in config)'} is not supported; "
+            f"supported: {', '.join(registry.names())}"
+        )
+    quant = get_quantization_config(
+        mc.quantization, pm, getattr(hf_config, "quantization_config", None)
+    )
+    loader = get_model_loader(config.load_config, pm)
+    loader.download_model(mc)
+    model_cls = registry.load(architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_cls(
+            hf_config,
+            quant,
+            max_positions=max_model_len,
+            disable_sliding_window=mc.disable_sliding_window,
+        )
+    finally:
+        torch.set_default_dtype(previous)
+    loader.load_weights(model, mc)
+    model = model.to(config.device_config.torch_device).eval()
+    tokenizer = load_tokenizer(config)
+    defaults, generation = generation_defaults(config, hf_config)
+    seconds = time.perf_counter() - start
+    logger.info(
+        "loaded %s (%s, %s) in %.2f s; context length %d",
+        mc.model,
+        architecture,
+        str(dtype).removeprefix("torch."),
+        seconds,
+        max_model_len,
+    )
+    return LoadedModel(
+        hf_config=hf_config,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        architecture=architecture,
+        eos_token_ids=_eos_ids(tokenizer, hf_config, generation),
+        generation_defaults=defaults,
+        max_new_tokens=generation.get("max_new_tokens"),
+        load_seconds=seconds,
+    )
+
+
+def num_kv_blocks(config: PagedLLMConfig, bytes_per_block: int, max_model_len: int) -> int:
+    """``--num-gpu-blocks-override``, else what the device's KV-cache budget holds."""
+    cache = config.cache_config
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    device = config.device_config.device
+    if config.device_config.name == "cpu":
+        budget = cache.cpu_kvcache_space_gib * 2**30
+        source = f"PAGEDLLM_CPU_KVCACHE_SPACE={cache.cpu_kvcache_space_gib:g} GiB"
+    else:
+        free, total = device.memory_info()
+        budget = min(free, total * cache.gpu_memory_utilization)
+        source = f"--gpu-memory-utilization={cache.gpu_memory_utilization}"
+    blocks = int(budget // bytes_per_block)
+    needed = -(-max_model_len // cache.block_size)
+    if blocks < needed:
+        raise ConfigError(
+            f"the KV cache ({source}) holds {blocks * cache.block_size} tokens, fewer than "
+            f"one request of --max-model-len={max_model_len}; give it more space or lower "
+            f"--max-model-len"
+        )
+    return blocks

@@ -1,0 +1,178 @@
+"""Turns sampled tokens into ``RequestOutput``s: detokenization, stop strings, logprobs,
+and the fan-in of a request's ``n`` sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.detokenizer import (
+    IncrementalDetokenizer,
+    check_stop_strings,
+    convert_ids_to_tokens_for_logprobs,
+)
+from pagedllm.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.core.sampling import RequestOutputKind
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+    from pagedllm.core.sampling import SamplingParams
+
+
+@dataclasses.dataclass(slots=True)
+class SequenceState:
+    """One of a request's sequences (a child request of the engine)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class ParentRequest:
+    """What the user asked for: one prompt, ``n`` (or ``best_of``) sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def new_sequence(self, request: Request, index: int) -> SequenceState:
+        params = request.sampling_params
+        detokenizer = None
+        if self.tokenizer is not None and params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        wants_logprobs = params.logprobs is not None
+        return SequenceState(
+            request=request,
+            index=index,
+            detokenizer=detokenizer,
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+        )
+
+    def _decode(self, token_ids: list[int]) -> list[str] | list[None]:
+        if self.tokenizer is None:
+            return [None] * len(token_ids)
+        return convert_ids_to_tokens_for_logprobs(self.tokenizer, token_ids)
+
+    def position_logprobs(self, row: Any) -> dict[int, Logprob]:
+        """The sampled token's logprob (with its rank) and the top-k, by token id."""
+        ids = [row.sampled_token_id, *row.top_token_ids]
+        texts = self._decode(ids)
+        out = {row.sampled_token_id: Logprob(row.sampled_logprob, row.sampled_rank, texts[0])}
+        for rank, (token_id, logprob, text) in enumerate(
+            zip(row.top_token_ids, row.top_logprobs, texts[1:], strict=True), start=1
+        ):
+            out.setdefault(token_id, Logprob(logprob, rank, text))
+        return out
+
+    def on_token(self, state: SequenceState, token_id: int, logprobs_row: Any) -> str | None:
+        """Record one sampled token; returns the stop string hit, if any."""
+        if state.logprobs is not None and logprobs_row is not None:
+            position = self.position_logprobs(logprobs_row)
+            state.logprobs.append(position)
+            state.cumulative_logprob += position[token_id].logprob
+        if state.detokenizer is None:
+            return None
+        delta = state.detokenizer.decode_next([token_id])
+        state.text += delta
+        params = state.request.sampling_params
+        if not params.stop or not delta:
+            return None
+        hit = check_stop_strings(
+            state.text, len(delta), params.stop, params.include_stop_str_in_output
+        )
+        if hit is None:
+            return None
+        stop, truncate_to = hit
+        state.text = state.text[:truncate_to]
+        return stop
+
+    def finish(self, state: SequenceState, finish_reason: str, stop_reason: Any) -> None:
+        state.finish_reason = finish_reason
+        state.stop_reason = stop_reason
+        # A stop string already truncated the text; otherwise emit what was held back.
+        if state.detokenizer is not None and not isinstance(stop_reason, str):
+            state.text += state.detokenizer.flush()
+
+    def make_output(self, parent: ParentRequest) -> RequestOutput | None:
+        """The output to emit now for ``parent`` (None when its kind says to wait)."""
+        params = parent.params
+        kind = params.output_kind
+        finished = parent.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        sequences = parent.sequences
+        if finished and params.best_of is not None and params.best_of > params.n:
+            # Keep the n sequences with the highest cumulative logprob.
+            sequences = sorted(sequences, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[
+                : params.n
+            ]
+        completions = []
+        for new_index, seq in enumerate(sequences):
+            index = new_index if len(sequences) != len(parent.sequences) else seq.index
+            token_ids = seq.request.output_token_ids
+            text = seq.text
+            if seq.finish_reason is None:
+                # Hold back what may turn out to be the start of a stop string.
+                text = text[: max(0, len(text) - params.output_text_buffer_length)]
+            logprobs = seq.logprobs
+            if kind is RequestOutputKind.DELTA:
+                if seq.sent_tokens == len(token_ids) and seq.finish_reason is None:
+                    continue
+                new_text = text[seq.sent_chars :]
+                new_tokens = token_ids[seq.sent_tokens :]
+                new_logprobs = logprobs[seq.sent_tokens :] if logprobs is not None else None
+                seq.sent_chars, seq.sent_tokens = len(text), len(token_ids)
+                text, token_ids, logprobs = new_text, new_tokens, new_logprobs
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        if finished:
+            parent.metrics.finished_time = time.monotonic()
+        prompt_logprobs = parent.prompt_logprobs
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+        )

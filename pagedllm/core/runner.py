@@ -1,0 +1,131 @@
+"""Runs one scheduled step: flattens the batch, runs the model, samples.
+
+All scheduled tokens of all requests form one flat batch (token ids, positions, cache
+slots); attention metadata says where each request's context lives in the paged cache.
+Logits are computed only for the rows that need them: each request's last token when the
+step reaches its end (it samples), and prompt positions of requests asking for prompt
+logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.core.attention import build_attention_metadata
+from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_cache import KVCacheManager
+    from pagedllm.core.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(slots=True)
+class RunnerOutput:
+    # request id -> sampled token
+    sampled_token_ids: dict[str, int]
+    # request id -> the sampler's logprobs row for that token (None when not asked)
+    logprobs: dict[str, Any]
+    # request id -> prompt logprobs computed this step, in prompt order
+    prompt_logprobs: dict[str, list[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+
+
+def kv_cache_spec(hf_config: Any, dtype: torch.dtype) -> KVCacheSpec:
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return KVCacheSpec(hf_config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, kv_manager: KVCacheManager) -> RunnerOutput:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sampling_requests = []
+        prompt_rows: list[tuple[Any, int, int, list[int]]] = []
+        offset = 0
+        for item in output.scheduled:
+            request = item.request
+            start = item.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(item.num_new_tokens)
+            context_lens.append(end)
+            block_tables.append(kv_manager.get_block_ids(request.request_id))
+            if item.reaches_end:
+                sample_rows.append(offset + item.num_new_tokens - 1)
+                sampling_requests.append(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Positions predicting the next prompt token: p in [start, num_prompt - 1).
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > start:
+                    targets = request.prompt_token_ids[start + 1 : last + 1]
+                    prompt_rows.append((request, offset, last - start, targets))
+            offset += item.num_new_tokens
+
+        metadata = build_attention_metadata(
+            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        input_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, input_positions, metadata)
+
+        result = RunnerOutput({}, {}, {})
+        if sampling_requests:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            sampling = SamplingMetadata.from_requests(
+                sampling_requests, logits.shape[-1], self.device
+            )
+            sampled = self.sampler(logits, sampling)
+            for i, request in enumerate(sampling_requests):
+                result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
+                if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
+                    result.logprobs[request.request_id] = sampled.logprobs.row(i)
+        for request, start, count, targets in prompt_rows:
+            logits = self.model.compute_logits(hidden[start : start + count])
+            result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
+                logits,
+                torch.tensor(targets, dtype=torch.long, device=self.device),
+                request.sampling_params.prompt_logprobs,
+            )
+        return result

@@ -1,0 +1,27 @@
+"""Sampling: per-request parameters, the batched metadata of one step, and the sampler."""
+
+from pagedllm.core.sampling.metadata import SamplingMetadata
+from pagedllm.core.sampling.params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingType,
+)
+from pagedllm.core.sampling.sampler import (
+    LogprobsLists,
+    LogprobsRow,
+    Sampler,
+    SamplerOutput,
+    compute_prompt_logprobs,
+)
+
+__all__ = [
+    "LogprobsLists",
+    "LogprobsRow",
+    "RequestOutputKind",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingParams",
+    "SamplingType",
+    "compute_prompt_logprobs",
+]

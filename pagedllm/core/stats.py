@@ -1,0 +1,87 @@
+"""Engine statistics and the periodic log line (``--disable-log-stats`` turns it off)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagedllm.stats")
+
+LOG_INTERVAL_SECONDS = 5.0
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class StatLogger:
+    def __init__(self, engine: Any, enabled: bool = True) -> None:
+        self.engine = engine
+        self.enabled = enabled
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._interval_prompt = 0
+        self._interval_generation = 0
+        self._last_log = time.monotonic()
+
+    def on_step(self, output: SchedulerOutput, num_sampled: int) -> None:
+        # Tokens computed this step that were not the previous step's sampled token.
+        prompt = output.num_scheduled_tokens - sum(
+            1 for s in output.scheduled if s.num_computed_tokens >= s.request.num_prompt_tokens
+        )
+        self.prompt_tokens += prompt
+        self.generation_tokens += num_sampled
+        self._interval_prompt += prompt
+        self._interval_generation += num_sampled
+        if self.enabled and time.monotonic() - self._last_log >= LOG_INTERVAL_SECONDS:
+            self.log()
+
+    def snapshot(self) -> EngineStats:
+        kv = self.engine.kv_manager
+        total = kv.total_prefix_cache_stats
+        return EngineStats(
+            num_running=self.engine.scheduler.num_running,
+            num_waiting=self.engine.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=total.queries,
+            prefix_cache_hits=total.hits,
+            num_preemptions=self.engine.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self._last_log, 1e-9)
+        stats = self.snapshot()
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
+            "running: %d, waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            self._interval_prompt / elapsed,
+            self._interval_generation / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage * 100,
+            stats.prefix_cache_hit_rate * 100,
+        )
+        self._interval_prompt = self._interval_generation = 0
+        self._last_log = now

@@ -1,0 +1,185 @@
+"""The offline ``LLM`` class: generate for a batch of prompts in one call."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.core.config import UsageContext
+from pagedllm.core.engine import LLMEngine
+from pagedllm.core.engine_args import EngineArgs
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.plugins import PluginManager, make_plugin_manager
+from pagedllm.core.sampling import SamplingParams
+from pagedllm.inputs import PromptType
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    """An LLM for generating texts from prompts: a tokenizer, a model and a paged KV
+    cache, with continuous batching. Keyword arguments are engine arguments
+    (``EngineArgs`` fields: ``dtype``, ``max_model_len``, ``enable_prefix_caching``, ...).
+    """
+
+    def __init__(self, model: str, *, plugin_manager: PluginManager | None = None, **kwargs: Any):
+        unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
+        if unknown:
+            raise ConfigError(f"LLM() got unknown engine argument(s): {', '.join(unknown)}")
+        self.plugin_manager = plugin_manager or make_plugin_manager()
+        engine_args = EngineArgs(model=model, **kwargs)
+        config = engine_args.create_engine_config(self.plugin_manager, UsageContext.LLM_CLASS)
+        self.llm_engine = LLMEngine(config, self.plugin_manager)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                request_id = str(self._counter)
+                self._counter += 1
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
+        prompt_tokens = output_tokens = 0
+        with bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    bar.update(1)
+                    prompt_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"input: {prompt_tokens / elapsed:.1f} toks/s, "
+                        f"output: {output_tokens / elapsed:.1f} toks/s"
+                    )
+        return [finished[i] for i in request_ids]
+
+    # ---------------------------------------------------------------------- chat
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.render_chat(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template= to LLM.chat")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        text = tokenizer.apply_chat_template(
+            [_flatten_content(m) for m in conversation],
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return list(prompts)
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """Text parts of a list-of-parts message joined into one string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"message content part of type {part.get('type')!r} is not supported")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}

@@ -1,0 +1,170 @@
+"""GPT-2: learned positions, fused qkv, pre-LayerNorm blocks.
+
+Module names mirror Hugging Face's so checkpoints load by name. Hugging Face stores the
+projections as ``Conv1D`` (weight ``[in, out]``); they are plain ``Linear`` layers here,
+so quantization methods can take them over, and their weights are transposed on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.layers.linear import Linear
+from pagedllm.plugins.models.common import activation, copy_weights
+
+_CONV1D_WEIGHTS = (
+    ".attn.c_attn.weight",
+    ".attn.c_proj.weight",
+    ".mlp.c_fc.weight",
+    ".mlp.c_proj.weight",
+)
+# Causal-mask buffers some checkpoints carry; the attention layer masks by itself.
+_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+def _layer_norm(config: Any) -> nn.LayerNorm:
+    norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+    norm.requires_grad_(False)
+    return norm
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        if self.head_dim * self.num_heads != hidden:
+            raise ConfigError(
+                f"GPT-2 n_embd {hidden} is not divisible by {self.num_heads} attention heads"
+            )
+        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer + 1)
+        # Hugging Face's eager path then computes attention in float32; with a float32
+        # model that changes nothing, with half precision it avoids overflow in q.k.
+        self.upcast = bool(getattr(config, "reorder_and_upcast_attn", False))
+        self.c_attn = Linear(hidden, 3 * hidden, True, quant, f"{prefix}.c_attn")
+        self.c_proj = Linear(hidden, hidden, True, quant, f"{prefix}.c_proj")
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_heads, layer)
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)
+        if self.upcast:
+            out = self.attn(q.float(), k.float(), v.float(), metadata).to(hidden.dtype)
+        else:
+            out = self.attn(q, k, v, metadata)
+        return self.c_proj(out)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: Any, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        inner = getattr(config, "n_inner", None) or 4 * hidden
+        self.c_fc = Linear(hidden, inner, True, quant, f"{prefix}.c_fc")
+        self.c_proj = Linear(inner, hidden, True, quant, f"{prefix}.c_proj")
+        self.act = activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        self.ln_1 = _layer_norm(config)
+        self.attn = GPT2Attention(config, layer, quant, f"{prefix}.attn")
+        self.ln_2 = _layer_norm(config)
+        self.mlp = GPT2MLP(config, quant, f"{prefix}.mlp")
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), metadata)
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
+        super().__init__()
+        if getattr(config, "add_cross_attention", False):
+            raise ConfigError(
+                "GPT-2 with add_cross_attention (an encoder-decoder) is not supported"
+            )
+        if max_positions > config.max_position_embeddings:
+            raise ConfigError(
+                f"GPT-2 learns {config.max_position_embeddings} positions; "
+                f"a context of {max_positions} cannot be served"
+            )
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte.requires_grad_(False)
+        self.wpe.requires_grad_(False)
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, quant, f"transformer.h.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.ln_f = _layer_norm(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            hidden = block(hidden, metadata)
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module, ModelArchitecture):
+    def __init__(
+        self,
+        config: Any,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        max_positions: int | None = None,
+        disable_sliding_window: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.transformer = GPT2Model(config, quant_config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head = self.transformer.wte
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, None, "lm_head")
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.transformer(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None  # the embedding is the head
+            if name.endswith(_MASK_BUFFERS):
+                return None
+            # The openai-community/gpt2* checkpoints were saved from GPT2Model: no prefix.
+            if not name.startswith(("transformer.", "lm_head.")):
+                return f"transformer.{name}"
+            return name
+
+        def transposed(
+            pairs: Iterable[tuple[str, torch.Tensor]],
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in pairs:
+                if name.endswith(_CONV1D_WEIGHTS) and tensor.dim() == 2:
+                    tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+                yield name, tensor
+
+        return copy_weights(self, transposed(weights), rename=rename)

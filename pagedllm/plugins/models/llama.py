@@ -1,0 +1,156 @@
+"""The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 and Qwen3.
+
+One implementation; the members differ in biases, q/k norms and sliding windows, all read
+from the Hugging Face config. Module names mirror Hugging Face's so checkpoints load by
+name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.plugins.models.common import RMSNorm, activation, copy_weights, layer_sliding_windows
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(hidden, q_size, qkv_bias, quant, f"{prefix}.q_proj")
+        self.k_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.k_proj")
+        self.v_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.v_proj")
+        self.o_proj = Linear(q_size, hidden, o_bias, quant, f"{prefix}.o_proj")
+        self.qk_norm = config.model_type in ("qwen3",)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, quant, prefix: str) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = Linear(hidden, inter, bias, quant, f"{prefix}.gate_proj")
+        self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj")
+        self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
+        self.act_fn = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer, window, quant, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        windows = layer_sliding_windows(config, disable_sliding_window)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, windows[i], quant, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+
+    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary_emb, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module, ModelArchitecture):
+    def __init__(
+        self,
+        config: Any,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        max_positions: int | None = None,
+        disable_sliding_window: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = LlamaModel(config, quant_config, max_positions, disable_sliding_window)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, None, "lm_head")
+
+    def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None  # the embedding is the head
+            return name
+
+        return copy_weights(self, weights, rename=rename, skip=("rotary_emb.inv_freq",))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

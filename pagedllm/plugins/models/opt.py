@@ -1,0 +1,184 @@
+"""OPT (facebook/opt-*): learned positions, biased projections, pre- or post-LayerNorm.
+
+Module names mirror Hugging Face's so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.layers.linear import Linear
+from pagedllm.plugins.models.common import activation, copy_weights
+
+# OPT's learned position table has two extra rows in front (a fairseq padding relic):
+# absolute position p is row p + 2.
+_POSITION_OFFSET = 2
+
+
+def _word_embed_dim(config: Any) -> int:
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
+def _layer_norm(config: Any) -> nn.LayerNorm:
+    norm = nn.LayerNorm(
+        config.hidden_size,
+        elementwise_affine=getattr(config, "layer_norm_elementwise_affine", True),
+    )
+    norm.requires_grad_(False)
+    return norm
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        if self.head_dim * self.num_heads != hidden:
+            raise ConfigError(
+                f"OPT hidden_size {hidden} is not divisible by {self.num_heads} attention heads"
+            )
+        # Hugging Face scales q right after its projection, then attends unscaled; doing
+        # the same keeps the rounding identical for head sizes whose scale is inexact.
+        self.scaling = self.head_dim**-0.5
+        bias = getattr(config, "enable_bias", True)
+        self.q_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.q_proj")
+        self.k_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.k_proj")
+        self.v_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.v_proj")
+        self.out_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.out_proj")
+        self.attn = Attention(self.num_heads, self.head_dim, 1.0, self.num_heads, layer)
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q = self.q_proj(hidden) * self.scaling
+        out = self.attn(q, self.k_proj(hidden), self.v_proj(hidden), metadata)
+        return self.out_proj(out)
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        self.do_layer_norm_before = config.do_layer_norm_before
+        bias = getattr(config, "enable_bias", True)
+        self.self_attn = OPTAttention(config, layer, quant, f"{prefix}.self_attn")
+        self.self_attn_layer_norm = _layer_norm(config)
+        self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias, quant, f"{prefix}.fc1")
+        self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias, quant, f"{prefix}.fc2")
+        self.activation_fn = activation(config.activation_function)
+        self.final_layer_norm = _layer_norm(config)
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        # Most OPT sizes normalise before each block; opt-350m normalises after the residual.
+        pre = self.do_layer_norm_before
+        x = self.self_attn_layer_norm(hidden) if pre else hidden
+        hidden = hidden + self.self_attn(x, metadata)
+        if not pre:
+            hidden = self.self_attn_layer_norm(hidden)
+        x = self.final_layer_norm(hidden) if pre else hidden
+        hidden = hidden + self.fc2(self.activation_fn(self.fc1(x)))
+        if not pre:
+            hidden = self.final_layer_norm(hidden)
+        return hidden
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
+        super().__init__()
+        if max_positions > config.max_position_embeddings:
+            raise ConfigError(
+                f"OPT learns {config.max_position_embeddings} positions; "
+                f"a context of {max_positions} cannot be served"
+            )
+        hidden, embed_dim = config.hidden_size, _word_embed_dim(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
+        self.embed_positions = nn.Embedding(
+            config.max_position_embeddings + _POSITION_OFFSET, hidden
+        )
+        self.embed_tokens.requires_grad_(False)
+        self.embed_positions.requires_grad_(False)
+        # Some sizes (opt-350m) embed words in a narrower space than the hidden size.
+        self.project_in = self.project_out = None
+        if embed_dim != hidden:
+            self.project_in = Linear(embed_dim, hidden, False, quant, "model.decoder.project_in")
+            self.project_out = Linear(hidden, embed_dim, False, quant, "model.decoder.project_out")
+        # `_remove_final_layer_norm` exists for checkpoints fine-tuned before it was added.
+        self.final_layer_norm = None
+        if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
+            self.final_layer_norm = _layer_norm(config)
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(config, i, quant, f"model.decoder.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        hidden = hidden + self.embed_positions(positions + _POSITION_OFFSET)
+        for layer in self.layers:
+            hidden = layer(hidden, metadata)
+        if self.final_layer_norm is not None:
+            hidden = self.final_layer_norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return hidden
+
+
+class OPTModel(nn.Module):
+    """Only a name level, so parameter names read ``model.decoder.*`` as in checkpoints."""
+
+    def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(config, quant, max_positions)
+
+    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
+        return self.decoder(input_ids, positions, metadata)
+
+
+class OPTForCausalLM(nn.Module, ModelArchitecture):
+    def __init__(
+        self,
+        config: Any,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        max_positions: int | None = None,
+        disable_sliding_window: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = OPTModel(config, quant_config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.decoder.embed_tokens
+        else:
+            self.lm_head = Linear(
+                _word_embed_dim(config), config.vocab_size, False, None, "lm_head"
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None  # the embedding is the head
+            # The facebook/opt-* checkpoints were saved from OPTModel: no "model." prefix.
+            if name.startswith("decoder."):
+                return f"model.{name}"
+            return name
+
+        return copy_weights(self, weights, rename=rename)

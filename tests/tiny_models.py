@@ -1,0 +1,157 @@
+"""Tiny random checkpoints made with ``transformers`` (fixed seed, safetensors), one per
+supported architecture, each with the test tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
+
+COMMON = dict(vocab_size=TOKENIZER_VOCAB_SIZE)
+
+# name -> (config class, model class, config kwargs)
+ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama3_rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 500000.0,
+            },
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=12,
+        ),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            max_position_embeddings=256,
+        ),
+    ),
+    "opt": (
+        transformers.OPTConfig,
+        transformers.OPTForCausalLM,
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    "gpt2": (
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    ),
+}
+
+
+def make_checkpoint(directory: Path, name: str, seed: int = 0) -> Path:
+    """Save a tiny random ``name`` model and the test tokenizer into ``directory``."""
+    config_cls, model_cls, kwargs = ARCHITECTURES[name]
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(directory)
+    config = config_cls(
+        **COMMON,
+        **kwargs,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    # Random init leaves logits nearly flat; widen them so greedy choices are clear-cut.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.mul_(3.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def load_reference(directory: Path) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(
+    model: Any, prompt: list[int], max_new_tokens: int, num_logprobs: int = 5
+) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens from ``transformers.generate`` and the top logprobs at each step."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    top = []
+    for step_logits in out.logits:
+        logprobs = torch.log_softmax(step_logits[0].float(), dim=-1)
+        values, ids = logprobs.topk(num_logprobs)
+        top.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+    return tokens, top
