@@ -118,7 +118,7 @@ def test_subcommands_not_built_yet_say_so():
     for argv in (
         ["chat", "-q", "hi"],
         ["complete", "-q", "hi"],
-        ["bench", "latency"],
+        ["bench", "serve"],
         ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"],
     ):
         result = run_cli(*argv)

@@ -244,6 +244,9 @@ def num_kv_blocks(config: PagedLLMConfig, bytes_per_block: int, max_model_len: i
         source = f"--gpu-memory-utilization={cache.gpu_memory_utilization}"
     blocks = int(budget // bytes_per_block)
     needed = -(-max_model_len // cache.block_size)
+    # More blocks than max_num_seqs full-length requests can hold would only keep extra
+    # prefix-cache entries, at the cost of bookkeeping for each block.
+    blocks = min(blocks, config.scheduler_config.max_num_seqs * needed)
     if blocks < needed:
         raise ConfigError(
             f"the KV cache ({source}) holds {blocks * cache.block_size} tokens, fewer than "

@@ -66,8 +66,10 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Not zero-filled: memory is committed only as blocks are written, and attention
+        # never reads a slot before it is written (padding repeats a written slot).
         self.kv_caches = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+            torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
 

@@ -192,6 +192,7 @@ class Scheduler:
 
         # Waiting requests, if nothing had to be preempted to fit the running ones.
         partial, long_partial = self._partial_prefill_counts(scheduled)
+        skipped: list[Request] = []  # held back by the partial-prefill limits
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -209,7 +210,9 @@ class Scheduler:
                 if partial >= self.config.max_num_partial_prefills or (
                     is_long and long_partial >= self.config.max_long_partial_prefills
                 ):
-                    break
+                    # Let the requests behind it that fit in one step overtake it.
+                    skipped.append(self.waiting.pop())
+                    continue
                 partial += 1
                 long_partial += int(is_long)
             if self.kv.allocate_slots(request, num_new, blocks) is None:
@@ -222,6 +225,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request] = ScheduledRequest(request, num_new, num_cached)
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.add(request, front=True)
 
         items = list(scheduled.values())
         return SchedulerOutput(

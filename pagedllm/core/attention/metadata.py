@@ -51,7 +51,7 @@ class AttentionMetadata:
     # Cache slot of every token of the flat batch.
     slot_mapping: torch.Tensor
     # Decodes: their index in the flat batch, their context's slots [B, max_context]
-    # (padded with slot 0) and context lengths.
+    # (padded with the row's first slot) and context lengths.
     decode_token_indices: torch.Tensor
     decode_slots: torch.Tensor
     decode_context_lens: torch.Tensor
@@ -106,8 +106,11 @@ def build_attention_metadata(
             prefills.append(PrefillSequence(offset, offset + query_len, context_slots.to(device)))
         offset += query_len
     max_context = max(decode_lens, default=0)
-    decode_slots = torch.zeros((len(decode_lens), max_context), dtype=torch.long)
+    decode_slots = torch.empty((len(decode_lens), max_context), dtype=torch.long)
     for row, slots in enumerate(decode_slot_rows):
+        # Padding repeats the row's first slot: masked out, but always a written slot
+        # (an unwritten one could hold NaN, and NaN * 0 is NaN).
+        decode_slots[row] = slots[0]
         decode_slots[row, : slots.shape[0]] = slots
     return AttentionMetadata(
         num_tokens=offset,
