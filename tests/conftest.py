@@ -17,12 +17,15 @@ import pytest
 
 TESTS = Path(__file__).parent
 DUMMY_PLUGIN = TESTS / "plugins" / "dummy_plugin"
+DUMMY_PLUGIN_VERSION = "0.2.0"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     try:
-        importlib.metadata.distribution("pagedllm-dummy-plugin")
+        installed = importlib.metadata.version("pagedllm-dummy-plugin")
     except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != DUMMY_PLUGIN_VERSION:
         subprocess.run(
             [
                 sys.executable,
@@ -32,6 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 "--quiet",
                 "--no-deps",
                 "--no-build-isolation",
+                "--force-reinstall",
                 str(DUMMY_PLUGIN),
             ],
             check=True,

@@ -379,3 +379,29 @@ def test_prefix_cache_hits_through_the_scheduler():
     assert (b.num_cached_tokens, c.num_cached_tokens) == (8, 8)
     assert b.num_computed_tokens == 13 and c.num_computed_tokens == 12
     assert sched.kv.total_prefix_cache_stats.hits == 16 + 0
+
+
+def test_delay_factor_holds_new_prompts_back(monkeypatch):
+    import pagedllm.core.scheduler as scheduler_module
+
+    clock = [100.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    sched = make_scheduler(delay_factor=1.0)
+    add(sched, "a", 4)
+    out = sched.schedule()  # admits "a" at t=100
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    clock[0] = 102.0  # that prompt step took 2 s
+    sched.update_from_output(out, {"a": TOK})
+    add(sched, "b", 4)
+    out = sched.schedule()  # t=102: 2 s since the prompt step, latency 2 s: hold "b"
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    sched.update_from_output(out, {"a": TOK})
+    clock[0] = 104.5  # more than factor x latency since the last prompt step
+    out = sched.schedule()
+    assert {s.request.request_id for s in out.scheduled} == {"a", "b"}
+
+    no_delay = make_scheduler()
+    add(no_delay, "a", 4)
+    no_delay.update_from_output(no_delay.schedule(), {"a": TOK})
+    add(no_delay, "b", 4)
+    assert {s.request.request_id for s in no_delay.schedule().scheduled} == {"a", "b"}

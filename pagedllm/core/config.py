@@ -194,6 +194,48 @@ def _require(condition: bool, option: str, value: Any, why: str) -> None:
         raise ConfigError(f"{option}={format_value(value)} is invalid: {why}")
 
 
+_GUIDED_OPTIONS = (
+    "guided_decoding_disable_fallback",
+    "guided_decoding_disable_any_whitespace",
+    "guided_decoding_disable_additional_properties",
+)
+
+
+def _refuse_unused(args: EngineArgs, device_name: str) -> None:
+    """Options that are valid but would have no effect in this configuration are refused
+    rather than silently ignored."""
+    if args.task not in ("auto", "generate"):
+        raise ConfigError(
+            f"--task {args.task}: pagedllm serves text generation only (use auto or generate)"
+        )
+    if args.config_format not in ("auto", "hf"):
+        raise ConfigError(
+            f"--config-format {args.config_format}: only Hugging Face configs are read "
+            f"(use auto or hf)"
+        )
+    if args.logits_processor_pattern is not None:
+        raise ConfigError(
+            "--logits-processor-pattern: requests cannot name logits processors in pagedllm "
+            "yet, so there is nothing to allow"
+        )
+    if args.swap_space != 4:
+        raise ConfigError(
+            f"--swap-space={args.swap_space}: pagedllm never swaps (preemption recomputes), "
+            f"so swap space would go unused; leave it out"
+        )
+    if device_name == "cpu" and args.gpu_memory_utilization != 0.9:
+        raise ConfigError(
+            "--gpu-memory-utilization does not apply to the cpu device; size the KV cache "
+            f"with {ENV_CPU_KVCACHE_SPACE} (GiB) or --num-gpu-blocks-override"
+        )
+    for name in _GUIDED_OPTIONS:
+        if getattr(args, name):
+            raise ConfigError(
+                f"{option_name(name)}: no guided-decoding backend is installed, so this "
+                f"option would have no effect"
+            )
+
+
 def resolve_device(name: str, pm: PluginManager) -> Device:
     """The device for ``--device NAME`` (``auto``: the best available one that runs models)."""
     registry = pm.registry("devices")
@@ -320,6 +362,8 @@ def create_engine_config(
     )
     if args.seed is not None:
         _require(-(2**63) <= args.seed < 2**63, "--seed", args.seed, "must fit in 64 bits")
+
+    _refuse_unused(args, device.name)
 
     served = args.served_model_name
     if served is None:

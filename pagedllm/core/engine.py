@@ -62,8 +62,11 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+        self.scheduler = _scheduler_class(sched.scheduler_cls)(
+            sched, self.kv_manager, self.max_model_len
+        )
         self.vocab_size = loaded.hf_config.vocab_size
+        backend_cls = pm.load("attention_backends", config.device_config.device.attention_backend)
         self.runner = ModelRunner(
             loaded.model,
             spec,
@@ -71,6 +74,7 @@ class LLMEngine:
             cache.block_size,
             self.vocab_size,
             config.device_config.torch_device,
+            backend_cls(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
@@ -150,6 +154,11 @@ class LLMEngine:
             asked = max(params.logprobs or 0, params.prompt_logprobs or 0)
             if limit != -1 and asked > limit:
                 raise ValueError(f"requested {asked} logprobs; the limit is --max-logprobs={limit}")
+        if params.guided_decoding is not None:
+            raise ValueError(
+                "guided decoding (SamplingParams.guided_decoding) is not supported yet: no "
+                "guided-decoding backend is installed"
+            )
         params = params.clone()
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
         if params.max_tokens is None:
@@ -266,3 +275,26 @@ class LLMEngine:
         self.parents.pop(parent.request_id, None)
         for seq in parent.sequences:
             self.sequences.pop(seq.request.request_id, None)
+
+
+DEFAULT_SCHEDULER = "pagedllm.core.scheduler.Scheduler"
+# vLLM's names for its default scheduler mean ours.
+_SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
+
+
+def _scheduler_class(path: str | None) -> type[Scheduler]:
+    """``--scheduler-cls``: a dotted path to a Scheduler subclass."""
+    if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
+        return Scheduler
+    import importlib
+
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ConfigError(
+            f"--scheduler-cls {path}: not a subclass of pagedllm.core.scheduler.Scheduler"
+        )
+    return cls

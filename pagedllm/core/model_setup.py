@@ -203,7 +203,13 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     finally:
         torch.set_default_dtype(previous)
     loader.load_weights(model, mc)
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     model = model.to(config.device_config.torch_device).eval()
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()
     tokenizer = load_tokenizer(config)
     defaults, generation = generation_defaults(config, hf_config)
     seconds = time.perf_counter() - start

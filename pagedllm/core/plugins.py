@@ -194,7 +194,7 @@ REGISTRY_BASES: dict[str, str | None] = {
     "tool_parsers": "pagedllm.core.interfaces.parsers:ToolParser",
     "reasoning_parsers": "pagedllm.core.interfaces.parsers:ReasoningParser",
     "guided_backends": "pagedllm.core.interfaces.guided:GuidedBackend",
-    "attention_backends": None,
+    "attention_backends": "pagedllm.core.interfaces.attention:AttentionBackend",
     "cli_subcommands": "pagedllm.entrypoints.cli.types:CLISubcommand",
     "stat_loggers": None,
     "logits_processors": None,

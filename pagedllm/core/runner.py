@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.core.attention import build_attention_metadata
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 
 if TYPE_CHECKING:
@@ -60,8 +59,10 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         device: torch.device,
+        attention_backend: Any,
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -104,7 +105,7 @@ class ModelRunner:
                     prompt_rows.append((request, offset, last - start, targets))
             offset += item.num_new_tokens
 
-        metadata = build_attention_metadata(
+        metadata = self.attention_backend.build_metadata(
             query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)

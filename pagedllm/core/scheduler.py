@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -99,6 +100,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # --scheduler-delay-factor: when the last step admitted prompts, and how long it took.
+        self._prompt_step_time: float | None = None
+        self._last_prompt_latency = 0.0
+        self._admitted_last_step = False
 
     # ------------------------------------------------------------------ requests
 
@@ -158,8 +163,20 @@ class Scheduler:
             num_tokens = min(num_tokens, threshold)
         return min(num_tokens, budget)
 
+    def _delay_new_prompts(self) -> bool:
+        """With a delay factor, hold new prompts back until ``factor x`` the last prompt
+        step's latency has passed, so that more of them batch together (vLLM's rule)."""
+        now = time.monotonic()
+        if self._admitted_last_step and self._prompt_step_time is not None:
+            self._last_prompt_latency = now - self._prompt_step_time
+        factor = self.config.delay_factor
+        if factor <= 0 or not self.running or self._prompt_step_time is None:
+            return False
+        return now - self._prompt_step_time <= factor * self._last_prompt_latency
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        delay_prompts = self._delay_new_prompts()
         scheduled: dict[Request, ScheduledRequest] = {}
         preempted: list[str] = []
 
@@ -193,7 +210,8 @@ class Scheduler:
         # Waiting requests, if nothing had to be preempted to fit the running ones.
         partial, long_partial = self._partial_prefill_counts(scheduled)
         skipped: list[Request] = []  # held back by the partial-prefill limits
-        while not preempted and len(self.waiting) and budget > 0:
+        admitted = False
+        while not preempted and not delay_prompts and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
@@ -225,9 +243,13 @@ class Scheduler:
             self.running.append(request)
             scheduled[request] = ScheduledRequest(request, num_new, num_cached)
             budget -= num_new
+            admitted = True
         for request in reversed(skipped):
             self.waiting.add(request, front=True)
 
+        self._admitted_last_step = admitted
+        if admitted:
+            self._prompt_step_time = time.monotonic()
         items = list(scheduled.values())
         return SchedulerOutput(
             scheduled=items,

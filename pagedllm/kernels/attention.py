@@ -22,9 +22,12 @@ def write_kv_cache(
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values at ``slots`` (any shape ``S``) as ``[*S, kv_heads, head_dim]``."""
     num_heads, head_dim = kv_cache.shape[-2:]
-    keys = kv_cache[0].view(-1, num_heads, head_dim)[slots]
-    values = kv_cache[1].view(-1, num_heads, head_dim)[slots]
-    return keys, values
+    flat = slots.reshape(-1)
+    # index_select on rows of a 2-D view is about twice as fast as advanced indexing.
+    keys = kv_cache[0].view(-1, num_heads * head_dim).index_select(0, flat)
+    values = kv_cache[1].view(-1, num_heads * head_dim).index_select(0, flat)
+    shape = (*slots.shape, num_heads, head_dim)
+    return keys.view(shape), values.view(shape)
 
 
 def attention(

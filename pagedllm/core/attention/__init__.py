@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: per-step metadata and the layer models call."""
+"""Attention over the paged KV cache: the layer models call, per-step metadata, and the
+reference torch backend."""
 
 from pagedllm.core.attention.layer import Attention
 from pagedllm.core.attention.metadata import AttentionMetadata, build_attention_metadata

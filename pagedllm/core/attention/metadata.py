@@ -8,6 +8,7 @@ token (decodes) are attended to together, padded to the longest context; the oth
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -57,6 +58,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor
     prefills: list[PrefillSequence]
     kv_caches: list[torch.Tensor]
+    # The backend that built this metadata and computes attention with it.
+    backend: Any = None
     _decode_masks: dict[int | None, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property

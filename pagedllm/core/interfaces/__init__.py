@@ -1,5 +1,6 @@
 """The extension-point ABCs that plugins implement."""
 
+from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.device import Device
 from pagedllm.core.interfaces.guided import Grammar, GuidedBackend, GuidedConstraint
 from pagedllm.core.interfaces.loader import ModelLoader
@@ -15,6 +16,7 @@ from pagedllm.core.interfaces.parsers import (
 from pagedllm.core.interfaces.quantization import LinearMethod, QuantizationConfig
 
 __all__ = [
+    "AttentionBackend",
     "DeltaMessage",
     "DeltaToolCall",
     "Device",

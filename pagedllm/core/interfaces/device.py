@@ -25,6 +25,8 @@ class Device(ABC):
     runs_models: ClassVar[bool] = False
     # --block-size when the user gives none.
     default_block_size: ClassVar[int] = 16
+    # The registered attention backend this device runs models with.
+    attention_backend: ClassVar[str] = "torch_sdpa"
 
     @classmethod
     @abstractmethod

@@ -43,3 +43,6 @@ class ModelArchitecture(ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; return the names filled."""
+
+    def process_weights_after_loading(self) -> None:  # noqa: B027 - optional hook
+        """Called once after the weights are loaded (fuse or repack them); optional."""

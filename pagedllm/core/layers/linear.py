@@ -43,3 +43,41 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class FusedLinear(nn.Module):
+    """Several unquantized ``Linear`` layers reading the same input, computed as one GEMM
+    (fewer, larger matmuls are much faster on CPUs). The original parameters become views
+    into the fused weight, so no memory is duplicated and loading by name still works."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        super().__init__()
+        self.sizes = [layer.output_size for layer in linears]
+        weight = torch.cat([layer.weight.data for layer in linears])
+        has_bias = [layer.bias is not None for layer in linears]
+        bias = None
+        if any(has_bias):
+            bias = torch.cat(
+                [
+                    layer.bias.data if layer.bias is not None else weight.new_zeros(size)
+                    for layer, size in zip(linears, self.sizes, strict=True)
+                ]
+            )
+        offset = 0
+        for layer, size in zip(linears, self.sizes, strict=True):
+            layer.weight.data = weight[offset : offset + size]
+            if layer.bias is not None:
+                layer.bias.data = bias[offset : offset + size]
+            offset += size
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def of(cls, linears: list[Linear]) -> FusedLinear | None:
+        """The fused layer, or None when a quantization method owns one of the layers."""
+        if any(layer.method is not None for layer in linears):
+            return None
+        return cls(linears)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))

@@ -10,3 +10,9 @@ def pagedllm_register_devices(registry):
     registry.add("xpu", "pagedllm.plugins.devices.xpu:XpuDevice")
     registry.add("neuron", "pagedllm.plugins.devices.neuron:NeuronDevice")
     registry.add("tpu", "pagedllm.plugins.devices.tpu:TpuDevice")
+
+
+@hookimpl
+def pagedllm_register_attention_backends(registry):
+    # Plain torch (SDPA) over the paged cache; runs wherever torch does.
+    registry.add("torch_sdpa", "pagedllm.core.attention.torch_backend:TorchSDPABackend")

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.linear import FusedLinear, Linear
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.models.common import RMSNorm, activation, copy_weights, layer_sliding_windows
 
@@ -41,6 +41,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
         )
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -50,9 +54,12 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden)
+        if self.qkv is not None:
+            q, k, v = self.qkv(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -69,9 +76,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj")
         self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
         self.act_fn = activation(config.hidden_act)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,6 +157,11 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             return name
 
         return copy_weights(self, weights, rename=rename, skip=("rotary_emb.inv_freq",))
+
+    def process_weights_after_loading(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

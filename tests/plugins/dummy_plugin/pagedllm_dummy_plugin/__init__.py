@@ -32,3 +32,8 @@ def pagedllm_register_cli_subcommands(registry):
 def pagedllm_add_cli_args(parser, subcommand):
     if subcommand == "serve":
         parser.add_argument("--dummy-greeting", default=None, help="Added by the dummy plugin.")
+
+
+@hookimpl
+def pagedllm_register_attention_backends(registry):
+    registry.add("dummy_attn", "pagedllm_dummy_plugin.attention:CountingBackend")

@@ -8,6 +8,7 @@ class DummyDevice(Device):
     priority = -10
     runs_models = True
     default_block_size = 32
+    attention_backend = "dummy_attn"
 
     @classmethod
     def unavailable_reason(cls):

@@ -1,0 +1,47 @@
+"""The attention-backend extension point: attention over the paged KV cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+class AttentionBackend(ABC):
+    """Computes attention for every layer of one step.
+
+    Contract: :meth:`build_metadata` runs once per step (on the runner's thread, before
+    the model) and its result is passed to every layer; :meth:`forward` first writes the
+    step's keys and values into ``kv_caches[layer.layer_index]`` at the step's slots, then
+    attends each query token to its request's context (cached tokens and this step's, up to
+    and including its own position, within ``layer.sliding_window`` when set).
+    Devices name their backend (``Device.attention_backend``).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+    ) -> Any:
+        """Per-step data for requests adding ``query_lens[i]`` tokens to reach
+        ``context_lens[i]`` tokens, whose KV blocks are ``block_tables[i]``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """``query`` ``[T, heads*d]``, ``key``/``value`` ``[T, kv_heads*d]`` -> ``[T, heads*d]``."""
