@@ -44,14 +44,12 @@ class ServeSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        from pagedllm.entrypoints.openai.api_server import run_server
+
         engine_args = engine_args_from_serve(args)
         frontend_args = FrontendArgs(**dataclass_kwargs(FrontendArgs, args))
         validate_frontend_args(frontend_args, pm)
-        engine_args.create_engine_config(pm)
-        raise NotBuiltError(
-            "the options are valid, but the OpenAI-compatible server is not part of "
-            "this pagedllm build yet"
-        )
+        return run_server(engine_args, frontend_args, pm)
 
 
 def engine_args_from_serve(args: argparse.Namespace) -> EngineArgs:
@@ -83,3 +81,10 @@ def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> No
         )
     if frontend_args.enable_auto_tool_choice and parser_name is None:
         raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+    if parser_name is not None or frontend_args.enable_auto_tool_choice:
+        raise NotBuiltError(
+            "--tool-call-parser/--enable-auto-tool-choice: the server does not parse tool "
+            "calls yet (tool_choice='none' works without them)"
+        )
+    if frontend_args.enable_ssl_refresh:
+        raise NotBuiltError("--enable-ssl-refresh: certificates are read once at start-up")

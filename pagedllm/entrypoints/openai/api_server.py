@@ -1,0 +1,438 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import inspect
+import json
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm import __version__
+from pagedllm.core.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from pagedllm.core.errors import ConfigError
+from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response
+from pagedllm.entrypoints.openai.metrics import Metrics
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("pagedllm.server")
+
+ENV_API_KEY = "PAGEDLLM_API_KEY"
+# Bodies larger than this are refused before they are read (413).
+MAX_BODY_BYTES = 32 * 2**20
+# Routes that stay open with --api-key, as in vLLM.
+_OPEN_PATHS = ("/health", "/ping", "/metrics", "/version", "/load")
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over ``limit`` bytes (declared or streamed)."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await _too_large(self.limit)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _too_large(self.limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"the request body is larger than {limit} bytes")
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled,
+    which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)
+
+
+def _import_middleware(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"--middleware {path}: cannot import it: {exc}") from exc
+
+
+def build_app(
+    args: FrontendArgs,
+    engine: AsyncLLMEngine,
+    serving: OpenAIServing,
+    metrics: Metrics,
+    pm: Any,
+    model_path: str,
+) -> FastAPI:
+    docs = not args.disable_fastapi_docs
+    app = FastAPI(
+        title="pagedllm OpenAI-compatible API",
+        version=__version__,
+        root_path=args.root_path or "",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.state.server_load = 0
+    api_key = args.api_key or os.environ.get(ENV_API_KEY)
+
+    @app.middleware("http")
+    async def authenticate_and_tag(request: Request, call_next: Any) -> Response:
+        path = request.url.path.removeprefix(args.root_path or "")
+        if api_key and request.method != "OPTIONS" and not path.startswith(_OPEN_PATHS):
+            supplied = request.headers.get("authorization", "")
+            expected = f"Bearer {api_key}"
+            if not hmac.compare_digest(supplied.encode(), expected.encode()):
+                return error_response(
+                    401, "Unauthorized: a valid API key is required", "AuthenticationError"
+                )
+        request_id = None
+        if args.enable_request_id_headers:
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            request.state.request_id = request_id
+        if args.enable_server_load_tracking:
+            app.state.server_load += 1
+        try:
+            response = await call_next(request)
+        finally:
+            if args.enable_server_load_tracking:
+                app.state.server_load -= 1
+        if request_id is not None:
+            response.headers["X-Request-Id"] = request_id
+        return response
+
+    for path in args.middleware:
+        target = _import_middleware(path)
+        if inspect.isclass(target):
+            app.add_middleware(target)
+        elif inspect.iscoroutinefunction(target):
+            app.middleware("http")(target)
+        else:
+            raise ConfigError(f"--middleware {path}: neither a class nor an async function")
+
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    app.add_middleware(BodySizeLimit)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+            message = error.get("msg", "invalid")
+            if error.get("type") == "extra_forbidden":
+                message = "unknown field (not part of this API)"
+            elif error.get("type") == "json_invalid":
+                where, message = "body", f"invalid JSON ({message})"
+            problems.append(f"{where}: {message}" if where else message)
+        return error_response(400, "; ".join(problems) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    def request_id_for(request: Request, body_id: str | None, prefix: str) -> str:
+        return body_id or getattr(request.state, "request_id", None) or random_id(prefix)
+
+    def log_request(request_id: str, body: Any) -> None:
+        if args.disable_log_requests:
+            return
+        prompt = getattr(body, "prompt", None) or getattr(body, "messages", None)
+        text = str(prompt)
+        if args.max_log_len is not None:
+            text = text[: args.max_log_len]
+        logger.info("received request %s: %s", request_id, text)
+
+    async def respond(request: Request, result: Any) -> Response:
+        if isinstance(result, Response):
+            return result
+        if inspect.isasyncgen(result):
+            # The first chunk is computed before the 200 is sent, so a request the engine
+            # refuses still gets its 400.
+            first = await anext(result)
+            return StreamingResponse(
+                _stream_errors(_prepend(first, result)), media_type="text/event-stream"
+            )
+        return JSONResponse(result)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        if not args.enable_server_load_tracking:
+            raise OpenAIError(404, "start the server with --enable-server-load-tracking")
+        return {"server_load": app.state.server_load}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.refresh(engine.engine)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pagedllm",
+                    "root": model_path,
+                    "parent": None,
+                    "max_model_len": serving.max_model_len,
+                }
+                for name in serving.settings.served_model_names
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        request_id = request_id_for(request, body.request_id, "cmpl")
+        log_request(request_id, body)
+        work = serving.create_completion(body, request_id)
+        return await respond(request, await _until_disconnect(request, work))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        request_id = request_id_for(request, body.request_id, "chatcmpl")
+        log_request(request_id, body)
+        work = serving.create_chat_completion(body, request_id)
+        return await respond(request, await _until_disconnect(request, work))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        try:
+            payload = await request.json()
+        except json.JSONDecodeError as exc:
+            raise OpenAIError(400, f"invalid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        try:
+            if "messages" in payload:
+                return await chat_completions(
+                    ChatCompletionRequest.model_validate(payload), request
+                )
+            if "prompt" in payload:
+                return await completions(CompletionRequest.model_validate(payload), request)
+        except Exception as exc:
+            if hasattr(exc, "errors"):
+                raise RequestValidationError(exc.errors()) from exc
+            raise
+        raise OpenAIError(400, "the body needs 'messages' (chat) or 'prompt' (completions)")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            prompt = serving._chat_prompt(chat)
+            tokens = prompt.token_ids
+        else:
+            tokens = serving._tokenize(body.prompt or "", body.add_special_tokens)
+        result: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": serving.max_model_len,
+            "tokens": tokens,
+        }
+        if body.return_token_strs:
+            result["token_strs"] = serving.tokenizer.convert_ids_to_tokens(tokens)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if serving.tokenizer is None:
+            raise OpenAIError(400, "the server runs with --skip-tokenizer-init")
+        vocab = engine.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token ids {bad[:5]} are outside [0, {vocab})", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    pm.hook.pagedllm_add_api_routes(app=app, engine=engine)
+    return app
+
+
+async def _stream_errors(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors after the stream started become an error event (the status is already
+    sent)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except (OpenAIError, ValueError, RequestFailedError, EngineDeadError) as exc:
+        status = getattr(exc, "status", 400 if isinstance(exc, ValueError) else 500)
+        message = getattr(exc, "message", str(exc))
+        yield "data: " + json.dumps({"error": {"message": message, "code": status}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM."""
+    import logging.config
+
+    import uvicorn
+
+    from pagedllm.core.config import UsageContext
+    from pagedllm.entrypoints.openai.chat_utils import load_chat_template
+    from pagedllm.entrypoints.openai.serving import ServingSettings
+
+    log_config = None
+    if args.log_config_file:
+        try:
+            with open(args.log_config_file, encoding="utf-8") as f:
+                log_config = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--log-config-file {args.log_config_file}: {exc}") from exc
+        logging.config.dictConfig(log_config)
+    chat_template = load_chat_template(args.chat_template)
+    config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLMEngine(config, pm)
+    names = config.model_config.served_model_name
+    settings = ServingSettings(
+        served_model_names=names,
+        response_role=args.response_role,
+        chat_template=chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        max_logprobs=config.model_config.max_logprobs,
+    )
+    metrics = Metrics(names[0])
+    engine.step_listeners.append(metrics.on_step)
+    serving = OpenAIServing(engine, settings)
+    app = build_app(args, engine, serving, metrics, pm, config.model_config.model)
+
+    @app.on_event("shutdown")
+    async def stop_engine() -> None:
+        engine.shutdown()
+
+    server_config = uvicorn.Config(
+        app,
+        host=args.host or "0.0.0.0",
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(server_config)
+    logger.info(
+        "serving %s as %s on %s:%d",
+        config.model_config.model,
+        ", ".join(names),
+        server_config.host,
+        args.port,
+    )
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

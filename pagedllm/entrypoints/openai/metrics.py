@@ -1,0 +1,129 @@
+"""Prometheus metrics (``/metrics``), named like vLLM's with a ``pagedllm:`` prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.core.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class Metrics:
+    """Engine and request metrics for one served model. ``on_step`` runs on the engine
+    thread after every step; prometheus-client's metrics are thread-safe."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"pagedllm:{name}", doc, labels + (extra or []), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.model = model_name
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        self.prefix_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prefix-cache hits over queried tokens, since start."
+        )
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success", "Finished requests, by finish reason.", ["finished_reason"]
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Mean time between tokens of a request.",
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+        self._last_prompt = 0
+        self._last_generation = 0
+
+    def on_step(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        m = self.model
+        stats = engine.stat_logger.snapshot()
+        self.num_running.labels(m).set(stats.num_running)
+        self.num_waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
+        self.prefix_queries.labels(m).inc(stats.prefix_cache_queries - self._last_queries)
+        self.prefix_hits.labels(m).inc(stats.prefix_cache_hits - self._last_hits)
+        self.preemptions.labels(m).inc(stats.num_preemptions - self._last_preemptions)
+        self.prompt_tokens.labels(m).inc(stats.prompt_tokens - self._last_prompt)
+        self.generation_tokens.labels(m).inc(stats.generation_tokens - self._last_generation)
+        self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._last_preemptions = stats.num_preemptions
+        self._last_prompt, self._last_generation = stats.prompt_tokens, stats.generation_tokens
+        for output in outputs:
+            if output.finished:
+                self.on_finished(output)
+
+    def on_finished(self, output: RequestOutput) -> None:
+        m = self.model
+        for completion in output.outputs:
+            reason = completion.finish_reason or "abort"
+            self.request_success.labels(m, reason).inc()
+        metrics = output.metrics
+        if metrics is None:
+            return
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.first_token_time is not None:
+            self.ttft.labels(m).observe(metrics.first_token_time - metrics.arrival_time)
+        if metrics.finished_time is not None:
+            self.e2e.labels(m).observe(metrics.finished_time - metrics.arrival_time)
+            tokens = max(len(c.token_ids) for c in output.outputs) if output.outputs else 0
+            if metrics.first_token_time is not None and tokens > 1:
+                self.itl.labels(m).observe(
+                    (metrics.last_token_time - metrics.first_token_time) / (tokens - 1)
+                )
+
+    def refresh(self, engine: Any) -> None:
+        """Gauges read fresh before a scrape (an idle engine runs no steps)."""
+        stats = engine.stat_logger.snapshot()
+        self.num_running.labels(self.model).set(stats.num_running)
+        self.num_waiting.labels(self.model).set(stats.num_waiting)
+        self.kv_usage.labels(self.model).set(stats.kv_cache_usage)

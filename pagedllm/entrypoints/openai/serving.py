@@ -1,0 +1,558 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: requests to engine calls, outputs to
+OpenAI responses and server-sent-event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.core.async_engine import AsyncLLMEngine
+from pagedllm.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.entrypoints.openai.chat_utils import render_chat
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    now,
+)
+
+
+@dataclasses.dataclass(slots=True)
+class ServingSettings:
+    served_model_names: list[str]
+    response_role: str
+    chat_template: str | None
+    chat_template_content_format: str
+    return_tokens_as_token_ids: bool
+    enable_prompt_tokens_details: bool
+    max_logprobs: int
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServingSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist.", "NotFoundError", param="model"
+            )
+
+    # ----------------------------------------------------------------- prompts
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "the server runs with --skip-tokenizer-init: send token ids")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _completion_prompts(self, request: CompletionRequest) -> list[PreparedPrompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        prepared = []
+        for item in items:
+            if isinstance(item, str):
+                prepared.append(
+                    PreparedPrompt(item, self._tokenize(item, request.add_special_tokens))
+                )
+            else:
+                text = self.tokenizer.decode(item) if self.tokenizer is not None else None
+                prepared.append(PreparedPrompt(text, list(item)))
+        return prepared
+
+    def _max_tokens(self, requested: int | None, prompt: PreparedPrompt) -> int:
+        prompt_len = len(prompt.token_ids)
+        if prompt_len >= self.max_model_len:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your request has {prompt_len} input tokens. Please reduce the "
+                f"length of the input messages.",
+                param="messages",
+            )
+        if requested is None:
+            return self.max_model_len - prompt_len
+        if prompt_len + requested > self.max_model_len:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + requested} tokens ({prompt_len} in "
+                f"the messages, {requested} in the completion). Please reduce the length of "
+                f"the messages or completion.",
+                param="max_tokens",
+            )
+        return requested
+
+    def _check_logprobs(self, count: int | None, param: str) -> None:
+        limit = self.settings.max_logprobs
+        if count is not None and limit != -1 and count > limit:
+            raise OpenAIError(
+                400, f"{param}={count} exceeds the server's --max-logprobs={limit}", param=param
+            )
+
+    # ---------------------------------------------------------------- logprobs
+
+    def _token_text(self, token_id: int, logprob: Logprob) -> str:
+        if self.settings.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return logprob.decoded_token if logprob.decoded_token is not None else ""
+
+    def _chat_logprobs(
+        self, token_ids: list[int], positions: list[dict[int, Logprob]], top: int
+    ) -> dict[str, Any]:
+        content = []
+        for token_id, position in zip(token_ids, positions, strict=False):
+            chosen = position[token_id]
+            text = self._token_text(token_id, chosen)
+            ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": max(chosen.logprob, -9999.0),
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self._token_text(tid, lp)),
+                            "logprob": max(lp.logprob, -9999.0),
+                            "bytes": list(t.encode("utf-8")),
+                        }
+                        for tid, lp in ranked
+                        if lp.rank is not None and lp.rank <= top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _completion_logprobs(
+        self,
+        token_ids: list[int],
+        positions: list[dict[int, Logprob] | None],
+        top: int,
+        text_offset: int,
+    ) -> dict[str, Any]:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = text_offset
+        for token_id, position in zip(token_ids, positions, strict=False):
+            if position is None:  # the first prompt token has no logprob
+                text = self.tokenizer.decode([token_id]) if self.tokenizer else ""
+                tokens.append(text)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                chosen = position[token_id]
+                text = self._token_text(token_id, chosen)
+                tokens.append(text)
+                token_logprobs.append(max(chosen.logprob, -9999.0))
+                top_logprobs.append(
+                    {
+                        self._token_text(tid, lp): max(lp.logprob, -9999.0)
+                        for tid, lp in position.items()
+                        if tid == token_id or (lp.rank is not None and lp.rank <= top)
+                    }
+                )
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------------ usage
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if self.settings.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    # -------------------------------------------------------------- generation
+
+    async def _generate_all(
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        params_list: list[Any],
+        priority: int,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt, interleaved as they come, tagged with the prompt index."""
+        if len(prompts) == 1:
+            prompt = {"prompt_token_ids": prompts[0].token_ids, "prompt": prompts[0].text}
+            async for output in self.engine.generate(
+                prompt, params_list[0], request_id, priority=priority
+            ):
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            prompt = {
+                "prompt_token_ids": prompts[index].token_ids,
+                "prompt": prompts[index].text,
+            }
+            try:
+                async for output in self.engine.generate(
+                    prompt, params_list[index], f"{request_id}-{index}", priority=priority
+                ):
+                    await queue.put((index, output))
+            except BaseException as exc:
+                await queue.put(exc)
+            else:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------- completions
+
+    async def create_completion(self, request: CompletionRequest, request_id: str) -> Any:
+        self.check_model(request.model)
+        self._check_logprobs(request.logprobs, "logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompts = self._completion_prompts(request)
+        defaults = self.engine.engine.loaded.generation_defaults
+        params_list = []
+        for prompt in prompts:
+            params = request.sampling_params(
+                self._max_tokens(request.max_tokens, prompt), request.logprobs, defaults
+            )
+            if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+                params.prompt_logprobs = request.logprobs
+            params_list.append(params)
+        n = request.n
+        generator = self._generate_all(request_id, prompts, params_list, request.priority)
+        created, model = now(), self.model_name
+        if request.stream:
+            return self._stream_completion(
+                request, request_id, created, model, prompts, generator, n
+            )
+        final: dict[int, RequestOutput] = {}
+        async for index, output in generator:
+            final[index] = output
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for index, prompt in enumerate(prompts):
+            output = final[index]
+            prompt_tokens += len(output.prompt_token_ids)
+            cached += output.num_cached_tokens
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                completion_tokens += len(completion.token_ids)
+                choices.append(
+                    self._completion_choice(request, prompt, output, completion, index * n)
+                )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": self._usage(prompt_tokens, completion_tokens, cached),
+        }
+
+    def _completion_choice(
+        self,
+        request: CompletionRequest,
+        prompt: PreparedPrompt,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        base_index: int,
+        *,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        positions: list[Any] | None = None,
+        echo: bool | None = None,
+    ) -> dict[str, Any]:
+        text = completion.text if text is None else text
+        token_ids = completion.token_ids if token_ids is None else token_ids
+        positions = completion.logprobs if positions is None else positions
+        echo = request.echo if echo is None else echo
+        logprobs = None
+        prefix = (prompt.text or "") if echo else ""
+        if request.logprobs is not None:
+            ids, pos = list(token_ids), list(positions or [])
+            if echo:
+                ids = list(output.prompt_token_ids) + ids
+                pos = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + pos
+            logprobs = self._completion_logprobs(ids, pos, request.logprobs, 0)
+        return {
+            "index": base_index + completion.index,
+            "text": prefix + text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "prompt_logprobs": _prompt_logprobs_json(output) if request.prompt_logprobs else None,
+        }
+
+    async def _stream_completion(
+        self, request, request_id, created, model, prompts, generator, n
+    ) -> AsyncIterator[str]:
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        prompt_tokens = {i: len(p.token_ids) for i, p in enumerate(prompts)}
+        completion_tokens: dict[tuple[int, int], int] = {}
+        cached = 0
+        echoed: set[tuple[int, int]] = set()
+        async for index, output in generator:
+            cached = max(cached, output.num_cached_tokens)
+            for completion in output.outputs:
+                key = (index, completion.index)
+                completion_tokens[key] = completion_tokens.get(key, 0) + len(completion.token_ids)
+                echo = request.echo and key not in echoed
+                echoed.add(key)
+                choice = self._completion_choice(
+                    request, prompts[index], output, completion, index * n, echo=echo
+                )
+                chunk: dict[str, Any] = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+                if include_usage and continuous:
+                    chunk["usage"] = self._usage(
+                        sum(prompt_tokens.values()), sum(completion_tokens.values()), cached
+                    )
+                yield sse(chunk)
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": self._usage(
+                        sum(prompt_tokens.values()), sum(completion_tokens.values()), cached
+                    ),
+                }
+            )
+        yield sse("[DONE]")
+
+    # -------------------------------------------------------------------- chat
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
+        if request.tools and request.tool_choice not in (None, "none"):
+            raise OpenAIError(
+                400,
+                f"tool_choice={request.tool_choice!r}: tool calling is not supported yet; use "
+                f"tool_choice='none' to show the tools to the model without parsing calls",
+                param="tool_choice",
+            )
+        try:
+            text = render_chat(
+                self.tokenizer,
+                request.messages,
+                template=request.chat_template or self.settings.chat_template,
+                content_format=self.settings.chat_template_content_format,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=request.tools,
+                documents=request.documents,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from exc
+        return PreparedPrompt(text, self._tokenize(text, request.add_special_tokens))
+
+    def _role(self, request: ChatCompletionRequest) -> str:
+        if request.add_generation_prompt:
+            return self.settings.response_role
+        return request.messages[-1].get("role", self.settings.response_role)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, request_id: str) -> Any:
+        self.check_model(request.model)
+        top = request.top_logprobs or 0
+        if request.logprobs:
+            self._check_logprobs(top, "top_logprobs")
+        self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompt = self._chat_prompt(request)
+        requested = request.max_completion_tokens or request.max_tokens
+        params = request.sampling_params(
+            self._max_tokens(requested, prompt),
+            top if request.logprobs else None,
+            self.engine.engine.loaded.generation_defaults,
+        )
+        generator = self._generate_all(request_id, [prompt], [params], request.priority)
+        created, model, role = now(), self.model_name, self._role(request)
+        echo_text = ""
+        if request.echo and request.messages[-1].get("role") == role:
+            content = request.messages[-1].get("content")
+            echo_text = content if isinstance(content, str) else ""
+        if request.stream:
+            return self._stream_chat(
+                request, request_id, created, model, role, generator, echo_text
+            )
+        final = None
+        async for _, output in generator:
+            final = output
+        assert final is not None
+        choices = []
+        for completion in sorted(final.outputs, key=lambda c: c.index):
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": {
+                        "role": role,
+                        "content": echo_text + completion.text,
+                        "tool_calls": [],
+                    },
+                    "logprobs": (
+                        self._chat_logprobs(completion.token_ids, completion.logprobs or [], top)
+                        if request.logprobs
+                        else None
+                    ),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        response = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": self._usage(
+                len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens
+            ),
+        }
+        if request.prompt_logprobs:
+            response["prompt_logprobs"] = _prompt_logprobs_json(final)
+        return response
+
+    async def _stream_chat(
+        self, request, request_id, created, model, role, generator, echo_text
+    ) -> AsyncIterator[str]:
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        top = request.top_logprobs or 0
+        started: set[int] = set()
+        prompt_tokens = completion_tokens = cached = 0
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            data: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if usage is not None:
+                data["usage"] = usage
+            return sse(data)
+
+        async for _, output in generator:
+            prompt_tokens = len(output.prompt_token_ids)
+            cached = output.num_cached_tokens
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                usage = (
+                    self._usage(prompt_tokens, completion_tokens, cached)
+                    if include_usage and continuous
+                    else None
+                )
+                if completion.index not in started:
+                    started.add(completion.index)
+                    first = {"role": role, "content": echo_text}
+                    yield chunk(
+                        [
+                            {
+                                "index": completion.index,
+                                "delta": first,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        usage,
+                    )
+                if (
+                    not completion.text
+                    and not completion.token_ids
+                    and not completion.finish_reason
+                ):
+                    continue
+                yield chunk(
+                    [
+                        {
+                            "index": completion.index,
+                            "delta": {"content": completion.text} if completion.text else {},
+                            "logprobs": (
+                                self._chat_logprobs(
+                                    completion.token_ids, completion.logprobs or [], top
+                                )
+                                if request.logprobs
+                                else None
+                            ),
+                            "finish_reason": completion.finish_reason,
+                            "stop_reason": completion.stop_reason,
+                        }
+                    ],
+                    usage,
+                )
+        if include_usage:
+            yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
+        yield sse("[DONE]")
+
+
+def _prompt_logprobs_json(output: RequestOutput) -> list[Any] | None:
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in position.items()
+        }
+        for position in output.prompt_logprobs
+    ]
