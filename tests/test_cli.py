@@ -114,15 +114,14 @@ def test_tool_call_parser_names_from_registry_and_plugin_file(tmp_path):
     assert "filetool" not in ok.stderr
 
 
-def test_subcommands_not_built_yet_say_so():
+def test_client_subcommands_report_a_closed_server():
     for argv in (
-        ["chat", "-q", "hi"],
-        ["complete", "-q", "hi"],
-        ["bench", "serve"],
-        ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"],
+        ["chat", "--url", "http://127.0.0.1:9/v1", "-q", "hi"],
+        ["complete", "--url", "http://127.0.0.1:9/v1", "-q", "hi"],
+        ["bench", "serve", "--port", "9"],
     ):
         result = run_cli(*argv)
-        assert result.returncode == 2, argv
-        assert "not part of this" in result.stderr, argv
+        assert result.returncode == 1, argv
+        assert "cannot connect" in result.stderr and "Traceback" not in result.stderr, argv
     missing = run_cli("run-batch")
     assert missing.returncode == 2 and "-i/--input-file is required" in missing.stderr

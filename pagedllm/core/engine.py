@@ -247,6 +247,9 @@ class LLMEngine:
                 parent.metrics.first_token_time = now
                 parent.num_cached_tokens = max(request.num_cached_tokens, 0)
             parent.metrics.last_token_time = now
+            parent.metrics.num_generation_tokens = max(
+                parent.metrics.num_generation_tokens, request.num_output_tokens
+            )
             if stop is not None:
                 stopped.append(request.request_id)
                 self.output_processor.finish(seq, "stop", stop)

@@ -34,6 +34,8 @@ class SequenceState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
+    # Whether a DELTA output already carried this sequence's finish_reason.
+    sent_finish: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,8 +147,10 @@ class OutputProcessor:
                 text = text[: max(0, len(text) - params.output_text_buffer_length)]
             logprobs = seq.logprobs
             if kind is RequestOutputKind.DELTA:
-                if seq.sent_tokens == len(token_ids) and seq.finish_reason is None:
+                nothing_new = seq.sent_tokens == len(token_ids)
+                if nothing_new and (seq.finish_reason is None or seq.sent_finish):
                     continue
+                seq.sent_finish = seq.finish_reason is not None
                 new_text = text[seq.sent_chars :]
                 new_tokens = token_ids[seq.sent_tokens :]
                 new_logprobs = logprobs[seq.sent_tokens :] if logprobs is not None else None

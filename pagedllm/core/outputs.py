@@ -40,6 +40,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Tokens of the request's longest sequence (for the inter-token latency).
+    num_generation_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True)

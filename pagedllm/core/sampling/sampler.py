@@ -152,16 +152,18 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     elif md.top_k is not None:
         _apply_top_k(logits, md.top_k, md.max_top_k)
     probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p. Each seeded row
-    # draws its own q from its own generator, so it ignores the rest of the batch.
-    # q = -log(U) has the law of exponential_() and is twice as fast on CPUs; U >= tiny
-    # keeps q finite and positive, so a banned token (p = 0) can never win.
-    uniform = torch.empty_like(probs)
+    # Inverse CDF: one uniform per row, found in the row's cumulative distribution. A
+    # seeded row draws its uniform from its own generator, so it ignores the rest of the
+    # batch. U is scaled by the row's total (cumsum rounding) and kept > 0, so a token of
+    # probability 0 (a flat step of the CDF) is never the first index reaching U.
+    cdf = probs.cumsum_(dim=-1)
+    uniform = torch.empty((md.num_reqs, 1), dtype=cdf.dtype, device=cdf.device)
     if len(md.generators) < md.num_reqs:
         uniform.uniform_(_TINY, 1.0)
     for row, generator in md.generators.items():
         uniform[row].uniform_(_TINY, 1.0, generator=generator)
-    sampled = probs.div_(uniform.log_().neg_()).argmax(dim=-1)
+    uniform.mul_(cdf[:, -1:])
+    sampled = torch.searchsorted(cdf, uniform).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     if greedy is not None:
         sampled = torch.where(md.greedy_mask, greedy, sampled)
     return sampled

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.engine_args import EngineArgs
-from pagedllm.core.errors import ConfigError, NotBuiltError
+from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
 from pagedllm.entrypoints.cli.types import CLISubcommand
 
@@ -105,6 +105,10 @@ class BenchSubcommand(CLISubcommand):
                 _add_latency_args(sub)
             elif kind == "throughput":
                 _add_throughput_args(sub)
+            else:
+                from pagedllm.entrypoints.cli.bench_serve import add_serve_args
+
+                add_serve_args(sub)
             if kind != "serve":
                 add_config_arg(sub)
                 EngineArgs.add_cli_args(sub, pm)
@@ -113,7 +117,9 @@ class BenchSubcommand(CLISubcommand):
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
         if args.bench_type == "serve":
-            raise NotBuiltError("'pagedllm bench serve' is not part of this build yet")
+            from pagedllm.entrypoints.cli.bench_serve import run_serve_bench
+
+            return run_serve_bench(args)
         from pagedllm.entrypoints.llm import LLM
 
         engine_args = EngineArgs.from_cli_args(args)

@@ -9,6 +9,8 @@ import inspect
 import json
 import logging
 import os
+import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -18,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm import __version__
@@ -60,25 +63,65 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await _too_large(self.limit)(scope, receive, send)
             return
+        if declared is not None:
+            # The server reads no more than the declared length.
+            await self.app(scope, receive, send)
+            return
+        # A chunked body is read here, up to the limit, and replayed to the app: an error
+        # raised from inside the app's receive() would reach FastAPI wrapped in an
+        # ExceptionGroup (by the http middleware's task group) and become a 400.
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive() -> dict[str, Any]:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge
-            return message
+            if message["type"] != "http.request":
+                break
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                await _too_large(self.limit)(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if message["type"] != "http.request":
+            pending = [message]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes an OpenAI-style 500.
+
+    Starlette's own handler re-raises after answering, and uvicorn then closes the
+    connection, so a client's next request on that keep-alive connection would fail too.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
         try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await _too_large(self.limit)(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:  # too late for a clean answer: let the server drop the connection
+                raise
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            response = error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+            await response(scope, receive, send)
 
 
 def _too_large(limit: int) -> JSONResponse:
@@ -104,6 +147,24 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     return Response(status_code=499)
+
+
+def _json_or_plain_list(flag: str, values: list[str]) -> list[str]:
+    """``--allowed-origins`` and friends: vLLM takes one JSON list
+    (``'["https://a.example"]'``); plain values (``https://a.example``) work too."""
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{flag} {value!r} is not a valid JSON list: {exc}") from exc
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise ConfigError(f"{flag} {value!r} must be a JSON list of strings")
+            out.extend(parsed)
+        else:
+            out.append(value)
+    return out
 
 
 def _import_middleware(path: str) -> Any:
@@ -168,12 +229,13 @@ def build_app(
         else:
             raise ConfigError(f"--middleware {path}: neither a class nor an async function")
 
+    app.add_middleware(InternalErrors)
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=args.allowed_origins,
+        allow_origins=_json_or_plain_list("--allowed-origins", args.allowed_origins),
         allow_credentials=args.allow_credentials,
-        allow_methods=args.allowed_methods,
-        allow_headers=args.allowed_headers,
+        allow_methods=_json_or_plain_list("--allowed-methods", args.allowed_methods),
+        allow_headers=_json_or_plain_list("--allowed-headers", args.allowed_headers),
     )
     app.add_middleware(BodySizeLimit)
 
@@ -187,6 +249,8 @@ def build_app(
                 message = "unknown field (not part of this API)"
             elif error.get("type") == "json_invalid":
                 where, message = "body", f"invalid JSON ({message})"
+            elif error.get("type") == "value_error":
+                message = message.removeprefix("Value error, ")
             problems.append(f"{where}: {message}" if where else message)
         return error_response(400, "; ".join(problems) or "invalid request")
 
@@ -210,8 +274,16 @@ def build_app(
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # Errors outside InternalErrors (in the outer middleware) still get a JSON body.
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+
     def request_id_for(request: Request, body_id: str | None, prefix: str) -> str:
-        return body_id or getattr(request.state, "request_id", None) or random_id(prefix)
+        # As vLLM: the X-Request-Id header, else the body's request_id, else a random id,
+        # always with the endpoint's prefix.
+        base = request.headers.get("x-request-id") or body_id
+        return f"{prefix}-{base}" if base else random_id(prefix)
 
     def log_request(request_id: str, body: Any) -> None:
         if args.disable_log_requests:
@@ -315,14 +387,17 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is not None:
-            chat = ChatCompletionRequest(
-                messages=body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
+            try:
+                chat = ChatCompletionRequest(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    add_special_tokens=body.add_special_tokens,
+                    chat_template=body.chat_template,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from exc
             prompt = serving._chat_prompt(chat)
             tokens = prompt.token_ids
         else:
@@ -376,9 +451,7 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
 
     import uvicorn
 
-    from pagedllm.core.config import UsageContext
-    from pagedllm.entrypoints.openai.chat_utils import load_chat_template
-    from pagedllm.entrypoints.openai.serving import ServingSettings
+    from pagedllm.entrypoints.openai.serving_setup import ServingOptions, build_serving
 
     log_config = None
     if args.log_config_file:
@@ -388,23 +461,17 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--log-config-file {args.log_config_file}: {exc}") from exc
         logging.config.dictConfig(log_config)
-    chat_template = load_chat_template(args.chat_template)
-    config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
-    engine = AsyncLLMEngine(config, pm)
-    names = config.model_config.served_model_name
-    settings = ServingSettings(
-        served_model_names=names,
+    options = ServingOptions(
         response_role=args.response_role,
-        chat_template=chat_template,
+        chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        max_logprobs=config.model_config.max_logprobs,
     )
-    metrics = Metrics(names[0])
-    engine.step_listeners.append(metrics.on_step)
-    serving = OpenAIServing(engine, settings)
-    app = build_app(args, engine, serving, metrics, pm, config.model_config.model)
+    stack = build_serving(engine_args, options, pm)
+    config, engine = stack.config, stack.engine
+    names = stack.model_names
+    app = build_app(args, engine, stack.serving, stack.metrics, pm, config.model_config.model)
 
     @app.on_event("shutdown")
     async def stop_engine() -> None:
@@ -431,8 +498,20 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         server_config.host,
         args.port,
     )
+    # uvicorn re-raises the signal that stopped it once it has shut down, which would kill
+    # the process with that signal; a handler of our own receives it instead, so SIGTERM
+    # and Ctrl+C end the process normally (exit code 0).
+    stopped_by: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda number, _frame: stopped_by.append(number))
     try:
         server.run()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.shutdown()
+    if stopped_by:
+        logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
     return 0

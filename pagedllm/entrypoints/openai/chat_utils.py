@@ -11,7 +11,7 @@ from pagedllm.core.errors import ConfigError
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 # A template that loops over a message's content expects OpenAI's list of parts.
-_LOOPS_OVER_CONTENT = re.compile(r"{%-?\s*for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)\b")
+_LOOPS_OVER_CONTENT = re.compile(r"{%-?\s*for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content\b)")
 
 
 def load_chat_template(value: str | None) -> str | None:

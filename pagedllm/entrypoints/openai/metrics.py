@@ -115,7 +115,7 @@ class Metrics:
             self.ttft.labels(m).observe(metrics.first_token_time - metrics.arrival_time)
         if metrics.finished_time is not None:
             self.e2e.labels(m).observe(metrics.finished_time - metrics.arrival_time)
-            tokens = max(len(c.token_ids) for c in output.outputs) if output.outputs else 0
+            tokens = metrics.num_generation_tokens
             if metrics.first_token_time is not None and tokens > 1:
                 self.itl.labels(m).observe(
                     (metrics.last_token_time - metrics.first_token_time) / (tokens - 1)

@@ -153,7 +153,8 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with echo: the prompt is scored and nothing is generated.
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
@@ -170,6 +171,8 @@ class CompletionRequest(SamplingFields):
     def _refuse_suffix(self) -> CompletionRequest:
         if self.suffix is not None:
             raise ValueError("suffix: insertion (fill-in-the-middle) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, to score a prompt)")
         return self
 
 

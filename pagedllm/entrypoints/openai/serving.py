@@ -75,15 +75,42 @@ class OpenAIServing:
         else:
             items = list(prompt)
         prepared = []
+        vocab = self.engine.engine.vocab_size
         for item in items:
             if isinstance(item, str):
                 prepared.append(
                     PreparedPrompt(item, self._tokenize(item, request.add_special_tokens))
                 )
-            else:
-                text = self.tokenizer.decode(item) if self.tokenizer is not None else None
-                prepared.append(PreparedPrompt(text, list(item)))
-        return prepared
+                continue
+            # Checked before decoding: the tokenizer overflows on ids beyond a C long.
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise OpenAIError(
+                    400,
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                    param="prompt",
+                )
+            text = self.tokenizer.decode(item) if self.tokenizer is not None else None
+            prepared.append(PreparedPrompt(text, list(item)))
+        return [self._truncate(p, request.truncate_prompt_tokens) for p in prepared]
+
+    def _truncate(self, prompt: PreparedPrompt, keep: int | None) -> PreparedPrompt:
+        """``truncate_prompt_tokens``: keep the last ``keep`` tokens (as the engine does),
+        so that the length checks and the echo see the prompt that is actually run."""
+        if keep is None:
+            return prompt
+        if keep > self.max_model_len:
+            raise OpenAIError(
+                400,
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}). Please, select a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        token_ids = prompt.token_ids[-keep:]
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        return PreparedPrompt(text, token_ids)
 
     def _max_tokens(self, requested: int | None, prompt: PreparedPrompt) -> int:
         prompt_len = len(prompt.token_ids)
@@ -117,18 +144,30 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- logprobs
 
-    def _token_text(self, token_id: int, logprob: Logprob) -> str:
-        if self.settings.return_tokens_as_token_ids:
+    def _as_ids(self, request: CompletionRequest | ChatCompletionRequest) -> bool:
+        """``return_tokens_as_token_ids``: the request's choice, else the server's flag."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.settings.return_tokens_as_token_ids
+
+    def _token_text(self, token_id: int, logprob: Logprob | None, as_ids: bool) -> str:
+        if as_ids:
             return f"token_id:{token_id}"
+        if logprob is None:
+            return self.tokenizer.decode([token_id]) if self.tokenizer else ""
         return logprob.decoded_token if logprob.decoded_token is not None else ""
 
     def _chat_logprobs(
-        self, token_ids: list[int], positions: list[dict[int, Logprob]], top: int
+        self,
+        token_ids: list[int],
+        positions: list[dict[int, Logprob]],
+        top: int,
+        as_ids: bool,
     ) -> dict[str, Any]:
         content = []
         for token_id, position in zip(token_ids, positions, strict=False):
             chosen = position[token_id]
-            text = self._token_text(token_id, chosen)
+            text = self._token_text(token_id, chosen, as_ids)
             ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
             content.append(
                 {
@@ -137,7 +176,7 @@ class OpenAIServing:
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {
-                            "token": (t := self._token_text(tid, lp)),
+                            "token": (t := self._token_text(tid, lp, as_ids)),
                             "logprob": max(lp.logprob, -9999.0),
                             "bytes": list(t.encode("utf-8")),
                         }
@@ -154,23 +193,24 @@ class OpenAIServing:
         positions: list[dict[int, Logprob] | None],
         top: int,
         text_offset: int,
+        as_ids: bool,
     ) -> dict[str, Any]:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = text_offset
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:  # the first prompt token has no logprob
-                text = self.tokenizer.decode([token_id]) if self.tokenizer else ""
+                text = self._token_text(token_id, None, as_ids)
                 tokens.append(text)
                 token_logprobs.append(None)
                 top_logprobs.append(None)
             else:
                 chosen = position[token_id]
-                text = self._token_text(token_id, chosen)
+                text = self._token_text(token_id, chosen, as_ids)
                 tokens.append(text)
                 token_logprobs.append(max(chosen.logprob, -9999.0))
                 top_logprobs.append(
                     {
-                        self._token_text(tid, lp): max(lp.logprob, -9999.0)
+                        self._token_text(tid, lp, as_ids): max(lp.logprob, -9999.0)
                         for tid, lp in position.items()
                         if tid == token_id or (lp.rank is not None and lp.rank <= top)
                     }
@@ -254,10 +294,13 @@ class OpenAIServing:
         self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         prompts = self._completion_prompts(request)
         defaults = self.engine.engine.loaded.generation_defaults
+        # echo with max_tokens=0 scores the prompt (as lm-eval does): one token is
+        # computed and dropped, as in vLLM.
+        max_tokens = 1 if _echo_only(request) else request.max_tokens
         params_list = []
         for prompt in prompts:
             params = request.sampling_params(
-                self._max_tokens(request.max_tokens, prompt), request.logprobs, defaults
+                self._max_tokens(max_tokens, prompt), request.logprobs, defaults
             )
             if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
                 params.prompt_logprobs = request.logprobs
@@ -279,7 +322,7 @@ class OpenAIServing:
             prompt_tokens += len(output.prompt_token_ids)
             cached += output.num_cached_tokens
             for completion in sorted(output.outputs, key=lambda c: c.index):
-                completion_tokens += len(completion.token_ids)
+                completion_tokens += 0 if _echo_only(request) else len(completion.token_ids)
                 choices.append(
                     self._completion_choice(request, prompt, output, completion, index * n)
                 )
@@ -304,10 +347,13 @@ class OpenAIServing:
         token_ids: list[int] | None = None,
         positions: list[Any] | None = None,
         echo: bool | None = None,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
         text = completion.text if text is None else text
         token_ids = completion.token_ids if token_ids is None else token_ids
         positions = completion.logprobs if positions is None else positions
+        if _echo_only(request):
+            text, token_ids, positions = "", [], []
         echo = request.echo if echo is None else echo
         logprobs = None
         prefix = (prompt.text or "") if echo else ""
@@ -316,7 +362,9 @@ class OpenAIServing:
             if echo:
                 ids = list(output.prompt_token_ids) + ids
                 pos = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + pos
-            logprobs = self._completion_logprobs(ids, pos, request.logprobs, 0)
+            logprobs = self._completion_logprobs(
+                ids, pos, request.logprobs, text_offset, self._as_ids(request)
+            )
         return {
             "index": base_index + completion.index,
             "text": prefix + text,
@@ -334,18 +382,31 @@ class OpenAIServing:
         continuous = bool(options and options.continuous_usage_stats)
         prompt_tokens = {i: len(p.token_ids) for i, p in enumerate(prompts)}
         completion_tokens: dict[tuple[int, int], int] = {}
-        cached = 0
+        cached: dict[int, int] = {}
         echoed: set[tuple[int, int]] = set()
+        # Where each choice's next token starts, so streamed text_offset values continue
+        # across chunks as they run in the non-streamed response.
+        offsets: dict[tuple[int, int], int] = {}
         async for index, output in generator:
-            cached = max(cached, output.num_cached_tokens)
+            cached[index] = output.num_cached_tokens
             for completion in output.outputs:
                 key = (index, completion.index)
-                completion_tokens[key] = completion_tokens.get(key, 0) + len(completion.token_ids)
+                generated = 0 if _echo_only(request) else len(completion.token_ids)
+                completion_tokens[key] = completion_tokens.get(key, 0) + generated
                 echo = request.echo and key not in echoed
                 echoed.add(key)
                 choice = self._completion_choice(
-                    request, prompts[index], output, completion, index * n, echo=echo
+                    request,
+                    prompts[index],
+                    output,
+                    completion,
+                    index * n,
+                    echo=echo,
+                    text_offset=offsets.get(key, 0),
                 )
+                logprobs = choice["logprobs"]
+                if logprobs is not None and logprobs["tokens"]:
+                    offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 chunk: dict[str, Any] = {
                     "id": request_id,
                     "object": "text_completion",
@@ -355,7 +416,9 @@ class OpenAIServing:
                 }
                 if include_usage and continuous:
                     chunk["usage"] = self._usage(
-                        sum(prompt_tokens.values()), sum(completion_tokens.values()), cached
+                        sum(prompt_tokens.values()),
+                        sum(completion_tokens.values()),
+                        sum(cached.values()),
                     )
                 yield sse(chunk)
         if include_usage:
@@ -367,7 +430,9 @@ class OpenAIServing:
                     "model": model,
                     "choices": [],
                     "usage": self._usage(
-                        sum(prompt_tokens.values()), sum(completion_tokens.values()), cached
+                        sum(prompt_tokens.values()),
+                        sum(completion_tokens.values()),
+                        sum(cached.values()),
                     ),
                 }
             )
@@ -397,7 +462,8 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
-        return PreparedPrompt(text, self._tokenize(text, request.add_special_tokens))
+        prompt = PreparedPrompt(text, self._tokenize(text, request.add_special_tokens))
+        return self._truncate(prompt, request.truncate_prompt_tokens)
 
     def _role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:
@@ -442,7 +508,12 @@ class OpenAIServing:
                         "tool_calls": [],
                     },
                     "logprobs": (
-                        self._chat_logprobs(completion.token_ids, completion.logprobs or [], top)
+                        self._chat_logprobs(
+                            completion.token_ids,
+                            completion.logprobs or [],
+                            top,
+                            self._as_ids(request),
+                        )
                         if request.logprobs
                         else None
                     ),
@@ -524,7 +595,10 @@ class OpenAIServing:
                             "delta": {"content": completion.text} if completion.text else {},
                             "logprobs": (
                                 self._chat_logprobs(
-                                    completion.token_ids, completion.logprobs or [], top
+                                    completion.token_ids,
+                                    completion.logprobs or [],
+                                    top,
+                                    self._as_ids(request),
                                 )
                                 if request.logprobs
                                 else None
@@ -538,6 +612,10 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
+
+
+def _echo_only(request: CompletionRequest) -> bool:
+    return request.echo and request.max_tokens == 0
 
 
 def _prompt_logprobs_json(output: RequestOutput) -> list[Any] | None:

@@ -1,0 +1,69 @@
+"""Build the engine and the OpenAI request handlers without an HTTP server.
+
+The same pieces :func:`pagedllm.entrypoints.openai.api_server.run_server` builds, for
+commands that serve OpenAI requests in-process (``run-batch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.core.async_engine import AsyncLLMEngine
+    from pagedllm.core.config import PagedLLMConfig
+    from pagedllm.core.engine_args import EngineArgs
+    from pagedllm.core.plugins import PluginManager
+    from pagedllm.entrypoints.openai.metrics import Metrics
+    from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+
+@dataclasses.dataclass(slots=True)
+class ServingOptions:
+    """The frontend options that shape responses (a subset of ``FrontendArgs``)."""
+
+    response_role: str = "assistant"
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class ServingStack:
+    config: PagedLLMConfig
+    engine: AsyncLLMEngine
+    serving: OpenAIServing
+    metrics: Metrics
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.serving.settings.served_model_names)
+
+
+def build_serving(
+    engine_args: EngineArgs, options: ServingOptions, pm: PluginManager
+) -> ServingStack:
+    """Load the model and start the engine loop; the caller calls ``engine.shutdown()``."""
+    from pagedllm.core.async_engine import AsyncLLMEngine
+    from pagedllm.core.config import UsageContext
+    from pagedllm.entrypoints.openai.chat_utils import load_chat_template
+    from pagedllm.entrypoints.openai.metrics import Metrics
+    from pagedllm.entrypoints.openai.serving import OpenAIServing, ServingSettings
+
+    chat_template = load_chat_template(options.chat_template)
+    config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLMEngine(config, pm)
+    names = config.model_config.served_model_name
+    settings = ServingSettings(
+        served_model_names=names,
+        response_role=options.response_role,
+        chat_template=chat_template,
+        chat_template_content_format=options.chat_template_content_format,
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        max_logprobs=config.model_config.max_logprobs,
+    )
+    metrics = Metrics(names[0])
+    engine.step_listeners.append(metrics.on_step)
+    return ServingStack(config, engine, OpenAIServing(engine, settings), metrics)
