@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces import ModelArchitecture
+from pagedllm.core.layers.linear import Linear
 from pagedllm.kernels.norms import rms_norm
 
 
@@ -77,3 +79,39 @@ def layer_sliding_windows(config: Any, disable_sliding_window: bool = False) -> 
     if getattr(config, "use_sliding_window", True) is False:
         return [None] * num_layers
     return [window] * num_layers
+
+
+class CausalLM(nn.Module, ModelArchitecture):
+    """A decoder and a vocabulary head, tied to the input embedding or not.
+
+    Subclasses build their decoder, then call :meth:`init_head`; they adapt checkpoint
+    names in :meth:`checkpoint_name` and tensors in :meth:`prepare_weights`.
+    """
+
+    # Whether the head is tied when the config does not say.
+    tie_by_default: bool = False
+
+    def init_head(self, config: Any, embedding: nn.Embedding, input_size: int) -> None:
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
+        if self.tie_word_embeddings:
+            self.lm_head = embedding
+        else:
+            self.lm_head = Linear(input_size, config.vocab_size, False, None, "lm_head")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills (None drops the tensor)."""
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # the embedding is the head
+        return name
+
+    def prepare_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors in the layout of this model's parameters."""
+        return weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return copy_weights(self, self.prepare_weights(weights), rename=self.checkpoint_name)

@@ -15,9 +15,9 @@ from torch import nn
 
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import Linear
-from pagedllm.plugins.models.common import activation, copy_weights
+from pagedllm.plugins.models.common import CausalLM, activation
 
 _CONV1D_WEIGHTS = (
     ".attn.c_attn.weight",
@@ -121,7 +121,9 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module, ModelArchitecture):
+class GPT2LMHeadModel(CausalLM):
+    tie_by_default = True
+
     def __init__(
         self,
         config: Any,
@@ -134,37 +136,25 @@ class GPT2LMHeadModel(nn.Module, ModelArchitecture):
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
         self.transformer = GPT2Model(config, quant_config, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.transformer.wte
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, None, "lm_head")
+        self.init_head(config, self.transformer.wte, config.hidden_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         return self.transformer(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.endswith(_MASK_BUFFERS):
+            return None
+        # The openai-community/gpt2* checkpoints were saved from GPT2Model: no prefix.
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = f"transformer.{name}"
+        return super().checkpoint_name(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                return None  # the embedding is the head
-            if name.endswith(_MASK_BUFFERS):
-                return None
-            # The openai-community/gpt2* checkpoints were saved from GPT2Model: no prefix.
-            if not name.startswith(("transformer.", "lm_head.")):
-                return f"transformer.{name}"
-            return name
-
-        def transposed(
-            pairs: Iterable[tuple[str, torch.Tensor]],
-        ) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in pairs:
-                if name.endswith(_CONV1D_WEIGHTS) and tensor.dim() == 2:
-                    tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
-                yield name, tensor
-
-        return copy_weights(self, transposed(weights), rename=rename)
+    def prepare_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(_CONV1D_WEIGHTS) and tensor.dim() == 2:
+                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+            yield name, tensor

@@ -7,17 +7,16 @@ name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.core.attention import Attention, AttentionMetadata
-from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import FusedLinear, Linear
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import RMSNorm, activation, copy_weights, layer_sliding_windows
+from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
@@ -125,7 +124,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module, ModelArchitecture):
+class LlamaForCausalLM(CausalLM):
     def __init__(
         self,
         config: Any,
@@ -138,25 +137,15 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
         self.model = LlamaModel(config, quant_config, max_positions, disable_sliding_window)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, None, "lm_head")
+        self.init_head(config, self.model.embed_tokens, config.hidden_size)
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                return None  # the embedding is the head
-            return name
-
-        return copy_weights(self, weights, rename=rename, skip=("rotary_emb.inv_freq",))
+    def checkpoint_name(self, name: str) -> str | None:
+        if "rotary_emb.inv_freq" in name:
+            return None  # older checkpoints saved the rotary buffer
+        return super().checkpoint_name(name)
 
     def process_weights_after_loading(self) -> None:
         for layer in self.model.layers:

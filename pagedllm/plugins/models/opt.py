@@ -5,7 +5,6 @@ Module names mirror Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,9 +12,9 @@ from torch import nn
 
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import Linear
-from pagedllm.plugins.models.common import activation, copy_weights
+from pagedllm.plugins.models.common import CausalLM, activation
 
 # OPT's learned position table has two extra rows in front (a fairseq padding relic):
 # absolute position p is row p + 2.
@@ -143,7 +142,9 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions, metadata)
 
 
-class OPTForCausalLM(nn.Module, ModelArchitecture):
+class OPTForCausalLM(CausalLM):
+    tie_by_default = True
+
     def __init__(
         self,
         config: Any,
@@ -156,29 +157,15 @@ class OPTForCausalLM(nn.Module, ModelArchitecture):
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
         self.model = OPTModel(config, quant_config, max_positions)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.decoder.embed_tokens
-        else:
-            self.lm_head = Linear(
-                _word_embed_dim(config), config.vocab_size, False, None, "lm_head"
-            )
+        self.init_head(config, self.model.decoder.embed_tokens, _word_embed_dim(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                return None  # the embedding is the head
-            # The facebook/opt-* checkpoints were saved from OPTModel: no "model." prefix.
-            if name.startswith("decoder."):
-                return f"model.{name}"
-            return name
-
-        return copy_weights(self, weights, rename=rename)
+    def checkpoint_name(self, name: str) -> str | None:
+        # The facebook/opt-* checkpoints were saved from OPTModel: no "model." prefix.
+        if name.startswith("decoder."):
+            name = f"model.{name}"
+        return super().checkpoint_name(name)
