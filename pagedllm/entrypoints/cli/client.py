@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedllm.entrypoints.cli.types import CLISubcommand
@@ -112,9 +113,9 @@ class _ClientSubcommand(CLISubcommand):
             except openai.APIStatusError as exc:
                 print(f"error: {api_error_message(exc)}", file=sys.stderr)
 
+    @abstractmethod
     def send(self, client: OpenAI, model: str, args: argparse.Namespace, text: str) -> str:
         """Send ``text``, stream the reply to stdout and return it."""
-        raise NotImplementedError
 
 
 class ChatSubcommand(_ClientSubcommand):
