@@ -118,3 +118,18 @@ def test_disable_sliding_window_caps_the_context(tmp_path):
     )
     assert len(out[0].outputs[0].token_ids) == 9
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_survive_preemption(checkpoint):
+    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40, prompt_logprobs=2)
+    calm = build(checkpoint).generate(prompts, params, use_tqdm=False)
+    tight = build(checkpoint, num_gpu_blocks_override=12, block_size=8)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    for a, b in zip(calm, squeezed, strict=True):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) == 30
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-5 for t in pa)

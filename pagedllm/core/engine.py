@@ -11,7 +11,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_setup import load_model, num_kv_blocks
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
-from pagedllm.core.outputs import Logprob, RequestMetrics, RequestOutput
+from pagedllm.core.outputs import RequestMetrics, RequestOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner, kv_cache_spec
 from pagedllm.core.sampling import SamplingParams
@@ -228,9 +228,11 @@ class LLMEngine:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         result = self.runner.execute(scheduler_output, self.kv_manager)
-        for request_id, rows in result.prompt_logprobs.items():
-            parent, _ = self.sequences[request_id]
-            parent.prompt_logprobs.extend(self._prompt_positions(rows))
+        for item in scheduler_output.scheduled:
+            rows = result.prompt_logprobs.get(item.request.request_id)
+            if rows:
+                parent, _ = self.sequences[item.request.request_id]
+                self._record_prompt_logprobs(parent, item.num_computed_tokens + 1, rows)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
         self.stat_logger.on_step(scheduler_output, len(updated))
         touched: dict[str, ParentRequest] = {}
@@ -271,8 +273,13 @@ class LLMEngine:
                 self.pm.hook.pagedllm_request_finished(request_output=output)
         return outputs
 
-    def _prompt_positions(self, rows: list[Any]) -> list[dict[int, Logprob]]:
-        return [self.output_processor.position_logprobs(row) for row in rows]
+    def _record_prompt_logprobs(self, parent: ParentRequest, first: int, rows: list[Any]) -> None:
+        """Rows for prompt positions ``first, first + 1, ...``; positions already recorded
+        (a preempted request recomputes its prompt) are skipped."""
+        recorded = parent.prompt_logprobs
+        for position, row in enumerate(rows, start=first):
+            if position == len(recorded):
+                recorded.append(self.output_processor.position_logprobs(row))
 
     def _forget(self, parent: ParentRequest) -> None:
         self.parents.pop(parent.request_id, None)
