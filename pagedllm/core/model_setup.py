@@ -17,6 +17,7 @@ from pagedllm.core.model_files import resolve_model_path
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
+    from pagedllm.core.interfaces import ModelLoader
     from pagedllm.core.plugins import PluginManager
 
 logger = logging.getLogger("pagedllm.model")
@@ -48,19 +49,25 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_hf_config(config: PagedLLMConfig) -> Any:
+def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) -> Any:
+    """The model's HF config: ``--hf-config-path`` when given, else the config the
+    checkpoint carries (``loader.hf_config``, e.g. GGUF metadata), else ``config.json``."""
     from transformers import AutoConfig
 
     mc = config.model_config
-    path = resolve_model_path(
-        mc.hf_config_path or mc.model,
-        revision=mc.revision,
-        download_dir=config.load_config.download_dir,
-    )
-    try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
+    hf_config = None
+    if loader is not None and not mc.hf_config_path:
+        hf_config = loader.hf_config(mc)
+    if hf_config is None:
+        path = resolve_model_path(
+            mc.hf_config_path or mc.model,
+            revision=mc.revision,
+            download_dir=config.load_config.download_dir,
+        )
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
     if callable(mc.hf_overrides):
         hf_config = mc.hf_overrides(hf_config) or hf_config
     for key, value in ({} if callable(mc.hf_overrides) else mc.hf_overrides).items():
@@ -117,13 +124,25 @@ def derive_max_model_len(
     return requested
 
 
-def load_tokenizer(config: PagedLLMConfig) -> Any:
+def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) -> Any:
+    """``--tokenizer`` when given, else the tokenizer the checkpoint carries
+    (``loader.load_tokenizer``, e.g. GGUF metadata), else the model directory's."""
     mc = config.model_config
     if mc.skip_tokenizer_init:
         return None
     if mc.tokenizer_mode not in ("auto", "slow"):
         raise ConfigError(f"--tokenizer-mode {mc.tokenizer_mode}: not supported (use auto or slow)")
     from transformers import AutoTokenizer
+
+    if loader is not None and mc.tokenizer == mc.model:
+        tokenizer = loader.load_tokenizer(
+            mc,
+            revision=mc.tokenizer_revision,
+            use_fast=mc.tokenizer_mode != "slow",
+            trust_remote_code=mc.trust_remote_code,
+        )
+        if tokenizer is not None:
+            return tokenizer
 
     path = resolve_model_path(
         mc.tokenizer, revision=mc.tokenizer_revision, download_dir=config.load_config.download_dir
@@ -149,6 +168,8 @@ def generation_defaults(config: PagedLLMConfig, hf_config: Any) -> tuple[dict[st
         source = mc.model if mc.generation_config == "auto" else mc.generation_config
         try:
             path = resolve_model_path(source, revision=mc.revision)
+            if path.is_file():  # a single-file checkpoint (GGUF): look beside it
+                path = path.parent
             raw = GenerationConfig.from_pretrained(path).to_diff_dict()
         except (OSError, ConfigError):
             if mc.generation_config != "auto":
@@ -174,7 +195,8 @@ def _eos_ids(tokenizer: Any, hf_config: Any, generation: dict[str, Any]) -> tupl
 def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     start = time.perf_counter()
     mc = config.model_config
-    hf_config = load_hf_config(config)
+    loader = get_model_loader(config.load_config, pm)
+    hf_config = load_hf_config(config, loader)
     dtype = resolve_dtype(mc.dtype, hf_config)
     max_model_len = derive_max_model_len(hf_config, mc.max_model_len, mc.disable_sliding_window)
     registry = pm.registry("models")
@@ -188,7 +210,6 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     quant = get_quantization_config(
         mc.quantization, pm, getattr(hf_config, "quantization_config", None)
     )
-    loader = get_model_loader(config.load_config, pm)
     loader.download_model(mc)
     model_cls = registry.load(architecture)
     previous = torch.get_default_dtype()
@@ -210,7 +231,7 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     model = model.to(config.device_config.torch_device).eval()
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config, loader)
     defaults, generation = generation_defaults(config, hf_config)
     seconds = time.perf_counter() - start
     logger.info(

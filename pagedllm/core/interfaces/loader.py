@@ -33,3 +33,14 @@ class ModelLoader(ABC):
     @abstractmethod
     def load_weights(self, model: Any, model_config: ModelConfig) -> None:
         """Load the checkpoint's tensors into ``model`` (a ``torch.nn.Module``)."""
+
+    def hf_config(self, model_config: ModelConfig) -> Any:
+        """The model config the checkpoint itself carries (a ``transformers``
+        ``PretrainedConfig``), or ``None`` to read ``config.json`` as usual. Formats such
+        as GGUF that embed their config override this."""
+        return None
+
+    def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
+        """The tokenizer the checkpoint itself carries, or ``None`` to load it from the
+        model directory as usual. ``kwargs`` are ``AutoTokenizer.from_pretrained`` ones."""
+        return None

@@ -9,4 +9,5 @@ def pagedllm_register_load_formats(registry):
     registry.add("safetensors", "pagedllm.plugins.loaders.default:SafetensorsLoader")
     registry.add("pt", "pagedllm.plugins.loaders.default:PtLoader")
     registry.add("npcache", "pagedllm.plugins.loaders.npcache:NpcacheLoader")
+    registry.add("gguf", "pagedllm.plugins.loaders.gguf:GGUFLoader")
     registry.add("dummy", "pagedllm.plugins.loaders.dummy:DummyLoader")

