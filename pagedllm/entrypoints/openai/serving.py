@@ -187,6 +187,16 @@ class OpenAIServing:
             )
         return {"content": content}
 
+    def _choice_logprobs(
+        self, request: ChatCompletionRequest, completion: CompletionOutput, top: int
+    ) -> dict[str, Any] | None:
+        """A chat choice's (or chunk's) ``logprobs``, when the request asked for them."""
+        if not request.logprobs:
+            return None
+        return self._chat_logprobs(
+            completion.token_ids, completion.logprobs or [], top, self._as_ids(request)
+        )
+
     def _completion_logprobs(
         self,
         token_ids: list[int],
@@ -507,16 +517,7 @@ class OpenAIServing:
                         "content": echo_text + completion.text,
                         "tool_calls": [],
                     },
-                    "logprobs": (
-                        self._chat_logprobs(
-                            completion.token_ids,
-                            completion.logprobs or [],
-                            top,
-                            self._as_ids(request),
-                        )
-                        if request.logprobs
-                        else None
-                    ),
+                    "logprobs": self._choice_logprobs(request, completion, top),
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
@@ -593,16 +594,7 @@ class OpenAIServing:
                         {
                             "index": completion.index,
                             "delta": {"content": completion.text} if completion.text else {},
-                            "logprobs": (
-                                self._chat_logprobs(
-                                    completion.token_ids,
-                                    completion.logprobs or [],
-                                    top,
-                                    self._as_ids(request),
-                                )
-                                if request.logprobs
-                                else None
-                            ),
+                            "logprobs": self._choice_logprobs(request, completion, top),
                             "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason,
                         }
