@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from pagedllm.core.async_engine import EngineDeadError, RequestFailedError
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, format_validation_errors
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
+    from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 logger = logging.getLogger("pagedllm.run_batch")
 
@@ -76,7 +77,10 @@ def parse_line(text: str, line_number: int) -> BatchLine:
     try:
         line.request = line.endpoint.request_type.model_validate(data["body"])
     except ValidationError as exc:
-        line.error = OpenAIError(400, f"{where}: {format_validation_error(exc)}", param="body")
+        problems = format_validation_errors(exc.errors(), root="body")
+        line.error = OpenAIError(
+            400, f"{where}: {problems or 'body: invalid request body'}", param="body"
+        )
         return line
     if line.request.stream:
         line.error = OpenAIError(
@@ -101,18 +105,6 @@ def _check_envelope(data: dict[str, Any]) -> str | None:
     return None
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line naming each invalid field, like the server's 400s."""
-    problems = []
-    for error in exc.errors():
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        message = error.get("msg", "invalid")
-        if error.get("type") == "extra_forbidden":
-            message = "unknown field (not part of this API)"
-        problems.append(f"body.{where}: {message}" if where else f"body: {message}")
-    return "; ".join(problems) or "invalid request body"
-
-
 def make_record(
     custom_id: str | None, request_id: str, status: int, body: dict[str, Any]
 ) -> dict[str, Any]:
@@ -131,23 +123,6 @@ def make_record(
 def error_record(line: BatchLine, exc: OpenAIError, request_id: str | None = None) -> dict:
     body = error_body(exc.status, exc.message, exc.type, exc.param)
     return make_record(line.custom_id, request_id or random_id("batch"), exc.status, body)
-
-
-@dataclasses.dataclass(slots=True)
-class RequestLog:
-    """``--disable-log-requests`` / ``--max-log-len``: what is logged per request."""
-
-    enabled: bool = True
-    max_len: int | None = None
-
-    def __call__(self, request_id: str, request: Any) -> None:
-        if not self.enabled:
-            return
-        prompt = getattr(request, "prompt", None) or getattr(request, "messages", None)
-        text = str(prompt)
-        if self.max_len is not None:
-            text = text[: self.max_len]
-        logger.info("received request %s: %s", request_id, text)
 
 
 async def run_line(line: BatchLine, serving: OpenAIServing, log: RequestLog) -> dict[str, Any]:

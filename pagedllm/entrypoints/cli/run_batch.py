@@ -120,9 +120,14 @@ def _run(lines: list[Any], serving: Any, batch_args: RunBatchArgs) -> list[dict[
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from pagedllm.entrypoints.cli.batch_runner import RequestLog, run_batch
+    from pagedllm.entrypoints.cli.batch_runner import run_batch
+    from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
-    log = RequestLog(not batch_args.disable_log_requests, batch_args.max_log_len)
+    log = RequestLog(
+        not batch_args.disable_log_requests,
+        batch_args.max_log_len,
+        logging.getLogger("pagedllm.run_batch"),
+    )
     with (
         logging_redirect_tqdm(),
         tqdm(total=len(lines), desc="Running batch", unit="req", file=sys.stderr) as bar,

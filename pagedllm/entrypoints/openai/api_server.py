@@ -27,7 +27,11 @@ from pagedllm import __version__
 from pagedllm.core.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_response
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    error_response,
+    format_validation_errors,
+)
 from pagedllm.entrypoints.openai.metrics import Metrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,6 +42,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -241,18 +246,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for error in exc.errors():
-            where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-            message = error.get("msg", "invalid")
-            if error.get("type") == "extra_forbidden":
-                message = "unknown field (not part of this API)"
-            elif error.get("type") == "json_invalid":
-                where, message = "body", f"invalid JSON ({message})"
-            elif error.get("type") == "value_error":
-                message = message.removeprefix("Value error, ")
-            problems.append(f"{where}: {message}" if where else message)
-        return error_response(400, "; ".join(problems) or "invalid request")
+        return error_response(400, format_validation_errors(exc.errors()) or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -285,14 +279,7 @@ def build_app(
         base = request.headers.get("x-request-id") or body_id
         return f"{prefix}-{base}" if base else random_id(prefix)
 
-    def log_request(request_id: str, body: Any) -> None:
-        if args.disable_log_requests:
-            return
-        prompt = getattr(body, "prompt", None) or getattr(body, "messages", None)
-        text = str(prompt)
-        if args.max_log_len is not None:
-            text = text[: args.max_log_len]
-        logger.info("received request %s: %s", request_id, text)
+    log_request = RequestLog(not args.disable_log_requests, args.max_log_len, logger)
 
     async def respond(request: Request, result: Any) -> Response:
         if isinstance(result, Response):

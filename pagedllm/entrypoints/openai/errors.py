@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -51,3 +52,25 @@ def error_response(
     return JSONResponse(
         error_body(status, message, type, param), status_code=status, headers=headers
     )
+
+
+def format_validation_errors(errors: Iterable[Mapping[str, Any]], root: str | None = None) -> str:
+    """One line naming each invalid field (the 400 message of the server and of
+    run-batch). Locations start at ``root`` when given (run-batch says ``body.x``)."""
+    problems = []
+    for error in errors:
+        path = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        message = error.get("msg", "invalid")
+        kind = error.get("type")
+        if kind == "extra_forbidden":
+            message = "unknown field (not part of this API)"
+        elif kind == "value_error":
+            message = message.removeprefix("Value error, ")
+        if kind == "json_invalid":
+            where, message = "body", f"invalid JSON ({message})"
+        elif root:
+            where = f"{root}.{path}" if path else root
+        else:
+            where = path
+        problems.append(f"{where}: {message}" if where else message)
+    return "; ".join(problems)

@@ -7,7 +7,8 @@ commands that serve OpenAI requests in-process (``run-batch``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
@@ -67,3 +68,23 @@ def build_serving(
     metrics = Metrics(names[0])
     engine.step_listeners.append(metrics.on_step)
     return ServingStack(config, engine, OpenAIServing(engine, settings), metrics)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestLog:
+    """``--disable-log-requests`` / ``--max-log-len``: what is logged per request."""
+
+    enabled: bool = True
+    max_len: int | None = None
+    logger: logging.Logger = dataclasses.field(
+        default_factory=lambda: logging.getLogger("pagedllm.server")
+    )
+
+    def __call__(self, request_id: str, request: Any) -> None:
+        if not self.enabled:
+            return
+        prompt = getattr(request, "prompt", None) or getattr(request, "messages", None)
+        text = str(prompt)
+        if self.max_len is not None:
+            text = text[: self.max_len]
+        self.logger.info("received request %s: %s", request_id, text)
