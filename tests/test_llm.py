@@ -405,9 +405,17 @@ def test_dtypes(ckpt, llm):
     pairs = zip([t for ts in reference for t in ts], [t for ts in got for t in ts], strict=True)
     agree = sum(a == b for a, b in pairs)
     assert agree >= 0.75 * sum(map(len, reference))
+    # auto: float16 for this float32 checkpoint, or float32 on a CPU without native
+    # half-precision arithmetic (the cpu device's rule).
+    from pagedllm.plugins.devices.cpu import CpuDevice, _native_half_support
+
+    expected = torch.float16 if _native_half_support() else torch.float32
+    assert CpuDevice().auto_dtype(torch.bfloat16) in (torch.bfloat16, torch.float32)
     auto = build(ckpt, dtype="auto")
-    assert auto.llm_engine.loaded.dtype == torch.float16
+    assert auto.llm_engine.loaded.dtype == expected
     assert len(tokens(run(auto, PROMPTS[0], greedy(max_tokens=3)))[0]) == 3
+    half = build(ckpt, dtype="half")  # an explicit choice is kept
+    assert half.llm_engine.loaded.dtype == torch.float16
 
 
 def test_load_formats(ckpt, llm, tmp_path):

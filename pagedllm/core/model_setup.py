@@ -17,7 +17,7 @@ from pagedllm.core.model_files import resolve_model_path
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
-    from pagedllm.core.interfaces import ModelLoader
+    from pagedllm.core.interfaces import Device, ModelLoader
     from pagedllm.core.plugins import PluginManager
 
 logger = logging.getLogger("pagedllm.model")
@@ -87,14 +87,26 @@ def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
     return hf_config
 
 
-def resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
-    """``--dtype``; ``auto`` is FP16 for FP32 and FP16 checkpoints, BF16 for BF16 ones."""
+def resolve_dtype(requested: str, hf_config: Any, device: Device | None = None) -> torch.dtype:
+    """``--dtype``; ``auto`` is FP16 for FP32 and FP16 checkpoints, BF16 for BF16 ones,
+    unless the device has no fast arithmetic in that type (``Device.auto_dtype``)."""
     if requested != "auto":
         return _DTYPES[requested]
     stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
-    return torch.bfloat16 if stored == torch.bfloat16 else torch.float16
+    dtype = torch.bfloat16 if stored == torch.bfloat16 else torch.float16
+    if device is not None:
+        chosen = device.auto_dtype(dtype)
+        if chosen != dtype:
+            logger.info(
+                "--dtype auto: %s instead of %s, which this %s has no fast arithmetic for",
+                str(chosen).removeprefix("torch."),
+                str(dtype).removeprefix("torch."),
+                device.name,
+            )
+        dtype = chosen
+    return dtype
 
 
 def derive_max_model_len(
@@ -197,7 +209,7 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     mc = config.model_config
     loader = get_model_loader(config.load_config, pm)
     hf_config = load_hf_config(config, loader)
-    dtype = resolve_dtype(mc.dtype, hf_config)
+    dtype = resolve_dtype(mc.dtype, hf_config, config.device_config.device)
     max_model_len = derive_max_model_len(hf_config, mc.max_model_len, mc.disable_sliding_window)
     registry = pm.registry("models")
     architectures = list(getattr(hf_config, "architectures", None) or [])

@@ -13,13 +13,18 @@ from pagedllm.core.interfaces.parsers import (
     ToolCall,
     ToolParser,
 )
-from pagedllm.core.interfaces.quantization import LinearMethod, QuantizationConfig
+from pagedllm.core.interfaces.quantization import (
+    EmbeddingMethod,
+    LinearMethod,
+    QuantizationConfig,
+)
 
 __all__ = [
     "AttentionBackend",
     "DeltaMessage",
     "DeltaToolCall",
     "Device",
+    "EmbeddingMethod",
     "ExtractedToolCalls",
     "Grammar",
     "GuidedBackend",

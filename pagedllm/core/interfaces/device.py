@@ -48,3 +48,8 @@ class Device(ABC):
     def describe(self) -> dict[str, Any]:
         """Facts for ``pagedllm collect-env`` (name, count, versions, ...)."""
         return {"name": self.name}
+
+    def auto_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``--dtype auto`` runs in, given the one the checkpoint rule picked
+        (FP16 or BF16). A device without fast arithmetic in it may choose another."""
+        return dtype

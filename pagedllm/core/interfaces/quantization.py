@@ -33,6 +33,19 @@ class LinearMethod(ABC):
         """Repack loaded weights (optional)."""
 
 
+class EmbeddingMethod(LinearMethod):
+    """How a vocabulary embedding stores its table: rows are looked up by token id, and
+    :meth:`apply` is the product with the table, so a tied head reuses it.
+
+    :meth:`create_weights` receives ``input_size`` = embedding width and ``output_size`` =
+    vocabulary size.
+    """
+
+    @abstractmethod
+    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the table, as floats of the engine dtype."""
+
+
 class QuantizationConfig(ABC):
     """A quantization method's settings, read from the checkpoint or the command line.
 
@@ -52,6 +65,11 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethod | None:
         """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.mlp``)."""
+
+    def get_embedding_method(self, layer: torch.nn.Module, prefix: str) -> EmbeddingMethod | None:
+        """The method for the vocabulary embedding at ``prefix``, or ``None`` (default)
+        to keep it in floats."""
+        return None
 
     def supported_dtypes(self) -> tuple[str, ...]:
         """Activation dtypes this method works with."""

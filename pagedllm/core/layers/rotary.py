@@ -14,8 +14,12 @@ from pagedllm.kernels.rotary import apply_rotary
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings; models with per-layer-type RoPE (Gemma 3) keep one dict per
+    ``layer_type`` (``full_attention``/``sliding_attention``)."""
     params = getattr(config, "rope_parameters", None)
+    if params is not None and layer_type is not None and layer_type in params:
+        params = params[layer_type]
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -24,9 +28,11 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    config: Any, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """``(inv_freq, attention_scaling)`` for the config's RoPE type."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
@@ -40,16 +46,21 @@ def inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    if layer_type is not None:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table for positions ``[0, max_positions)``."""
 
-    def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, config: Any, head_dim: int, max_positions: int, layer_type: str | None = None
+    ) -> None:
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        inv_freq, scaling = inverse_frequencies(config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -44,6 +44,27 @@ class CpuDevice(Device):
             "isa": torch.backends.cpu.get_cpu_capability(),
         }
 
+    def auto_dtype(self, dtype):
+        import torch
+
+        if dtype in (torch.float16, torch.bfloat16) and not _native_half_support():
+            # Without AVX512-BF16/FP16 or AMX, half-precision matmuls are emulated and run
+            # several times slower than float32, and round more.
+            return torch.float32
+        return dtype
+
+
+def _native_half_support() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16", "avx512_fp16"})
+    except OSError:
+        pass
+    return False
+
 
 def _cpu_model() -> str | None:
     try:

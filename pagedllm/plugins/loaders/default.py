@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,10 +44,21 @@ class AutoLoader(FileLoader):
     """safetensors when the model has them, else PyTorch ``.bin``/``.pt`` files, else
     GGUF (a ``.gguf`` path, or a directory whose only weights are one ``.gguf`` file)."""
 
+    # Keys for the GGUF loader (an error for any other checkpoint).
+    extra_config_keys = frozenset({"dequantize"})
+
     def __init__(self, load_config) -> None:
         super().__init__(load_config)
-        self._safetensors = SafetensorsLoader(load_config)
-        self._pt = PtLoader(load_config)
+        plain = dataclasses.replace(
+            load_config,
+            model_loader_extra_config={
+                k: v
+                for k, v in load_config.model_loader_extra_config.items()
+                if k not in self.extra_config_keys
+            },
+        )
+        self._safetensors = SafetensorsLoader(plain)
+        self._pt = PtLoader(plain)
         self._chosen: FileLoader | None = None
         self._gguf: dict[str, Any] = {}
 
@@ -67,6 +79,12 @@ class AutoLoader(FileLoader):
                     self.files_in(path)
                 except ConfigError:
                     use = find_gguf_file(path) is not None
+            given = set(self.load_config.model_loader_extra_config) & self.extra_config_keys
+            if given and not use:
+                raise ConfigError(
+                    f"--model-loader-extra-config: {sorted(given)} only apply to GGUF "
+                    f"checkpoints, and {model_config.model!r} is not one"
+                )
             self._gguf[model_config.model] = GGUFLoader(self.load_config) if use else None
         return self._gguf[model_config.model]
 

@@ -154,7 +154,7 @@ class GGUFFile:
 
     @cached_property
     def _mmap(self) -> np.memmap:
-        return np.memmap(self.path, dtype=np.uint8, mode="r")
+        return np.memmap(self.path, dtype=np.uint8, mode="c")  # writable views, file untouched
 
     def raw(self, name: str) -> np.ndarray:
         """The packed bytes of tensor ``name`` (a read-only view of the memory map),

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces import ModelArchitecture
+from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
+from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
 from pagedllm.kernels.norms import rms_norm
 
@@ -91,15 +92,28 @@ class CausalLM(nn.Module, ModelArchitecture):
     # Whether the head is tied when the config does not say.
     tie_by_default: bool = False
 
-    def init_head(self, config: Any, embedding: nn.Embedding, input_size: int) -> None:
+    def init_head(
+        self,
+        config: Any,
+        embedding: nn.Embedding | VocabEmbedding,
+        input_size: int,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
+        """The vocabulary head: the input embedding when tied, else a ``Linear`` that
+        ``quant_config`` may quantize (prefix ``lm_head``)."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
         if self.tie_word_embeddings:
             self.lm_head = embedding
         else:
-            self.lm_head = Linear(input_size, config.vocab_size, False, None, "lm_head")
+            self.lm_head = Linear(input_size, config.vocab_size, False, quant_config, "lm_head")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        head = self.lm_head
+        if isinstance(head, VocabEmbedding):
+            return head.as_linear(hidden_states).float()
+        if isinstance(head, Linear):
+            return head(hidden_states).float()
+        return torch.nn.functional.linear(hidden_states, head.weight).float()
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills (None drops the tensor)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.interfaces import QuantizationConfig
+from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import FusedLinear, Linear
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
@@ -104,8 +105,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+        )
         windows = layer_sliding_windows(config, disable_sliding_window)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, windows[i], quant, f"model.layers.{i}")
@@ -137,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
         self.model = LlamaModel(config, quant_config, max_positions, disable_sliding_window)
-        self.init_head(config, self.model.embed_tokens, config.hidden_size)
+        self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)

@@ -1,0 +1,393 @@
+/* GGUF dequantization and matmul for CPUs (pagedllm/kernels/gguf_cpu.py builds and loads
+ * this file on first use).
+ *
+ * Dequantization follows gguf.quants operation by operation (fp16 scales widened to
+ * float32 first, the same products and sums in the same order) and is built with
+ * -ffp-contract=off, so its float32 results are bit-exact with the torch reference in
+ * gguf_dequant.py. The matmul decodes one weight row at a time into a thread-local
+ * buffer and takes its dot product with every activation row, so the weight is read
+ * once, packed, and never exists in float form as a whole.
+ *
+ * Plain C, no torch headers: called through ctypes with raw pointers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30
+};
+
+#ifdef __F16C__
+#include <immintrin.h>
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2); /* GGUF is little-endian, as is every x86 CPU */
+    return _cvtsh_ss(h);
+}
+#else
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F;
+    uint32_t man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* One block of each type -> 32 or 256 floats. */
+
+static inline void blk_q4_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * ((float)(qs[j] & 0x0F) - 8.0f);
+        y[j + 16] = d * ((float)(qs[j] >> 4) - 8.0f);
+    }
+}
+
+static inline void blk_q4_1(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b), m = f16_to_f32(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        y[j] = (d * (float)(qs[j] & 0x0F)) + m;
+        y[j + 16] = (d * (float)(qs[j] >> 4)) + m;
+    }
+}
+
+static uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static inline void blk_q5_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b);
+    const uint32_t qh = le32(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        y[j] = d * ((float)lo - 16.0f);
+        y[j + 16] = d * ((float)hi - 16.0f);
+    }
+}
+
+static inline void blk_q5_1(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b), m = f16_to_f32(b + 2);
+    const uint32_t qh = le32(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        y[j] = (d * (float)lo) + m;
+        y[j + 16] = (d * (float)hi) + m;
+    }
+}
+
+static inline void blk_q8_0(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+}
+
+static void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline void blk_q4_k(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    for (int j = 0; j < 4; j++) {
+        int sc0, m0, sc1, m1;
+        scale_min_k4(scales, 2 * j, &sc0, &m0);
+        scale_min_k4(scales, 2 * j + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, mm0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
+        const uint8_t *q = qs + 32 * j;
+        float *out = y + 64 * j;
+        for (int l = 0; l < 32; l++) {
+            out[l] = d0 * (float)(q[l] & 0x0F) - mm0;
+            out[l + 32] = d1 * (float)(q[l] >> 4) - mm1;
+        }
+    }
+}
+
+static inline void blk_q5_k(const uint8_t *b, float *y) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 4; j++) {
+        int sc0, m0, sc1, m1;
+        scale_min_k4(scales, 2 * j, &sc0, &m0);
+        scale_min_k4(scales, 2 * j + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, mm0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
+        const uint8_t *q = qs + 32 * j;
+        float *out = y + 64 * j;
+        for (int l = 0; l < 32; l++) {
+            int lo = (q[l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4);
+            int hi = (q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4);
+            out[l] = d0 * (float)lo - mm0;
+            out[l + 32] = d1 * (float)hi - mm1;
+        }
+    }
+}
+
+static inline void blk_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = f16_to_f32(b + 208);
+    float dl[16];
+    for (int i = 0; i < 16; i++) dl[i] = d * (float)scales[i];
+    for (int r = 0; r < 2; r++) {          /* two halves of 128 values */
+        for (int l = 0; l < 32; l++) {
+            for (int f = 0; f < 4; f++) {  /* value 128r + 32f + l */
+                int v = 128 * r + 32 * f + l;
+                /* low nibbles of a 64-byte run are values 0..63 of its half, high
+                 * nibbles values 64..127 */
+                const uint8_t byte = ql[64 * r + 32 * (f & 1) + l];
+                int low = f >= 2 ? (byte >> 4) : (byte & 0x0F);
+                int high = (qh[32 * r + l] >> (2 * f)) & 3;
+                y[v] = dl[v / 16] * ((float)(low | (high << 4)) - 32.0f);
+            }
+        }
+    }
+}
+
+static inline void blk_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = f16_to_f32(b + 80), dmin = f16_to_f32(b + 82);
+    for (int v = 0; v < 256; v++) {
+        const int r = v / 128, f = (v % 128) / 32, i = v % 32, s = v / 16;
+        const float dl = d * (float)(scales[s] & 0x0F), ml = dmin * (float)(scales[s] >> 4);
+        y[v] = dl * (float)((qs[32 * r + i] >> (2 * f)) & 3) - ml;
+    }
+}
+
+static inline void blk_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+    const float d = f16_to_f32(b + 108);
+    float dl[16];
+    for (int j = 0; j < 16; j++) {
+        int low = j < 8 ? (packed[j] & 0x0F) : (packed[j - 8] >> 4);
+        int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        dl[j] = d * ((float)(low | (high << 4)) - 32.0f);
+    }
+    for (int v = 0; v < 256; v++) {
+        const int r = v / 128, f = (v % 128) / 32, i = v % 32;
+        const int ql = (qs[32 * r + i] >> (2 * f)) & 3;
+        const int qh = (((hmask[v % 32] >> (v / 32)) & 1) ^ 1) << 2;
+        y[v] = dl[v / 16] * ((float)ql - (float)qh);
+    }
+}
+
+static inline void blk_f16(const uint8_t *b, float *y) { y[0] = f16_to_f32(b); }
+
+static inline void blk_bf16(const uint8_t *b, float *y) {
+    uint32_t bits = ((uint32_t)b[0] | ((uint32_t)b[1] << 8)) << 16;
+    memcpy(y, &bits, 4);
+}
+
+static inline void blk_f32(const uint8_t *b, float *y) { memcpy(y, b, 4); }
+
+/* One row function per type, so each block decoder is inlined into its loop. */
+typedef void (*row_fn)(const uint8_t *, int64_t, float *);
+
+#define ROW_FN(name, blk, values, bytes)                                         \
+    static void name(const uint8_t *row, int64_t nblocks, float *out) {          \
+        for (int64_t i = 0; i < nblocks; i++) blk(row + i * (bytes), out + i * (values)); \
+    }
+
+ROW_FN(row_q4_0, blk_q4_0, 32, 18)
+ROW_FN(row_q4_1, blk_q4_1, 32, 20)
+ROW_FN(row_q5_0, blk_q5_0, 32, 22)
+ROW_FN(row_q5_1, blk_q5_1, 32, 24)
+ROW_FN(row_q8_0, blk_q8_0, 32, 34)
+ROW_FN(row_q2_k, blk_q2_k, 256, 84)
+ROW_FN(row_q3_k, blk_q3_k, 256, 110)
+ROW_FN(row_q4_k, blk_q4_k, 256, 144)
+ROW_FN(row_q5_k, blk_q5_k, 256, 176)
+ROW_FN(row_q6_k, blk_q6_k, 256, 210)
+ROW_FN(row_f16, blk_f16, 1, 2)
+ROW_FN(row_bf16, blk_bf16, 1, 2)
+ROW_FN(row_f32, blk_f32, 1, 4)
+
+static int type_info(int qtype, row_fn *fn, int *block_values) {
+    switch (qtype) {
+    case T_Q4_0: *fn = row_q4_0; *block_values = 32; return 0;
+    case T_Q4_1: *fn = row_q4_1; *block_values = 32; return 0;
+    case T_Q5_0: *fn = row_q5_0; *block_values = 32; return 0;
+    case T_Q5_1: *fn = row_q5_1; *block_values = 32; return 0;
+    case T_Q8_0: *fn = row_q8_0; *block_values = 32; return 0;
+    case T_Q2_K: *fn = row_q2_k; *block_values = 256; return 0;
+    case T_Q3_K: *fn = row_q3_k; *block_values = 256; return 0;
+    case T_Q4_K: *fn = row_q4_k; *block_values = 256; return 0;
+    case T_Q5_K: *fn = row_q5_k; *block_values = 256; return 0;
+    case T_Q6_K: *fn = row_q6_k; *block_values = 256; return 0;
+    case T_F16: *fn = row_f16; *block_values = 1; return 0;
+    case T_BF16: *fn = row_bf16; *block_values = 1; return 0;
+    case T_F32: *fn = row_f32; *block_values = 1; return 0;
+    default: return -1;
+    }
+}
+
+int pagedllm_gguf_supported(int qtype) {
+    row_fn fn;
+    int bv;
+    return type_info(qtype, &fn, &bv) == 0;
+}
+
+/* rows x k values from rows x row_bytes packed bytes. */
+int pagedllm_gguf_dequant(int qtype, const uint8_t *raw, int64_t rows, int64_t row_bytes,
+                          int64_t k, float *out, int nthreads) {
+    row_fn fn;
+    int bv;
+    if (type_info(qtype, &fn, &bv) != 0) return -1;
+    const int64_t nblocks = k / bv;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++)
+        fn(raw + r * row_bytes, nblocks, out + r * k);
+    return 0;
+}
+
+/* 32 independent lanes, so the compiler vectorises without reassociating any sum; fused
+ * multiply-adds are fine here (only the dequantization must round like the reference). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static float dot(const float *a, const float *b, int64_t k) {
+    float acc[32] = {0};
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32)
+        for (int l = 0; l < 32; l++) acc[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (; i < k; i++) s += a[i] * b[i];
+    for (int l = 0; l < 32; l++) s += acc[l];
+    return s;
+}
+#pragma GCC pop_options
+
+#ifdef __AVX512F__
+/* Fused decode-and-dot for the 32-value types with one scale (and min) per block:
+ * sum_i w_i x_i = d * sum_i q_i x_i + c * sum_i x_i, where c is the block's offset
+ * (Q4_1/Q5_1: m; Q4_0: -8d; Q8_0: 0). The block sums of x are computed once per call.
+ * Rounds differently from decode-then-dot, within float32 matmul tolerance. */
+#define MAX_FUSED_ROWS 8
+
+static inline void q4_values(const uint8_t *qs, __m512 *lo, __m512 *hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+}
+
+static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
+                        const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
+                        int nthreads) {
+    int block_bytes, qs_off, has_min;
+    switch (qtype) {
+    case T_Q4_0: block_bytes = 18; qs_off = 2; has_min = 0; break;
+    case T_Q4_1: block_bytes = 20; qs_off = 4; has_min = 1; break;
+    case T_Q8_0: block_bytes = 34; qs_off = 2; has_min = 0; break;
+    default: return -1;
+    }
+    if (m > MAX_FUSED_ROWS || k % 32) return -1;
+    const int64_t nb = k / 32;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(m * nb));
+    if (xsum == NULL) return -2;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int l = 0; l < 32; l++) s += x[i * x_stride + b * 32 + l];
+            xsum[i * nb + b] = s;
+        }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = raw + j * row_bytes;
+        __m512 acc[MAX_FUSED_ROWS];
+        float offset[MAX_FUSED_ROWS];
+        for (int64_t i = 0; i < m; i++) { acc[i] = _mm512_setzero_ps(); offset[i] = 0.0f; }
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * block_bytes;
+            const float d = f16_to_f32(blk);
+            float c;
+            __m512 lo, hi;
+            if (qtype == T_Q8_0) {
+                const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+                const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1));
+                c = 0.0f;
+            } else {
+                q4_values(blk + qs_off, &lo, &hi);
+                c = has_min ? f16_to_f32(blk + 2) : -8.0f * d;
+            }
+            const __m512 vd = _mm512_set1_ps(d);
+            for (int64_t i = 0; i < m; i++) {
+                const float *xb = x + i * x_stride + b * 32;
+                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
+                acc[i] = _mm512_fmadd_ps(vd, t, acc[i]);
+                offset[i] += c * xsum[i * nb + b];
+            }
+        }
+        for (int64_t i = 0; i < m; i++) y[i * y_stride + j] = _mm512_reduce_add_ps(acc[i]) + offset[i];
+    }
+    free(xsum);
+    return 0;
+}
+#endif
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] for the n x k weight W given packed, m activation
+ * rows (row strides in elements). Each thread decodes whole weight rows into its own
+ * buffer. */
+int pagedllm_gguf_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                         int64_t k, const float *x, int64_t m, int64_t x_stride, float *y,
+                         int64_t y_stride, int nthreads) {
+    row_fn fn;
+    int bv;
+    if (type_info(qtype, &fn, &bv) != 0) return -1;
+#ifdef __AVX512F__
+    const int fused = fused_matmul(qtype, raw, n, row_bytes, k, x, m, x_stride, y, y_stride,
+                                   nthreads);
+    if (fused != -1) return fused;
+#endif
+    const int64_t nblocks = k / bv;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *row = (float *)malloc(sizeof(float) * (size_t)k);
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            if (row == NULL) continue;
+            fn(raw + j * row_bytes, nblocks, row);
+            for (int64_t i = 0; i < m; i++) y[i * y_stride + j] = dot(row, x + i * x_stride, k);
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
+}

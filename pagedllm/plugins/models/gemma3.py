@@ -1,0 +1,164 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers, each kind with its own
+RoPE base, q/k norms, four norms per layer (all ``x * (1 + w)``), a scaled embedding and
+an optional final logit soft-cap. Module names mirror Hugging Face's ``Gemma3ForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces import QuantizationConfig
+from pagedllm.core.layers.embedding import VocabEmbedding
+from pagedllm.core.layers.linear import FusedLinear, Linear
+from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
+
+
+def _norm(size: int, config: Any) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, offset=1.0)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(hidden, q_size, bias, quant, f"{prefix}.q_proj")
+        self.k_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.k_proj")
+        self.v_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.v_proj")
+        self.o_proj = Linear(q_size, hidden, bias, quant, f"{prefix}.o_proj")
+        self.q_norm = _norm(self.head_dim, config)
+        self.k_norm = _norm(self.head_dim, config)
+        scale = config.query_pre_attn_scalar**-0.5
+        self.attn = Attention(
+            self.num_heads, self.head_dim, scale, self.num_kv_heads, layer, window
+        )
+        self.qkv: FusedLinear | None = None
+
+    def forward(self, positions, hidden, rotary: RotaryEmbedding, metadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        if self.qkv is not None:
+            q, k, v = self.qkv(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        q, k = rotary(positions, q, k)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
+        return self.o_proj(out)
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Any, quant, prefix: str) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(hidden, inter, False, quant, f"{prefix}.gate_proj")
+        self.up_proj = Linear(hidden, inter, False, quant, f"{prefix}.up_proj")
+        self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj")
+        self.act_fn = activation(config.hidden_activation)
+        self.gate_up: FusedLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer]
+        self.self_attn = Gemma3Attention(config, layer, window, quant, f"{prefix}.self_attn")
+        self.mlp = Gemma3MLP(config, quant, f"{prefix}.mlp")
+        size = config.hidden_size
+        self.input_layernorm = _norm(size, config)
+        self.post_attention_layernorm = _norm(size, config)
+        self.pre_feedforward_layernorm = _norm(size, config)
+        self.post_feedforward_layernorm = _norm(size, config)
+
+    def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+        )
+        # As Hugging Face: sqrt(hidden) rounded to the weight dtype, applied after lookup.
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        windows = layer_sliding_windows(config, disable_sliding_window)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, windows[i], quant, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = _norm(config.hidden_size, config)
+        self.rotary = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(config, config.head_dim, max_positions, layer_type=kind)
+                for kind in sorted(set(config.layer_types))
+            }
+        )
+
+    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary[layer.layer_type], metadata)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    tie_by_default = True
+
+    def __init__(
+        self,
+        config: Any,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        max_positions: int | None = None,
+        disable_sliding_window: bool = False,
+    ) -> None:
+        super().__init__()
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ConfigError("Gemma 3 with attn_logit_softcapping is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ConfigError(
+                "Gemma 3 with bidirectional attention (embedding models) is not supported"
+            )
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = Gemma3Model(config, quant_config, max_positions, disable_sliding_window)
+        self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def process_weights_after_loading(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.qkv = FusedLinear.of(
+                [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+            )
+            layer.mlp.gate_up = FusedLinear.of([layer.mlp.gate_proj, layer.mlp.up_proj])
