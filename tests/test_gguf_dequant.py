@@ -167,3 +167,83 @@ def test_real_smollm2_tensors_bit_exact():
     full = gguf.dequantized("blk.0.attn_q.weight")
     expected = gq.dequantize(np.array(gguf.raw("blk.0.attn_q.weight")), T.Q4_1)
     assert torch.equal(full, torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled CPU kernels (csrc/gguf_cpu.c): the same exactness, and the matmul paths.
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    from pagedllm.kernels.gguf_cpu import cpu_kernels as load
+
+    kernels = load()
+    if kernels is None:
+        pytest.skip("no C compiler: the CPU kernels are not built (the torch path is used)")
+    return kernels
+
+
+def _any_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    if qtype in FP16_FIELDS:
+        return _random_blocks(qtype, shape, seed)
+    return _quantized_blocks(qtype, shape, seed)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_cpu_kernel_dequantize_bit_exact(cpu_kernels, qtype: GGMLQuantizationType):
+    assert cpu_kernels.supports(qtype)
+    unit = max(GGML_QUANT_SIZES[qtype][0], 32)
+    for seed, shape in enumerate([(1, unit), (7, 2 * unit), (33, 3 * unit)]):
+        raw = _any_blocks(qtype, shape, seed)
+        expected = np.asarray(gq.dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+        got = cpu_kernels.dequantize(torch.from_numpy(raw), qtype, *shape)
+        assert torch.equal(got, torch.from_numpy(expected)), qtype.name
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_cpu_kernel_matmul_matches_dequantized_matmul(cpu_kernels, qtype):
+    out_features, in_features = 37, 512
+    raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=5))
+    w = dequantize(raw, qtype, (out_features, in_features))
+    g = torch.Generator().manual_seed(1)
+    # 1-8 rows take the fused decode-and-dot loop (Q4_0/Q4_1/Q8_0), 9+ the row buffer.
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, in_features, generator=g)
+        expected = F.linear(x, w)
+        got = cpu_kernels.matmul(x, raw, qtype, out_features, in_features)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_unsupported_type_is_refused_by_the_cpu_kernels(cpu_kernels):
+    assert not cpu_kernels.supports(T.IQ2_XXS)
+    with pytest.raises(ValueError, match="not supported"):
+        cpu_kernels.dequantize(torch.zeros(66, dtype=torch.uint8), T.IQ2_XXS, 1, 256)
+
+
+def test_gguf_linear_without_compiled_kernels(monkeypatch):
+    """With no compiler (or PAGEDLLM_DISABLE_CPU_KERNELS=1) the torch reference runs."""
+    import pagedllm.kernels.gguf_matmul as matmul
+
+    monkeypatch.setattr(matmul, "cpu_kernels", lambda: None)
+    raw = torch.from_numpy(_quantized_blocks(T.Q4_1, (40, 256), seed=2))
+    x = torch.randn(3, 256)
+    expected = gguf_linear_reference(x, raw, T.Q4_1, 40, 256)
+    torch.testing.assert_close(matmul.gguf_linear(x, raw, T.Q4_1, 40, 256), expected)
+    ids = torch.tensor([[0, 39], [5, 5]])
+    rows = matmul.gguf_embedding(ids, raw, T.Q4_1, 256, torch.float32)
+    assert torch.equal(rows, dequantize(raw, T.Q4_1, (40, 256))[ids])
+
+
+def test_cpu_kernels_can_be_disabled(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from pagedllm.kernels.gguf_cpu import cpu_kernels; "
+        "assert cpu_kernels() is None; print('reference')"
+    )
+    env = {**__import__("os").environ, "PAGEDLLM_DISABLE_CPU_KERNELS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "reference" in out.stdout, out.stderr

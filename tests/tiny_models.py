@@ -141,9 +141,11 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
-def make_checkpoint(directory: Path, name: str, seed: int = 0) -> Path:
-    """Save a tiny random ``name`` model and the test tokenizer into ``directory``."""
+def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random ``name`` model (config kwargs updated by ``overrides``) and the
+    test tokenizer into ``directory``."""
     config_cls, model_cls, kwargs = ARCHITECTURES[name]
+    kwargs = {**kwargs, **overrides}
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(directory)
     config = config_cls(

@@ -68,6 +68,13 @@ def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
+        if loader is not None and mc.hf_config_path:
+            # The checkpoint may still say how its weights are stored (GGUF types), which
+            # a config.json from elsewhere cannot know.
+            carried = loader.hf_config(mc)
+            storage = getattr(carried, "quantization_config", None)
+            if storage and not getattr(hf_config, "quantization_config", None):
+                hf_config.quantization_config = storage
     if callable(mc.hf_overrides):
         hf_config = mc.hf_overrides(hf_config) or hf_config
     for key, value in ({} if callable(mc.hf_overrides) else mc.hf_overrides).items():

@@ -4,9 +4,10 @@ Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias
 
 - a few activation rows (decode): the compiled CPU kernel decodes one weight row at a
   time into a small buffer and takes its dot products there (``gguf_cpu``);
-- many rows (prefill, large batches): a chunk of weight rows is dequantized (by the
-  compiled kernel, else the torch reference) and multiplied with the BLAS GEMM, so the
-  extra memory is one chunk rather than the whole float weight.
+- many rows (prefill, large batches), or any rows on a GPU: a chunk of weight rows is
+  dequantized (the compiled CPU kernel, the Triton kernels on GPUs, else the torch
+  reference) and multiplied with the BLAS GEMM, so the extra memory is one chunk rather
+  than the whole float weight.
 
 Results agree with the reference to within matmul-kernel rounding.
 """
@@ -37,9 +38,15 @@ GEMV_MAX_ROWS = 4
 
 
 def _dequantize_rows(raw: torch.Tensor, qtype: int, rows: int, k: int, dtype) -> torch.Tensor:
-    kernels = cpu_kernels() if raw.device.type == "cpu" else None
-    if kernels is not None and kernels.supports(qtype):
-        return kernels.dequantize(raw, qtype, rows, k).to(dtype)
+    if raw.device.type == "cpu":
+        kernels = cpu_kernels()
+        if kernels is not None and kernels.supports(qtype):
+            return kernels.dequantize(raw, qtype, rows, k).to(dtype)
+    else:
+        from pagedllm.kernels.triton_gguf import triton_available, triton_dequantize
+
+        if triton_available():  # GPUs: the Triton kernels
+            return triton_dequantize(raw, qtype, (rows, k), dtype=dtype)
     return dequantize(raw, qtype, (rows, k), dtype=dtype)
 
 
