@@ -99,7 +99,8 @@ def resolve_dtype(requested: str, hf_config: Any, device: Device | None = None) 
     unless the device has no fast arithmetic in that type (``Device.auto_dtype``)."""
     if requested != "auto":
         return _DTYPES[requested]
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # (``torch_dtype`` read from the instance dict: the attribute warns in transformers 5.)
+    stored = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     dtype = torch.bfloat16 if stored == torch.bfloat16 else torch.float16
@@ -211,6 +212,17 @@ def _eos_ids(tokenizer: Any, hf_config: Any, generation: dict[str, Any]) -> tupl
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap pages freed while loading (checkpoint copies, tensors replaced by
+    fused ones) back to the OS, so resident memory shows what the model keeps."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     start = time.perf_counter()
     mc = config.model_config
@@ -250,15 +262,18 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     model = model.to(config.device_config.torch_device).eval()
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
+    _return_freed_memory()
     tokenizer = load_tokenizer(config, loader)
     defaults, generation = generation_defaults(config, hf_config)
     seconds = time.perf_counter() - start
     logger.info(
-        "loaded %s (%s, %s) in %.2f s; context length %d",
+        "loaded %s (%s, %s%s) in %.2f s: %.0f MiB of weights; context length %d",
         mc.model,
         architecture,
         str(dtype).removeprefix("torch."),
+        f", {quant.name} weights" if quant is not None else "",
         seconds,
+        sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         max_model_len,
     )
     return LoadedModel(

@@ -73,11 +73,16 @@ class FusedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     @classmethod
-    def of(cls, linears: list[Linear]) -> FusedLinear | None:
-        """The fused layer, or None when a quantization method owns one of the layers."""
-        if any(layer.method is not None for layer in linears):
+    def of(cls, linears: list[Linear]) -> nn.Module | None:
+        """The fused layer, or None when they cannot be fused. Layers a quantization
+        method owns are fused by that method (``fuse``), when it can."""
+        methods = [layer.method for layer in linears]
+        if all(method is None for method in methods):
+            return cls(linears)
+        fuse = getattr(methods[0], "fuse", None)
+        if fuse is None or any(type(m) is not type(methods[0]) for m in methods):
             return None
-        return cls(linears)
+        return fuse(linears)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))

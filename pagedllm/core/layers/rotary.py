@@ -67,13 +67,20 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = emb.shape[-1]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._gathered: tuple | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``."""
-        cos = self.cos[positions].to(query.dtype)
-        sin = self.sin[positions].to(query.dtype)
+        # Every layer of a step passes the same positions tensor: gather once per step.
+        cached = self._gathered
+        if cached is not None and cached[0] is positions and cached[1] == query.dtype:
+            cos, sin = cached[2], cached[3]
+        else:
+            cos = self.cos[positions].to(query.dtype)
+            sin = self.sin[positions].to(query.dtype)
+            self._gathered = (positions, query.dtype, cos, sin)
         return (
             apply_rotary(query, cos, sin, self.rotary_dim),
             apply_rotary(key, cos, sin, self.rotary_dim),

@@ -40,6 +40,40 @@ class GGUFLinearMethod(LinearMethod):
         out_features, in_features = layer.gguf_shape
         return gguf_linear(x, layer.weight, self.qtype, out_features, in_features, bias)
 
+    def fuse(self, layers: list[nn.Module]) -> nn.Module | None:
+        """One packed weight for layers that read the same input (Q/K/V, gate/up) when
+        they share a GGML type: one matmul call instead of several. The layers' own
+        weights become views of the fused one, so nothing is stored twice."""
+        methods = [layer.method for layer in layers]
+        if any(m.qtype != self.qtype for m in methods):
+            return None
+        if any(layer.bias is not None for layer in layers):
+            return None
+        in_features = {layer.gguf_shape[1] for layer in layers}
+        if len(in_features) != 1:
+            return None
+        return PackedFusedLinear(layers, self.qtype)
+
+
+class PackedFusedLinear(nn.Module):
+    """Several packed layers of one GGML type computed as one: outputs split in order."""
+
+    def __init__(self, layers: list[nn.Module], qtype: GGMLQuantizationType) -> None:
+        super().__init__()
+        self.qtype = qtype
+        self.sizes = [layer.gguf_shape[0] for layer in layers]
+        self.in_features = layers[0].gguf_shape[1]
+        weight = torch.cat([layer.weight.data for layer in layers])
+        offset = 0
+        for layer, size in zip(layers, self.sizes, strict=True):
+            layer.weight.data = weight[offset : offset + size]
+            offset += size
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out = gguf_linear(x, self.weight, self.qtype, sum(self.sizes), self.in_features)
+        return list(out.split(self.sizes, dim=-1))
+
 
 class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethod):
     """A packed vocabulary table: looked-up rows are dequantized, a tied head multiplies
