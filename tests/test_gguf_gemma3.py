@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_reference import assert_greedy_parity, hf_gguf_model
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.plugins.loaders.gguf_arch import ARCHITECTURES
 from pagedllm.plugins.loaders.gguf_file import GGUFFile
 
@@ -46,14 +47,7 @@ def hf_reference(gemma_file):
 
     parsed = load_gguf_checkpoint(str(gemma_file), return_tensors=False)
     config = Gemma3TextConfig(**parsed["config"])
-    with torch.device("meta"):
-        skeleton = Gemma3ForCausalLM(config)
-    loaded = load_gguf_checkpoint(str(gemma_file), return_tensors=True, model_to_load=skeleton)
-    model = Gemma3ForCausalLM(config).float().eval()
-    state = {k: torch.as_tensor(v) for k, v in loaded["tensors"].items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
+    model = hf_gguf_model(gemma_file, config, Gemma3ForCausalLM)
     tokenizer = AutoTokenizer.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name)
     return config, tokenizer, model
 
@@ -110,23 +104,4 @@ def test_tokenizer_matches_transformers(llm, hf_reference):
 def test_greedy_parity_with_transformers(llm, hf_reference):
     _config, tokenizer, model = hf_reference
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-    for ids, output in zip(prompt_ids, outputs, strict=True):
-        with torch.no_grad():
-            result = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        expected = result.sequences[0, len(ids) :].tolist()
-        completion = output.outputs[0]
-        assert completion.token_ids == expected
-        for step, (logits, token) in enumerate(zip(result.logits, expected, strict=True)):
-            logprob = torch.log_softmax(logits[0].float(), dim=-1)[token].item()
-            assert abs(completion.logprobs[step][token].logprob - logprob) < 2e-3, step
+    assert_greedy_parity(llm, model, prompt_ids, NEW_TOKENS, tolerance=2e-3)

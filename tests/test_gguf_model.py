@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_reference import assert_greedy_parity, hf_gguf_model
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.core.errors import ConfigError
 from pagedllm.plugins.loaders.gguf import GGUFLoader, reverse_permute
 from pagedllm.plugins.loaders.gguf_arch import ARCHITECTURES
@@ -44,19 +45,11 @@ def hf_reference():
     is not installed; ``load_gguf_checkpoint`` is what it calls to dequantize and
     un-permute the tensors.)"""
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     directory, name = SMOLLM2_GGUF.parent, SMOLLM2_GGUF.name
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    loaded = load_gguf_checkpoint(str(SMOLLM2_GGUF), return_tensors=True, model_to_load=skeleton)
-    model = LlamaForCausalLM(config).float().eval()
-    state = {k: torch.as_tensor(v) for k, v in loaded["tensors"].items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
+    model = hf_gguf_model(SMOLLM2_GGUF, config, LlamaForCausalLM)
     return config, tokenizer, model
 
 
@@ -109,26 +102,7 @@ def test_greedy_parity_with_transformers(llm, hf_reference):
         tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in CHATS
     ]
     prompt_ids = [tokenizer.encode(p) for p in prompts]
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-    for ids, output in zip(prompt_ids, outputs, strict=True):
-        with torch.no_grad():
-            result = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        expected = result.sequences[0, len(ids) :].tolist()
-        completion = output.outputs[0]
-        assert completion.token_ids == expected
-        for step, (logits, token) in enumerate(zip(result.logits, expected, strict=True)):
-            logprob = torch.log_softmax(logits[0].float(), dim=-1)[token].item()
-            assert abs(completion.logprobs[step][token].logprob - logprob) < 1e-3, step
+    assert_greedy_parity(llm, model, prompt_ids, NEW_TOKENS, tolerance=1e-3)
 
 
 def test_formats_and_directory(tmp_path):

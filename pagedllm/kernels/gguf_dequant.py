@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
-__all__ = ["SUPPORTED_TYPES", "bytes_per_row", "dequantize"]
+__all__ = ["SUPPORTED_TYPES", "bytes_per_row", "check_raw", "dequantize"]
 
 _T = GGMLQuantizationType
 
@@ -275,19 +275,11 @@ def bytes_per_row(qtype: int | GGMLQuantizationType, row_length: int) -> int:
     return row_length // block_size * type_size
 
 
-def dequantize(
-    raw: torch.Tensor,
-    qtype: int | GGMLQuantizationType,
-    shape: tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Decode packed GGML blocks to a tensor of ``shape``.
-
-    ``raw`` is uint8 with any leading shape and the last dim equal to the bytes of one row
-    (``bytes_per_row(qtype, shape[-1])``); blocks never straddle rows, so the flat byte
-    stream is simply a sequence of blocks. Computed in float32 (bit-exact with
-    ``gguf.quants.dequantize``), then cast to ``dtype``.
-    """
+def check_raw(
+    raw: torch.Tensor, qtype: int | GGMLQuantizationType, shape: Sequence[int]
+) -> tuple[GGMLQuantizationType, tuple[int, ...]]:
+    """Validate packed data against the type and the shape it should decode to; returns
+    the normalised ``(type, shape)``. Errors name the type and the sizes."""
     qt = _qtype(qtype)
     if raw.dtype != torch.uint8:
         raise TypeError(f"raw GGML data must be uint8, got {raw.dtype}")
@@ -303,6 +295,23 @@ def dequantize(
             f"{qt.name} data of {raw.numel()} bytes does not hold shape {shape} "
             f"({n_rows} rows x {row_bytes} bytes)"
         )
+    return qt, shape
+
+
+def dequantize(
+    raw: torch.Tensor,
+    qtype: int | GGMLQuantizationType,
+    shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode packed GGML blocks to a tensor of ``shape``.
+
+    ``raw`` is uint8 with any leading shape and the last dim equal to the bytes of one row
+    (``bytes_per_row(qtype, shape[-1])``); blocks never straddle rows, so the flat byte
+    stream is simply a sequence of blocks. Computed in float32 (bit-exact with
+    ``gguf.quants.dequantize``), then cast to ``dtype``.
+    """
+    qt, shape = check_raw(raw, qtype, shape)
     _, type_size = GGML_QUANT_SIZES[qt]
     blocks = raw.reshape(-1, type_size)
     out = _DEQUANT[qt](blocks)

@@ -14,6 +14,8 @@ Results agree with the reference to within matmul-kernel rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -58,11 +60,13 @@ def gguf_linear(
     in_features: int,
     bias: torch.Tensor | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    decode: Callable[[torch.Tensor, int, int, int, torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ dequantize(W).T + bias`` with ``W`` given as packed GGML rows.
 
     ``x``: ``[..., in_features]``; ``raw_weight``: uint8 ``[out_features, bytes_per_row]``
-    (one GGUF tensor of ne = ``(in_features, out_features)``).
+    (one GGUF tensor of ne = ``(in_features, out_features)``). ``decode(raw_rows, qtype,
+    rows, in_features, dtype)`` forces the chunked path with that dequantizer.
     """
     if x.shape[-1] != in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
@@ -73,7 +77,7 @@ def gguf_linear(
     raw = raw_weight.reshape(out_features, row_bytes)
     flat = x.reshape(-1, in_features)
 
-    kernels = cpu_kernels() if x.device.type == "cpu" else None
+    kernels = cpu_kernels() if x.device.type == "cpu" and decode is None else None
     if (
         kernels is not None
         and x.dtype == torch.float32
@@ -85,7 +89,9 @@ def gguf_linear(
         out = flat.new_empty((flat.shape[0], out_features))
         for start in range(0, out_features, chunk_rows):
             stop = min(start + chunk_rows, out_features)
-            w = _dequantize_rows(raw[start:stop], qtype, stop - start, in_features, x.dtype)
+            w = (decode or _dequantize_rows)(
+                raw[start:stop], qtype, stop - start, in_features, x.dtype
+            )
             # Writing into a slice of ``out`` avoids a concatenation (a second full copy).
             out[:, start:stop] = F.linear(flat, w)
     if bias is not None:

@@ -14,10 +14,9 @@ Import this module freely; the kernels exist only when ``triton_available()``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagedllm.kernels.gguf_dequant import _qtype, bytes_per_row
+from pagedllm.kernels.gguf_dequant import check_raw
 
 try:
     import triton
@@ -300,21 +299,7 @@ def triton_dequantize(
     """
     if not triton_available():
         raise RuntimeError("triton_dequantize needs triton; install it with `pip install triton`")
-    qt = _qtype(qtype)
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw GGML data must be uint8, got {raw.dtype}")
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        raise ValueError("shape must have at least one dimension")
-    row_bytes = bytes_per_row(qt, shape[-1])
-    n_rows = 1
-    for s in shape[:-1]:
-        n_rows *= s
-    if raw.numel() != n_rows * row_bytes:
-        raise ValueError(
-            f"{qt.name} data of {raw.numel()} bytes does not hold shape {shape} "
-            f"({n_rows} rows x {row_bytes} bytes)"
-        )
+    qt, shape = check_raw(raw, qtype, shape)
     out = torch.empty(shape, dtype=torch.float32, device=raw.device)
     if out.numel():
         _launch(raw.contiguous().reshape(-1), qt, out)
@@ -335,18 +320,11 @@ def triton_gguf_linear(
 
     ``x``: ``[..., in_features]``; ``raw_weight``: uint8 ``[out_features, bytes_per_row]``.
     """
-    if x.shape[-1] != in_features:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
-    if chunk_rows <= 0:
-        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    row_bytes = bytes_per_row(qtype, in_features)
-    raw = raw_weight.reshape(out_features, row_bytes)
-    flat = x.reshape(-1, in_features)
-    out = flat.new_empty((flat.shape[0], out_features))
-    for start in range(0, out_features, chunk_rows):
-        stop = min(start + chunk_rows, out_features)
-        w = triton_dequantize(raw[start:stop], qtype, (stop - start, in_features), x.dtype)
-        out[:, start:stop] = F.linear(flat, w)
-    if bias is not None:
-        out += bias.to(out.dtype)
-    return out.reshape(*x.shape[:-1], out_features)
+    from pagedllm.kernels.gguf_matmul import gguf_linear
+
+    def decode(raw: torch.Tensor, qt: int, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        return triton_dequantize(raw, qt, (rows, k), dtype)
+
+    return gguf_linear(
+        x, raw_weight, qtype, out_features, in_features, bias, chunk_rows, decode=decode
+    )

@@ -16,7 +16,8 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import FusedLinear, Linear
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
+from pagedllm.plugins.models.common import CausalLM, RMSNorm, layer_sliding_windows
+from pagedllm.plugins.models.llama import LlamaMLP
 
 
 def _norm(size: int, config: Any) -> RMSNorm:
@@ -57,30 +58,12 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any, quant, prefix: str) -> None:
-        super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(hidden, inter, False, quant, f"{prefix}.gate_proj")
-        self.up_proj = Linear(hidden, inter, False, quant, f"{prefix}.up_proj")
-        self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj")
-        self.act_fn = activation(config.hidden_activation)
-        self.gate_up: FusedLinear | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer]
         self.self_attn = Gemma3Attention(config, layer, window, quant, f"{prefix}.self_attn")
-        self.mlp = Gemma3MLP(config, quant, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
         size = config.hidden_size
         self.input_layernorm = _norm(size, config)
         self.post_attention_layernorm = _norm(size, config)
@@ -161,4 +144,4 @@ class Gemma3ForCausalLM(CausalLM):
             layer.self_attn.qkv = FusedLinear.of(
                 [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
             )
-            layer.mlp.gate_up = FusedLinear.of([layer.mlp.gate_proj, layer.mlp.up_proj])
+            layer.mlp.fuse()

@@ -72,10 +72,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
+        # Gemma names it hidden_activation.
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
         self.gate_proj = Linear(hidden, inter, bias, quant, f"{prefix}.gate_proj")
         self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj")
         self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
-        self.act_fn = activation(config.hidden_act)
+        self.act_fn = activation(act)
         self.gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:
@@ -90,10 +92,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer, window, quant, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
+        self.self_attn = self.attention_cls(config, layer, window, quant, f"{prefix}.self_attn")
+        self.mlp = self.mlp_cls(config, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -103,6 +108,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
         self.embed_tokens = VocabEmbedding(
@@ -110,7 +117,7 @@ class LlamaModel(nn.Module):
         )
         windows = layer_sliding_windows(config, disable_sliding_window)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, windows[i], quant, f"model.layers.{i}")
+            self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -127,6 +134,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(
         self,
         config: Any,
@@ -138,7 +147,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
-        self.model = LlamaModel(config, quant_config, max_positions, disable_sliding_window)
+        self.model = self.model_cls(config, quant_config, max_positions, disable_sliding_window)
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
 
     def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
