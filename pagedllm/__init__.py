@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "CompletionOutput": "pagedllm.core.outputs",
     "EngineArgs": "pagedllm.core.engine_args",
+    "GuidedDecodingParams": "pagedllm.core.sampling",
     "LLM": "pagedllm.entrypoints.llm",
     "LLMEngine": "pagedllm.core.engine",
     "RequestOutput": "pagedllm.core.outputs",
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.outputs import CompletionOutput, RequestOutput
     from pagedllm.core.plugins import make_plugin_manager
-    from pagedllm.core.sampling import SamplingParams
+    from pagedllm.core.sampling import GuidedDecodingParams, SamplingParams
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
 
@@ -46,6 +47,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineArgs",
+    "GuidedDecodingParams",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",

@@ -10,6 +10,7 @@ from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
@@ -34,7 +35,6 @@ def build(model, **kwargs):
         (dict(logits_processor_pattern=".*"), "--logits-processor-pattern"),
         (dict(swap_space=8), "--swap-space=8: pagedllm never swaps"),
         (dict(gpu_memory_utilization=0.5), "does not apply to the cpu device"),
-        (dict(guided_decoding_disable_fallback=True), "--guided-decoding-disable-fallback"),
         (dict(preemption_mode="swap"), "--preemption-mode swap is not supported"),
         (
             dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
@@ -50,10 +50,16 @@ def test_options_that_cannot_work_are_refused(checkpoint, kwargs, message):
         build(checkpoint, **kwargs)
 
 
-def test_guided_decoding_request_is_refused_not_ignored(checkpoint):
+def test_guided_decoding_as_a_dict_and_without_backends(checkpoint):
     llm = build(checkpoint)
-    with pytest.raises(ValueError, match="guided decoding"):
-        llm.generate(PROMPT, SamplingParams(guided_decoding={"regex": "a+"}), use_tqdm=False)
+    params = SamplingParams(max_tokens=5, guided_decoding={"regex": "a{5}"})
+    assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text == "aaaaa"
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['regexp'\]"):
+        llm.generate(PROMPT, SamplingParams(guided_decoding={"regexp": "a"}), use_tqdm=False)
+    # With the guided-decoding plugin disabled, its options would do nothing: refused.
+    pm = make_plugin_manager(env={"PAGEDLLM_DISABLED_PLUGINS": "pagedllm.guided"})
+    with pytest.raises(ConfigError, match="--guided-decoding-disable-fallback: no guided"):
+        build(checkpoint, plugin_manager=pm, guided_decoding_disable_fallback=True)
 
 
 class CountingScheduler(Scheduler):

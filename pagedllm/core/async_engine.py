@@ -144,6 +144,9 @@ class AsyncLLMEngine:
         before the first output; leaving the iteration early aborts the request."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
+        # Compile a guided-decoding constraint off the engine thread first: a bad schema
+        # is refused before the request exists, and the engine finds it compiled.
+        await asyncio.to_thread(self.engine.check_guided, params)
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, priority=priority)

@@ -201,7 +201,7 @@ _GUIDED_OPTIONS = (
 )
 
 
-def _refuse_unused(args: EngineArgs, device_name: str) -> None:
+def _refuse_unused(args: EngineArgs, device_name: str, guided_backends: list[str]) -> None:
     """Options that are valid but would have no effect in this configuration are refused
     rather than silently ignored."""
     if args.task not in ("auto", "generate"):
@@ -228,12 +228,13 @@ def _refuse_unused(args: EngineArgs, device_name: str) -> None:
             "--gpu-memory-utilization does not apply to the cpu device; size the KV cache "
             f"with {ENV_CPU_KVCACHE_SPACE} (GiB) or --num-gpu-blocks-override"
         )
-    for name in _GUIDED_OPTIONS:
-        if getattr(args, name):
-            raise ConfigError(
-                f"{option_name(name)}: no guided-decoding backend is installed, so this "
-                f"option would have no effect"
-            )
+    if not guided_backends:
+        for name in _GUIDED_OPTIONS:
+            if getattr(args, name):
+                raise ConfigError(
+                    f"{option_name(name)}: no guided-decoding backend is installed, so this "
+                    f"option would have no effect"
+                )
 
 
 def resolve_device(name: str, pm: PluginManager) -> Device:
@@ -363,7 +364,7 @@ def create_engine_config(
     if args.seed is not None:
         _require(-(2**63) <= args.seed < 2**63, "--seed", args.seed, "must fit in 64 bits")
 
-    _refuse_unused(args, device.name)
+    _refuse_unused(args, device.name, pm.choices("guided_backends"))
 
     served = args.served_model_name
     if served is None:

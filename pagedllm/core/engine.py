@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_setup import load_model, num_kv_blocks
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
@@ -15,6 +16,7 @@ from pagedllm.core.outputs import RequestMetrics, RequestOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner, kv_cache_spec
 from pagedllm.core.sampling import SamplingParams
+from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.stats import StatLogger
 
@@ -76,6 +78,18 @@ class LLMEngine:
             config.device_config.torch_device,
             backend_cls(),
         )
+        self.guided: GuidedDecodingManager | None = None
+        if self.tokenizer is not None:
+            self.guided = GuidedDecodingManager(
+                pm,
+                config.decoding_config,
+                self.tokenizer,
+                self.vocab_size,
+                tuple(loaded.eos_token_ids),
+            )
+        self.runner.guided = self.guided
+        # Requests whose constraint is compiling: engine request id -> request.
+        self._compiling: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         # engine request id -> (parent, sequence index)
@@ -154,12 +168,16 @@ class LLMEngine:
             asked = max(params.logprobs or 0, params.prompt_logprobs or 0)
             if limit != -1 and asked > limit:
                 raise ValueError(f"requested {asked} logprobs; the limit is --max-logprobs={limit}")
-        if params.guided_decoding is not None:
-            raise ValueError(
-                "guided decoding (SamplingParams.guided_decoding) is not supported yet: no "
-                "guided-decoding backend is installed"
-            )
+        guided = as_guided_params(params.guided_decoding)
+        compiled = None
+        if guided is not None:
+            if self.guided is None:
+                raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
+            compiled = self.guided.submit(guided)
+            if compiled.done() and compiled.exception() is not None:
+                raise ValueError(str(compiled.exception()))
         params = params.clone()
+        params.guided_decoding = guided
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
@@ -192,6 +210,9 @@ class LLMEngine:
                 arrival_time=now,
                 priority=priority,
             )
+            if compiled is not None:
+                request.pending = compiled
+                self._compiling[child_id] = request
             parent.sequences.append(self.output_processor.new_sequence(request, index))
             self.sequences[child_id] = (parent, index)
         self.parents[request_id] = parent
@@ -218,10 +239,45 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
 
+    def check_guided(self, params: SamplingParams) -> None:
+        """Compile the request's constraint now (cached): ``ValueError`` names what is
+        wrong with it. Entry points call this before ``add_request`` (the server in a
+        worker thread) so that a bad schema is refused up front."""
+        guided = as_guided_params(params.guided_decoding)
+        if guided is not None:
+            if self.guided is None:
+                raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
+            self.guided.compile(guided)
+
+    def _fail_uncompiled(self) -> list[RequestOutput]:
+        """Finish (as aborted) the requests whose constraint failed to compile."""
+        outputs = []
+        for child_id, request in list(self._compiling.items()):
+            if not request.pending.done():
+                continue
+            del self._compiling[child_id]
+            error = request.pending.exception()
+            entry = self.sequences.get(child_id)
+            if error is None or entry is None:
+                continue
+            parent, _ = entry
+            logger.error("request %s: guided decoding failed: %s", parent.request_id, error)
+            child_ids = [seq.request.request_id for seq in parent.sequences]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for seq in parent.sequences:
+                self._compiling.pop(seq.request.request_id, None)
+                self.output_processor.finish(seq, "abort", None)
+            output = self.output_processor.make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            self._forget(parent)
+        return outputs
+
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_uncompiled() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return failed
         now = time.monotonic()
         for item in scheduler_output.scheduled:
             parent, _ = self.sequences[item.request.request_id]
@@ -242,9 +298,23 @@ class LLMEngine:
             parent, index = self.sequences[request.request_id]
             seq = parent.sequences[index]
             token = request.output_token_ids[-1]
+            broken = (
+                self.guided is not None
+                and not request.is_finished
+                and not self.guided.accept(request, token)
+            )
             stop = self.output_processor.on_token(
                 seq, token, result.logprobs.get(request.request_id)
             )
+            if broken and stop is None:
+                # Only when a ban overrode the mask (e.g. min_tokens against a finished
+                # constraint): end the output rather than leave the constraint.
+                logger.warning(
+                    "request %s: token %d breaks its guided-decoding constraint; stopping it",
+                    request.request_id,
+                    token,
+                )
+                stop = token
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
                 parent.num_cached_tokens = max(request.num_cached_tokens, 0)
@@ -260,7 +330,7 @@ class LLMEngine:
             touched[parent.request_id] = parent
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = []
+        outputs = failed
         for parent in touched.values():
             parent.metrics.num_preemptions = sum(
                 s.request.num_preemptions for s in parent.sequences
@@ -285,6 +355,7 @@ class LLMEngine:
         self.parents.pop(parent.request_id, None)
         for seq in parent.sequences:
             self.sequences.pop(seq.request.request_id, None)
+            self._compiling.pop(seq.request.request_id, None)
 
 
 DEFAULT_SCHEDULER = "pagedllm.core.scheduler.Scheduler"

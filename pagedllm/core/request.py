@@ -67,6 +67,9 @@ class Request:
     block_hashes: list[Any] = dataclasses.field(default_factory=list)
     # Per-request state of the sampler (seeded generator, guided-decoding matcher, ...).
     sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Work the request waits for before it can be scheduled (a future: a guided-decoding
+    # constraint compiling); None when there is none.
+    pending: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

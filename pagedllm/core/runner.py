@@ -73,6 +73,8 @@ class ModelRunner:
             torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
+        # The engine's GuidedDecodingManager (None without a tokenizer).
+        self.guided: Any = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, kv_manager: KVCacheManager) -> RunnerOutput:
@@ -119,6 +121,8 @@ class ModelRunner:
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
             )
+            if self.guided is not None:
+                sampling.token_mask = self.guided.token_mask(sampling_requests, logits.shape[-1])
             sampled = self.sampler(logits, sampling)
             for i, request in enumerate(sampling_requests):
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]

@@ -209,12 +209,16 @@ class Scheduler:
 
         # Waiting requests, if nothing had to be preempted to fit the running ones.
         partial, long_partial = self._partial_prefill_counts(scheduled)
-        skipped: list[Request] = []  # held back by the partial-prefill limits
+        skipped: list[Request] = []  # held back (partial-prefill limits, pending work)
         admitted = False
         while not preempted and not delay_prompts and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.pending is not None and not request.pending.done():
+                # Still compiling its constraint: the requests behind it go first.
+                skipped.append(self.waiting.pop())
+                continue
             blocks, num_cached = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:

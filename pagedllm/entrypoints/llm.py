@@ -64,6 +64,8 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        for params in params_list:
+            self.llm_engine.check_guided(params)  # a bad constraint fails before any runs
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):

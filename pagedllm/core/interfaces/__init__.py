@@ -2,7 +2,13 @@
 
 from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.device import Device
-from pagedllm.core.interfaces.guided import Grammar, GuidedBackend, GuidedConstraint
+from pagedllm.core.interfaces.guided import (
+    CompiledConstraint,
+    Grammar,
+    GuidedBackend,
+    GuidedConstraint,
+    GuidedOptions,
+)
 from pagedllm.core.interfaces.loader import ModelLoader
 from pagedllm.core.interfaces.model import ModelArchitecture
 from pagedllm.core.interfaces.parsers import (
@@ -21,6 +27,7 @@ from pagedllm.core.interfaces.quantization import (
 
 __all__ = [
     "AttentionBackend",
+    "CompiledConstraint",
     "DeltaMessage",
     "DeltaToolCall",
     "Device",
@@ -29,6 +36,7 @@ __all__ = [
     "Grammar",
     "GuidedBackend",
     "GuidedConstraint",
+    "GuidedOptions",
     "LinearMethod",
     "ModelArchitecture",
     "ModelLoader",

@@ -1,4 +1,11 @@
-"""The guided-decoding extension point (``--guided-decoding-backend``)."""
+"""The guided-decoding extension point (``--guided-decoding-backend``).
+
+A backend compiles a constraint (JSON schema, regex, choices, grammar) once for the
+engine's tokenizer; every request (every sequence of it) then gets its own matcher from
+the compiled constraint. The engine keeps one bitmask for the batch, ``int32``
+``[rows, ceil(vocab / 32)]``: bit ``t % 32`` of word ``t // 32`` set means token ``t`` is
+allowed. Each matcher fills its row in place, so the whole batch is masked in one pass.
+"""
 
 from __future__ import annotations
 
@@ -14,25 +21,47 @@ ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GuidedOptions:
+    """The engine-wide settings (``--guided-decoding-*``) a backend compiles with."""
+
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    # A request's own whitespace regex (vLLM's guided_whitespace_pattern), or None.
+    whitespace_pattern: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GuidedConstraint:
-    """One request's constraint. ``spec`` is a JSON-schema string, a regex, a grammar, or
-    a tuple of choices, according to ``kind``."""
+    """One request's constraint. ``spec`` is a JSON-schema string (``json``), a regex, a
+    grammar (EBNF or Lark), or a tuple of choices, according to ``kind``;
+    ``json_object`` has no spec."""
 
     kind: ConstraintKind
-    spec: Any
+    spec: Any = None
 
 
 class Grammar(ABC):
-    """The per-request matcher state of a compiled constraint.
+    """The per-sequence matcher state of a compiled constraint.
 
-    Contract: :meth:`accept_tokens` returns ``False`` (and changes nothing) for a token
-    the constraint forbids; :meth:`rollback` undoes the last ``num_tokens`` accepted
-    ones; :meth:`fill_bitmask` writes the allowed tokens of the current state into row
-    ``index`` of a batch bitmask.
+    Contract: :meth:`accept_token` returns ``False`` (and changes nothing) for a token the
+    constraint forbids; :meth:`rollback` undoes the last ``num_tokens`` accepted ones;
+    :meth:`fill_bitmask` writes the tokens allowed in the current state into row
+    ``index`` of the batch bitmask (see the module docstring), the end-of-sequence token
+    included once the constraint is satisfied; :meth:`is_terminated` is true once the
+    output is complete and only the end of sequence may follow.
     """
 
     @abstractmethod
-    def accept_tokens(self, token_ids: Sequence[int]) -> bool: ...
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Accept several tokens; on a forbidden one, roll the accepted ones back."""
+        for count, token in enumerate(token_ids):
+            if not self.accept_token(token):
+                if count:
+                    self.rollback(count)
+                return False
+        return True
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None: ...
@@ -44,23 +73,33 @@ class Grammar(ABC):
     def is_terminated(self) -> bool: ...
 
 
+class CompiledConstraint(ABC):
+    """A constraint compiled for one tokenizer; shared by every request that uses it."""
+
+    @abstractmethod
+    def matcher(self) -> Grammar:
+        """A fresh matcher at the start of the constraint."""
+
+
 class GuidedBackend(ABC):
     """Compiles constraints for one tokenizer.
 
     Contract: :meth:`compile` raises ``ValueError`` whose message names what is wrong
-    with an invalid schema, regex or grammar; it may be slow and is run off the engine
-    loop, and its result is cached by the caller per constraint.
+    with an invalid schema, regex or grammar; it may be slow: the engine runs it off the
+    engine loop and caches its result per constraint.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, options: Any) -> None:
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.options = options
+        self.eos_token_ids = tuple(eos_token_ids)
 
     @abstractmethod
     def unsupported_reason(self, constraint: GuidedConstraint) -> str | None:
         """``None`` if this backend handles ``constraint``, else why not."""
 
     @abstractmethod
-    def compile(self, constraint: GuidedConstraint) -> Grammar:
-        """A fresh matcher for ``constraint``."""
+    def compile(self, constraint: GuidedConstraint, options: GuidedOptions) -> CompiledConstraint:
+        """Compile ``constraint``."""

@@ -1,5 +1,6 @@
 """Sampling: per-request parameters, the batched metadata of one step, and the sampler."""
 
+from pagedllm.core.sampling.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling.metadata import SamplingMetadata
 from pagedllm.core.sampling.params import (
     RequestOutputKind,
@@ -15,6 +16,7 @@ from pagedllm.core.sampling.sampler import (
 )
 
 __all__ = [
+    "GuidedDecodingParams",
     "LogprobsLists",
     "LogprobsRow",
     "RequestOutputKind",

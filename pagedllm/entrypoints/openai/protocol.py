@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedllm.core.sampling import RequestOutputKind, SamplingParams
+from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 INT64_MAX = 2**63 - 1
 # Far above any sensible request; a bound keeps absurd values from being attempted.
@@ -72,7 +72,7 @@ class SamplingFields(OpenAIModel):
     return_tokens_as_token_ids: bool | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    # Guided decoding (not built yet): accepted only when unset.
+    # Guided decoding (vLLM's extra fields, or OpenAI's response_format).
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -90,24 +90,65 @@ class SamplingFields(OpenAIModel):
             raise ValueError("use_beam_search: beam search is not supported")
         if self.length_penalty != 1.0:
             raise ValueError("length_penalty only applies to beam search, which is not supported")
-        for name in (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "guided_whitespace_pattern",
-        ):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: guided decoding is not supported yet")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError(
-                f"response_format of type {self.response_format.get('type')!r}: guided "
-                f"decoding is not supported yet (only 'text')"
-            )
+        self.guided_decoding()  # refuses conflicting or malformed constraints
         if self.logits_processors:
             raise ValueError("logits_processors: custom logits processors are not supported")
         return self
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The constraint the request asks for: ``response_format`` (``json_object``,
+        ``json_schema``; ``text`` is none) or one of the ``guided_*`` fields."""
+        response = self.response_format
+        json_schema = json_object = None
+        if response is not None:
+            kind = response.get("type")
+            if kind == "json_object":
+                json_object = True
+            elif kind == "json_schema":
+                spec = response.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise ValueError("response_format json_schema needs a 'json_schema' object")
+                json_schema = spec.get("schema", spec.get("json_schema"))
+                if not isinstance(json_schema, dict):
+                    raise ValueError("response_format json_schema needs a 'schema' object")
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format type {kind!r} is not supported (use text, json_object "
+                    f"or json_schema)"
+                )
+        given = [
+            name
+            for name, value in (
+                ("response_format", json_schema or json_object),
+                ("guided_json", self.guided_json),
+                ("guided_regex", self.guided_regex),
+                ("guided_choice", self.guided_choice),
+                ("guided_grammar", self.guided_grammar),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"only one kind of guided decoding at a time; got {', '.join(given)}")
+        if not given:
+            if self.guided_decoding_backend or self.guided_whitespace_pattern:
+                raise ValueError(
+                    "guided_decoding_backend/guided_whitespace_pattern need a constraint "
+                    "(guided_json, guided_regex, guided_choice, guided_grammar or "
+                    "response_format)"
+                )
+            return None
+        guided_json = self.guided_json if self.guided_json is not None else json_schema
+        if isinstance(guided_json, BaseModel):
+            guided_json = guided_json.model_dump()
+        return GuidedDecodingParams(
+            json=guided_json,
+            regex=self.guided_regex,
+            choice=self.guided_choice,
+            grammar=self.guided_grammar,
+            json_object=json_object,
+            backend=self.guided_decoding_backend,
+            whitespace_pattern=self.guided_whitespace_pattern,
+        )
 
     def sampling_params(
         self,
@@ -148,6 +189,7 @@ class SamplingFields(OpenAIModel):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            guided_decoding=self.guided_decoding(),
         )
 
 

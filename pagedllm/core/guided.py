@@ -1,0 +1,185 @@
+"""Guided decoding in the engine: choosing a backend, compiling constraints off the
+engine loop (cached), one matcher per sequence, and the batch's token mask.
+
+A request whose constraint is still compiling waits in the queue while the others run
+(``Request.pending``); its matcher is made on first use and advanced with each token it
+samples.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.core.interfaces import CompiledConstraint, Grammar, GuidedBackend, GuidedOptions
+from pagedllm.core.sampling.guided_params import GuidedDecodingParams, as_guided_params
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from pagedllm.core.config import DecodingConfig
+    from pagedllm.core.plugins import PluginManager
+    from pagedllm.core.request import Request
+
+logger = logging.getLogger("pagedllm.guided")
+
+# The order ``auto`` tries the built-in backends in; other registered ones follow.
+AUTO_ORDER = ("outlines", "xgrammar")
+MATCHER_KEY = "guided.matcher"
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GuidedDecodingManager:
+    def __init__(
+        self,
+        pm: PluginManager,
+        config: DecodingConfig,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.registry = pm.registry("guided_backends")
+        self.default_backend = config.guided_decoding_backend
+        self.disable_fallback = config.disable_fallback
+        self.options = GuidedOptions(
+            disable_any_whitespace=config.disable_any_whitespace,
+            disable_additional_properties=config.disable_additional_properties,
+        )
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._backends: dict[str, GuidedBackend] = {}
+        self._cache: dict[Any, Future[CompiledConstraint]] = {}
+        self._lock = threading.Lock()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagedllm-guided"
+        )
+
+    # ------------------------------------------------------------------ compiling
+
+    def backend_names(self, requested: str | None) -> list[str]:
+        """The backends to try, in order, for a request naming ``requested`` (or None)."""
+        name = requested or self.default_backend
+        names = self.registry.names()
+        if name != "auto" and name not in names:
+            raise ValueError(
+                f"guided decoding backend {name!r} is not installed (choose from auto, "
+                f"{', '.join(names)})"
+            )
+        ordered = [n for n in AUTO_ORDER if n in names] + [n for n in names if n not in AUTO_ORDER]
+        if name == "auto":
+            return ordered
+        if self.disable_fallback:
+            return [name]
+        return [name] + [n for n in ordered if n != name]
+
+    def backend(self, name: str) -> GuidedBackend:
+        with self._lock:
+            if name not in self._backends:
+                cls = self.registry.load(name)
+                self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._backends[name]
+
+    def submit(self, guided: GuidedDecodingParams) -> Future[CompiledConstraint]:
+        """The compiled constraint, compiling in the background (cached)."""
+        constraint = guided.constraint()
+        options = GuidedOptions(
+            disable_any_whitespace=self.options.disable_any_whitespace,
+            disable_additional_properties=self.options.disable_additional_properties,
+            whitespace_pattern=guided.whitespace_pattern,
+        )
+        names = tuple(self.backend_names(guided.backend))
+        key = (names, constraint, options)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._executor.submit(self._compile, names, constraint, options)
+                self._cache[key] = future
+        return future
+
+    def compile(self, guided: GuidedDecodingParams) -> CompiledConstraint:
+        """Compile now (blocking); ``ValueError`` names what is wrong."""
+        return self.submit(guided).result()
+
+    def _compile(self, names, constraint, options) -> CompiledConstraint:
+        errors: list[str] = []
+        first_error: ValueError | None = None
+        for name in names:
+            backend = self.backend(name)
+            reason = backend.unsupported_reason(constraint)
+            if reason is not None:
+                errors.append(f"{name}: {reason}")
+                continue
+            try:
+                return backend.compile(constraint, options)
+            except ValueError as exc:
+                message = _LOG_PREFIX.sub("", str(exc))
+                if first_error is None:
+                    first_error = ValueError(message)
+                errors.append(f"{name}: {message}")
+                logger.debug("guided backend %s failed on %s: %s", name, constraint.kind, exc)
+        if first_error is not None:
+            raise first_error
+        raise ValueError(
+            f"no guided-decoding backend supports this {constraint.kind} constraint ("
+            + "; ".join(errors)
+            + ")"
+            + (" and --guided-decoding-disable-fallback is set" if self.disable_fallback else "")
+        )
+
+    # ------------------------------------------------------------------ per step
+
+    def prepare(self, request: Request) -> None:
+        """Start compiling the request's constraint; the scheduler waits for it."""
+        guided = as_guided_params(request.sampling_params.guided_decoding)
+        if guided is not None:
+            request.pending = self.submit(guided)
+
+    def matcher(self, request: Request) -> Grammar | None:
+        state = request.sampler_state
+        matcher = state.get(MATCHER_KEY)
+        if matcher is None and request.pending is not None:
+            matcher = request.pending.result().matcher()
+            # A recomputed (preempted) request keeps its output: replay it.
+            if request.output_token_ids and not matcher.accept_tokens(request.output_token_ids):
+                raise RuntimeError(f"request {request.request_id}: output left its constraint")
+            state[MATCHER_KEY] = matcher
+        return matcher
+
+    def token_mask(self, requests: list[Request], vocab_size: int) -> torch.Tensor | None:
+        """Bool ``[len(requests), vocab_size]`` (True = allowed), or None when no request
+        is guided. Every matcher writes its row of one shared bitmask."""
+        rows = [(i, self.matcher(r)) for i, r in enumerate(requests) if r.pending is not None]
+        if not rows:
+            return None
+        words = (vocab_size + 31) // 32
+        bitmask = torch.full((len(requests), words), -1, dtype=torch.int32)
+        for index, matcher in rows:
+            if matcher is not None:
+                bitmask[index].zero_()
+                matcher.fill_bitmask(bitmask, index)
+        return unpack_bitmask(bitmask, vocab_size)
+
+    def accept(self, request: Request, token: int) -> bool:
+        """Advance the request's matcher with its new token."""
+        matcher = request.sampler_state.get(MATCHER_KEY)
+        if matcher is None:
+            return True
+        return matcher.accept_token(token)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool ``[rows, vocab_size]`` from an int32 bitmask ``[rows, ceil(vocab / 32)]``."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

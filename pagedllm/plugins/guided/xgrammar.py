@@ -1,0 +1,105 @@
+"""The ``xgrammar`` guided-decoding backend: JSON schemas, JSON objects, regexes,
+choices and context-free grammars (EBNF, or Lark), compiled by ``xgrammar`` into a
+pushdown automaton with per-state token masks."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from pagedllm.core.interfaces import (
+    CompiledConstraint,
+    Grammar,
+    GuidedBackend,
+    GuidedConstraint,
+    GuidedOptions,
+)
+from pagedllm.plugins.guided.common import choice_regex, without_additional_properties
+
+# Lark's rule syntax ("name: ..."/"?name: ..."), which EBNF ("name ::= ...") never uses.
+_LARK_RULE = re.compile(r"^\s*[?!]?[a-z_][a-z_0-9]*\s*:(?!:)", re.M)
+
+
+class XGrammarMatcher(Grammar):
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class XGrammarCompiled(CompiledConstraint):
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+
+    def matcher(self) -> Grammar:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GuidedBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size, eos_token_ids) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_ids)
+        self._compiler: Any = None
+
+    def unsupported_reason(self, constraint: GuidedConstraint) -> str | None:
+        return None
+
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=list(self.eos_token_ids) or None,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def compile(self, constraint: GuidedConstraint, options: GuidedOptions) -> CompiledConstraint:
+        compiler = self.compiler()
+        any_whitespace = not options.disable_any_whitespace
+        try:
+            if constraint.kind == "json":
+                schema = json.loads(constraint.spec)
+                if options.disable_additional_properties:
+                    schema = without_additional_properties(schema)
+                compiled = compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=any_whitespace
+                )
+            elif constraint.kind == "json_object":
+                compiled = compiler.compile_builtin_json_grammar()
+            elif constraint.kind == "regex":
+                compiled = compiler.compile_regex(constraint.spec)
+            elif constraint.kind == "choice":
+                compiled = compiler.compile_regex(choice_regex(constraint.spec))
+            elif _LARK_RULE.search(constraint.spec):
+                compiled = compiler.compile_lark(constraint.spec)
+            else:
+                compiled = compiler.compile_grammar(constraint.spec)
+        except (RuntimeError, ValueError) as exc:
+            what = {"json": "JSON schema", "grammar": "grammar"}.get(constraint.kind, "regex")
+            raise ValueError(f"invalid {what}: {_first_line(exc)}") from None
+        return XGrammarCompiled(compiled)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
