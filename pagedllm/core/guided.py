@@ -31,6 +31,9 @@ logger = logging.getLogger("pagedllm.guided")
 # The order ``auto`` tries the built-in backends in; other registered ones follow.
 AUTO_ORDER = ("outlines", "xgrammar")
 MATCHER_KEY = "guided.matcher"
+REASONER_KEY = "guided.reasoner"
+ANSWER_START_KEY = "guided.answer_start"
+SCANNED_KEY = "guided.scanned"
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -51,6 +54,12 @@ class GuidedDecodingManager:
             disable_additional_properties=config.disable_additional_properties,
         )
         self.tokenizer = tokenizer
+        # --reasoning-parser: a constraint applies to the answer, after the reasoning.
+        self.reasoning_cls = (
+            pm.load("reasoning_parsers", config.reasoning_parser)
+            if config.reasoning_parser
+            else None
+        )
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._backends: dict[str, GuidedBackend] = {}
@@ -140,13 +149,45 @@ class GuidedDecodingManager:
         if guided is not None:
             request.pending = self.submit(guided)
 
+    def _answer_start(self, request: Request) -> int | None:
+        """Index in the output where the constrained answer starts: 0 without a
+        reasoning parser, else just past the end of the reasoning (None while it goes
+        on)."""
+        if self.reasoning_cls is None:
+            return 0
+        state = request.sampler_state
+        start = state.get(ANSWER_START_KEY)
+        if start is not None:
+            return start
+        parser = state.get(REASONER_KEY)
+        if parser is None:
+            parser = self.reasoning_cls(self.tokenizer)
+            opens = getattr(parser, "prompt_opens_reasoning", None)
+            if opens is not None:
+                tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
+                parser.starts_in_reasoning = opens(tail)
+            state[REASONER_KEY] = parser
+        output = request.output_token_ids
+        # The first output position after which the reasoning is over.
+        for end in range(state.get(SCANNED_KEY, 0), len(output) + 1):
+            if parser.is_reasoning_end(output[:end]):
+                state[ANSWER_START_KEY] = end
+                return end
+        state[SCANNED_KEY] = len(output) + 1
+        return None
+
     def matcher(self, request: Request) -> Grammar | None:
+        """The request's matcher, or None while it is still reasoning."""
         state = request.sampler_state
         matcher = state.get(MATCHER_KEY)
         if matcher is None and request.pending is not None:
+            start = self._answer_start(request)
+            if start is None:
+                return None
             matcher = request.pending.result().matcher()
-            # A recomputed (preempted) request keeps its output: replay it.
-            if request.output_token_ids and not matcher.accept_tokens(request.output_token_ids):
+            # A recomputed (preempted) request keeps its output: replay its answer.
+            answer = request.output_token_ids[start:]
+            if answer and not matcher.accept_tokens(answer):
                 raise RuntimeError(f"request {request.request_id}: output left its constraint")
             state[MATCHER_KEY] = matcher
         return matcher
@@ -166,9 +207,10 @@ class GuidedDecodingManager:
         return unpack_bitmask(bitmask, vocab_size)
 
     def accept(self, request: Request, token: int) -> bool:
-        """Advance the request's matcher with its new token."""
+        """Advance the request's matcher with its new token (the last of its output)."""
         matcher = request.sampler_state.get(MATCHER_KEY)
         if matcher is None:
+            # Reasoning (or not guided): the matcher is made when the answer starts.
             return True
         return matcher.accept_token(token)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,8 @@ class ServingSettings:
     return_tokens_as_token_ids: bool
     enable_prompt_tokens_details: bool
     max_logprobs: int
+    # --reasoning-parser: a ReasoningParser class, instantiated per chat choice.
+    reasoning_parser: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -480,6 +483,17 @@ class OpenAIServing:
             return self.settings.response_role
         return request.messages[-1].get("role", self.settings.response_role)
 
+    @staticmethod
+    def _reasoning_delta(parser: Any, text: str, delta_text: str, last: bool) -> dict[str, Any]:
+        """The delta to send: reasoning and content split by the parser; at the end,
+        whatever it held back (a possible marker) is sent too."""
+        previous = text[: len(text) - len(delta_text)]
+        step = parser.extract_reasoning_content_streaming(previous, text, delta_text, [], [], [])
+        flushed = (
+            parser.flush_streaming(text) if last and hasattr(parser, "flush_streaming") else None
+        )
+        return _merge_deltas(step, flushed)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: str) -> Any:
         self.check_model(request.model)
         top = request.top_logprobs or 0
@@ -495,13 +509,14 @@ class OpenAIServing:
         )
         generator = self._generate_all(request_id, [prompt], [params], request.priority)
         created, model, role = now(), self.model_name, self._role(request)
+        reasoning = self._reasoning_parsers(prompt, params.n)
         echo_text = ""
         if request.echo and request.messages[-1].get("role") == role:
             content = request.messages[-1].get("content")
             echo_text = content if isinstance(content, str) else ""
         if request.stream:
             return self._stream_chat(
-                request, request_id, created, model, role, generator, echo_text
+                request, request_id, created, model, role, generator, echo_text, reasoning
             )
         final = None
         async for _, output in generator:
@@ -509,14 +524,21 @@ class OpenAIServing:
         assert final is not None
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
+            message: dict[str, Any] = {
+                "role": role,
+                "content": echo_text + completion.text,
+                "tool_calls": [],
+            }
+            if reasoning is not None:
+                thought, answer = reasoning[completion.index].extract_reasoning_content(
+                    completion.text, request
+                )
+                message["reasoning_content"] = thought
+                message["content"] = echo_text + answer if answer else (echo_text or None)
             choices.append(
                 {
                     "index": completion.index,
-                    "message": {
-                        "role": role,
-                        "content": echo_text + completion.text,
-                        "tool_calls": [],
-                    },
+                    "message": message,
                     "logprobs": self._choice_logprobs(request, completion, top),
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
@@ -537,8 +559,21 @@ class OpenAIServing:
             response["prompt_logprobs"] = _prompt_logprobs_json(final)
         return response
 
+    def _reasoning_parsers(self, prompt: PreparedPrompt, n: int) -> list[Any] | None:
+        """One reasoning parser per choice (they keep streaming state), told whether the
+        chat template already opened the reasoning in the prompt."""
+        cls = self.settings.reasoning_parser
+        if cls is None:
+            return None
+        parsers = [cls(self.tokenizer) for _ in range(n)]
+        for parser in parsers:
+            opens = getattr(parser, "prompt_opens_reasoning", None)
+            if opens is not None and prompt.text is not None:
+                parser.starts_in_reasoning = opens(prompt.text)
+        return parsers
+
     async def _stream_chat(
-        self, request, request_id, created, model, role, generator, echo_text
+        self, request, request_id, created, model, role, generator, echo_text, reasoning=None
     ) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
@@ -546,6 +581,7 @@ class OpenAIServing:
         top = request.top_logprobs or 0
         started: set[int] = set()
         prompt_tokens = completion_tokens = cached = 0
+        texts: dict[int, str] = defaultdict(str)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             data: dict[str, Any] = {
@@ -589,11 +625,20 @@ class OpenAIServing:
                     and not completion.finish_reason
                 ):
                     continue
+                delta: dict[str, Any] = {"content": completion.text} if completion.text else {}
+                if reasoning is not None:
+                    texts[completion.index] += completion.text
+                    delta = self._reasoning_delta(
+                        reasoning[completion.index],
+                        texts[completion.index],
+                        completion.text,
+                        bool(completion.finish_reason),
+                    )
                 yield chunk(
                     [
                         {
                             "index": completion.index,
-                            "delta": {"content": completion.text} if completion.text else {},
+                            "delta": delta,
                             "logprobs": self._choice_logprobs(request, completion, top),
                             "finish_reason": completion.finish_reason,
                             "stop_reason": completion.stop_reason,
@@ -604,6 +649,19 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
+
+
+def _merge_deltas(*deltas: Any) -> dict[str, Any]:
+    """One OpenAI delta from reasoning-parser DeltaMessages (None ones skipped)."""
+    merged: dict[str, Any] = {}
+    for delta in deltas:
+        if delta is None:
+            continue
+        for key in ("reasoning_content", "content"):
+            value = getattr(delta, key)
+            if value:
+                merged[key] = merged.get(key, "") + value
+    return merged
 
 
 def _echo_only(request: CompletionRequest) -> bool:

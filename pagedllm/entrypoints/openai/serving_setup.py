@@ -64,6 +64,11 @@ def build_serving(
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         max_logprobs=config.model_config.max_logprobs,
+        reasoning_parser=(
+            pm.load("reasoning_parsers", config.decoding_config.reasoning_parser)
+            if config.decoding_config.reasoning_parser
+            else None
+        ),
     )
     metrics = Metrics(names[0])
     engine.step_listeners.append(metrics.on_step)
