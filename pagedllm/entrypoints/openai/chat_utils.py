@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,30 @@ def normalise_messages(messages: list[dict[str, Any]], content_format: str) -> l
             raise ValueError(f"messages[{i}].content must be a string or a list of parts")
         elif role not in ("assistant",):
             raise ValueError(f"messages[{i}].content is required for role {role!r}")
+        else:
+            # An assistant turn that only called tools: templates expect a string.
+            message["content"] = "" if content_format == "string" else []
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_template_tool_call(i, call) for call in message["tool_calls"]]
         out.append(message)
     return out
+
+
+def _template_tool_call(index: int, call: Any) -> dict[str, Any]:
+    """A tool call as chat templates read it: JSON-string arguments become a dict (as
+    Hugging Face templates expect), and ``name``/``arguments`` sit on ``function``."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValueError(f"messages[{index}].tool_calls entries need a 'function' object")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"messages[{index}].tool_calls arguments are not valid JSON: {arguments!r}"
+            ) from None
+    return {**call, "function": function}
 
 
 def render_chat(

