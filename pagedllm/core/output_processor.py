@@ -13,6 +13,7 @@ from pagedllm.core.detokenizer import (
     convert_ids_to_tokens_for_logprobs,
 )
 from pagedllm.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.core.request import RequestStatus
 from pagedllm.core.sampling import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -103,9 +104,16 @@ class OutputProcessor:
             state.cumulative_logprob += position[token_id].logprob
         if state.detokenizer is None:
             return None
+        request = state.request
+        params = request.sampling_params
+        if (
+            request.status == RequestStatus.FINISHED_STOPPED
+            and token_id in params.all_stop_token_ids
+            and not params.include_stop_str_in_output
+        ):
+            return None  # as vLLM: a stop token (EOS included) is not part of the text
         delta = state.detokenizer.decode_next([token_id])
         state.text += delta
-        params = state.request.sampling_params
         if not params.stop or not delta:
             return None
         hit = check_stop_strings(

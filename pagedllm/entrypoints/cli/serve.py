@@ -81,10 +81,5 @@ def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> No
         )
     if frontend_args.enable_auto_tool_choice and parser_name is None:
         raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
-    if parser_name is not None or frontend_args.enable_auto_tool_choice:
-        raise NotBuiltError(
-            "--tool-call-parser/--enable-auto-tool-choice: the server does not parse tool "
-            "calls yet (tool_choice='none' works without them)"
-        )
     if frontend_args.enable_ssl_refresh:
         raise NotBuiltError("--enable-ssl-refresh: certificates are read once at start-up")

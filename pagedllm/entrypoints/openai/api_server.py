@@ -454,6 +454,8 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         chat_template_content_format=args.chat_template_content_format,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     stack = build_serving(engine_args, options, pm)
     config, engine = stack.config, stack.engine

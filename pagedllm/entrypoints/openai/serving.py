@@ -34,6 +34,9 @@ class ServingSettings:
     max_logprobs: int
     # --reasoning-parser: a ReasoningParser class, instantiated per chat choice.
     reasoning_parser: Any = None
+    # --tool-call-parser (a ToolParser class) and --enable-auto-tool-choice.
+    tool_parser: Any = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -455,15 +458,20 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------- chat
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        if request.tool_choice == "auto":
+    def _auto_tools(self, request: ChatCompletionRequest) -> bool:
+        """Whether the model's own tool calls are parsed (tool_choice "auto", which is
+        the default with tools when the server enables it)."""
+        enabled = self.settings.enable_auto_tool_choice and self.settings.tool_parser
+        if request.tool_choice == "auto" and not enabled:
             raise OpenAIError(
                 400,
                 'tool_choice="auto" needs the server started with --enable-auto-tool-choice '
-                "and --tool-call-parser (not supported yet); use none, required or a named "
-                "function",
+                "and --tool-call-parser; use none, required or a named function",
                 param="tool_choice",
             )
+        return bool(enabled and request.tools and request.tool_choice in (None, "auto"))
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
         try:
             text = render_chat(
                 self.tokenizer,
@@ -523,10 +531,20 @@ class OpenAIServing:
                     param="tool_choice",
                 )
             params.guided_decoding = GuidedDecodingParams(json=schema)
+        auto_parsers = None
+        if self._auto_tools(request):
+            auto_parsers = [self.settings.tool_parser(self.tokenizer) for _ in range(params.n)]
+            for parser in auto_parsers:
+                request = parser.adjust_request(request)
+            params.skip_special_tokens = False  # call markers are often special tokens
         generator = self._generate_all(request_id, [prompt], [params], request.priority)
         created, model, role = now(), self.model_name, self._role(request)
         reasoning = self._reasoning_parsers(prompt, params.n)
-        tools = ToolStream(named) if forced else None
+        tools: Any = None
+        if forced:
+            tools = ToolStream(named)
+        elif auto_parsers is not None:
+            tools = AutoToolStream(auto_parsers, request)
         echo_text = ""
         if request.echo and request.messages[-1].get("role") == role:
             content = request.messages[-1].get("content")
@@ -559,6 +577,15 @@ class OpenAIServing:
                     message["content"] = None
                     message["tool_calls"] = calls
                     if named is None and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            elif auto_parsers is not None and message["content"]:
+                found = auto_parsers[completion.index].extract_tool_calls(
+                    message["content"], request
+                )
+                if found.tools_called:
+                    message["content"] = found.content
+                    message["tool_calls"] = [_openai_call(call) for call in found.tool_calls]
+                    if finish_reason == "stop":
                         finish_reason = "tool_calls"
             choices.append(
                 {
@@ -720,6 +747,61 @@ class ToolStream:
                 out["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
+        return out, finish_reason
+
+
+def _openai_call(call: Any) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+class AutoToolStream:
+    """Streams the model's own tool calls (tool_choice "auto") through the tool parser:
+    content deltas become content and tool-call deltas in the OpenAI format."""
+
+    def __init__(self, parsers: list[Any], request: Any) -> None:
+        self.parsers = parsers
+        self.request = request
+        self.texts: dict[int, str] = defaultdict(str)
+        self.called: set[int] = set()
+
+    def delta(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        parser = self.parsers[index]
+        piece = delta.get("content") or ""
+        previous = self.texts[index]
+        self.texts[index] = current = previous + piece
+        out: dict[str, Any] = {k: v for k, v in delta.items() if k != "content"}
+        messages = []
+        if piece:
+            messages.append(
+                parser.extract_tool_calls_streaming(
+                    previous, current, piece, [], [], [], self.request
+                )
+            )
+        if finish_reason is not None and hasattr(parser, "flush_streaming"):
+            messages.append(parser.flush_streaming(current))
+        for message in messages:
+            if message is None:
+                continue
+            if message.content:
+                out["content"] = out.get("content", "") + message.content
+            for call in message.tool_calls:
+                self.called.add(index)
+                entry: dict[str, Any] = {"index": call.index, "function": {}}
+                if call.id:
+                    entry.update(id=call.id, type=call.type or "function")
+                if call.name is not None:
+                    entry["function"]["name"] = call.name
+                if call.arguments is not None:
+                    entry["function"]["arguments"] = call.arguments
+                out.setdefault("tool_calls", []).append(entry)
+        if finish_reason == "stop" and index in self.called:
+            finish_reason = "tool_calls"
         return out, finish_reason
 
 

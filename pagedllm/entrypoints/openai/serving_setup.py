@@ -28,6 +28,8 @@ class ServingOptions:
     chat_template_content_format: str = "auto"
     return_tokens_as_token_ids: bool = False
     enable_prompt_tokens_details: bool = False
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +66,10 @@ def build_serving(
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         max_logprobs=config.model_config.max_logprobs,
+        tool_parser=(
+            pm.load("tool_parsers", options.tool_call_parser) if options.tool_call_parser else None
+        ),
+        enable_auto_tool_choice=options.enable_auto_tool_choice,
         reasoning_parser=(
             pm.load("reasoning_parsers", config.decoding_config.reasoning_parser)
             if config.decoding_config.reasoning_parser
