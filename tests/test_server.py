@@ -927,7 +927,8 @@ def test_bad_chat_requests(http: httpx.Client) -> None:
         ({"logprobs": True, "top_logprobs": 10**12}, "logprobs"),
         ({"messages": [{"role": "user", "content": "word " * 300}]}, "maximum context length"),
         ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tool"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_json": {"type": "nope"}}, "invalid JSON schema"),
     ]:
         body = {"messages": USER, **extra}
         assert_openai_error(http.post("/v1/chat/completions", json=body), 400, needle)

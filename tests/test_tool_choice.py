@@ -262,6 +262,9 @@ def test_auto_tool_choice_parses_the_model_calls(servers, stream):
             ("get_weather", {"city": "Paris", "unit": "c"}),
             ("get_time", {"zone": "UTC"}),
         ]
+        # parallel_tool_calls=false keeps the first call only.
+        single = client.chat.completions.create(parallel_tool_calls=False, **request)
+        assert [c.function.name for c in single.choices[0].message.tool_calls] == ["get_weather"]
         # tool_choice "none" leaves the text alone.
         plain = client.chat.completions.create(tool_choice="none", **request).choices[0]
         assert "<tool_call>" in plain.message.content and not plain.message.tool_calls

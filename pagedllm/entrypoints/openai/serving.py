@@ -584,7 +584,10 @@ class OpenAIServing:
                 )
                 if found.tools_called:
                     message["content"] = found.content
-                    message["tool_calls"] = [_openai_call(call) for call in found.tool_calls]
+                    calls = found.tool_calls
+                    if request.parallel_tool_calls is False:
+                        calls = calls[:1]  # one call per turn, as asked
+                    message["tool_calls"] = [_openai_call(call) for call in calls]
                     if finish_reason == "stop":
                         finish_reason = "tool_calls"
             choices.append(
@@ -791,6 +794,8 @@ class AutoToolStream:
             if message.content:
                 out["content"] = out.get("content", "") + message.content
             for call in message.tool_calls:
+                if call.index > 0 and getattr(self.request, "parallel_tool_calls", None) is False:
+                    continue  # one call per turn, as asked
                 self.called.add(index)
                 entry: dict[str, Any] = {"index": call.index, "function": {}}
                 if call.id:
