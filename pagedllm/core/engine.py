@@ -168,14 +168,9 @@ class LLMEngine:
             asked = max(params.logprobs or 0, params.prompt_logprobs or 0)
             if limit != -1 and asked > limit:
                 raise ValueError(f"requested {asked} logprobs; the limit is --max-logprobs={limit}")
-        guided = as_guided_params(params.guided_decoding)
-        compiled = None
-        if guided is not None:
-            if self.guided is None:
-                raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
-            compiled = self.guided.submit(guided)
-            if compiled.done() and compiled.exception() is not None:
-                raise ValueError(str(compiled.exception()))
+        guided, compiled = self._submit_guided(params)
+        if compiled is not None and compiled.done() and compiled.exception() is not None:
+            raise ValueError(str(compiled.exception()))
         params = params.clone()
         params.guided_decoding = guided
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
@@ -243,11 +238,19 @@ class LLMEngine:
         """Compile the request's constraint now (cached): ``ValueError`` names what is
         wrong with it. Entry points call this before ``add_request`` (the server in a
         worker thread) so that a bad schema is refused up front."""
+        _, compiled = self._submit_guided(params)
+        if compiled is not None:
+            compiled.result()
+
+    def _submit_guided(self, params: SamplingParams) -> tuple[Any, Any]:
+        """``(GuidedDecodingParams, future of its compiled constraint)``, or ``(None,
+        None)`` for an unconstrained request."""
         guided = as_guided_params(params.guided_decoding)
-        if guided is not None:
-            if self.guided is None:
-                raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
-            self.guided.compile(guided)
+        if guided is None:
+            return None, None
+        if self.guided is None:
+            raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
+        return guided, self.guided.submit(guided)
 
     def _fail_uncompiled(self) -> list[RequestOutput]:
         """Finish (as aborted) the requests whose constraint failed to compile."""

@@ -9,6 +9,7 @@ samples.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import threading
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.core.interfaces import CompiledConstraint, Grammar, GuidedBackend, GuidedOptions
-from pagedllm.core.sampling.guided_params import GuidedDecodingParams, as_guided_params
+from pagedllm.core.sampling.guided_params import GuidedDecodingParams
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -97,11 +98,7 @@ class GuidedDecodingManager:
     def submit(self, guided: GuidedDecodingParams) -> Future[CompiledConstraint]:
         """The compiled constraint, compiling in the background (cached)."""
         constraint = guided.constraint()
-        options = GuidedOptions(
-            disable_any_whitespace=self.options.disable_any_whitespace,
-            disable_additional_properties=self.options.disable_additional_properties,
-            whitespace_pattern=guided.whitespace_pattern,
-        )
+        options = dataclasses.replace(self.options, whitespace_pattern=guided.whitespace_pattern)
         names = tuple(self.backend_names(guided.backend))
         key = (names, constraint, options)
         with self._lock:
@@ -110,10 +107,6 @@ class GuidedDecodingManager:
                 future = self._executor.submit(self._compile, names, constraint, options)
                 self._cache[key] = future
         return future
-
-    def compile(self, guided: GuidedDecodingParams) -> CompiledConstraint:
-        """Compile now (blocking); ``ValueError`` names what is wrong."""
-        return self.submit(guided).result()
 
     def _compile(self, names, constraint, options) -> CompiledConstraint:
         errors: list[str] = []
@@ -143,12 +136,6 @@ class GuidedDecodingManager:
 
     # ------------------------------------------------------------------ per step
 
-    def prepare(self, request: Request) -> None:
-        """Start compiling the request's constraint; the scheduler waits for it."""
-        guided = as_guided_params(request.sampling_params.guided_decoding)
-        if guided is not None:
-            request.pending = self.submit(guided)
-
     def _answer_start(self, request: Request) -> int | None:
         """Index in the output where the constrained answer starts: 0 without a
         reasoning parser, else just past the end of the reasoning (None while it goes
@@ -161,12 +148,8 @@ class GuidedDecodingManager:
             return start
         parser = state.get(REASONER_KEY)
         if parser is None:
-            parser = self.reasoning_cls(self.tokenizer)
-            opens = getattr(parser, "prompt_opens_reasoning", None)
-            if opens is not None:
-                tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
-                parser.starts_in_reasoning = opens(tail)
-            state[REASONER_KEY] = parser
+            tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
+            parser = state[REASONER_KEY] = self.reasoning_cls.for_prompt(self.tokenizer, tail)
         output = request.output_token_ids
         # The first output position after which the reasoning is over.
         for end in range(state.get(SCANNED_KEY, 0), len(output) + 1):

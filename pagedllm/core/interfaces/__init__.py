@@ -18,6 +18,7 @@ from pagedllm.core.interfaces.parsers import (
     ReasoningParser,
     ToolCall,
     ToolParser,
+    new_tool_call_id,
 )
 from pagedllm.core.interfaces.quantization import (
     EmbeddingMethod,
@@ -44,4 +45,5 @@ __all__ = [
     "ReasoningParser",
     "ToolCall",
     "ToolParser",
+    "new_tool_call_id",
 ]

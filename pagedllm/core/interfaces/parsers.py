@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,11 @@ class ToolCall:
     name: str
     arguments: str
     type: str = "function"
+
+
+def new_tool_call_id() -> str:
+    """A fresh OpenAI-style tool-call id."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,6 +82,10 @@ class ToolParser(ABC):
         """Change the request before generation (e.g. keep special tokens); optional."""
         return request
 
+    def flush_streaming(self, final_text: str) -> DeltaMessage | None:
+        """At the end of a stream: anything held back (optional)."""
+        return None
+
 
 class ReasoningParser(ABC):
     """Separates a model's reasoning from its answer.
@@ -87,6 +97,25 @@ class ReasoningParser(ABC):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # The output begins inside the reasoning (the prompt opened it).
+        self.starts_in_reasoning = False
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Any, prompt: str | None) -> ReasoningParser:
+        """A parser for one output of ``prompt`` (told whether the prompt opened the
+        reasoning)."""
+        parser = cls(tokenizer)
+        if prompt is not None:
+            parser.starts_in_reasoning = parser.prompt_opens_reasoning(prompt)
+        return parser
+
+    def prompt_opens_reasoning(self, prompt: str) -> bool:
+        """Whether ``prompt`` ends inside an opened reasoning section (optional)."""
+        return False
+
+    def flush_streaming(self, final_text: str) -> DeltaMessage | None:
+        """At the end of a stream: anything held back (optional)."""
+        return None
 
     @abstractmethod
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.core.async_engine import AsyncLLMEngine
+from pagedllm.core.interfaces import new_tool_call_id
 from pagedllm.core.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.core.sampling import GuidedDecodingParams
 from pagedllm.entrypoints.openai.chat_utils import render_chat
@@ -20,7 +21,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     now,
 )
-from pagedllm.entrypoints.openai.tool_choice import forced_calls, forced_tool_schema, new_call_id
+from pagedllm.entrypoints.openai.tool_choice import (
+    forced_calls,
+    forced_tool_schema,
+    openai_tool_call,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -500,9 +505,7 @@ class OpenAIServing:
         whatever it held back (a possible marker) is sent too."""
         previous = text[: len(text) - len(delta_text)]
         step = parser.extract_reasoning_content_streaming(previous, text, delta_text, [], [], [])
-        flushed = (
-            parser.flush_streaming(text) if last and hasattr(parser, "flush_streaming") else None
-        )
+        flushed = parser.flush_streaming(text) if last else None
         return _merge_deltas(step, flushed)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: str) -> Any:
@@ -575,7 +578,7 @@ class OpenAIServing:
                 calls = forced_calls(named, message["content"] or "")
                 if calls:
                     message["content"] = None
-                    message["tool_calls"] = calls
+                    message["tool_calls"] = [openai_tool_call(call) for call in calls]
                     if named is None and finish_reason == "stop":
                         finish_reason = "tool_calls"
             elif auto_parsers is not None and message["content"]:
@@ -587,7 +590,7 @@ class OpenAIServing:
                     calls = found.tool_calls
                     if request.parallel_tool_calls is False:
                         calls = calls[:1]  # one call per turn, as asked
-                    message["tool_calls"] = [_openai_call(call) for call in calls]
+                    message["tool_calls"] = [openai_tool_call(call) for call in calls]
                     if finish_reason == "stop":
                         finish_reason = "tool_calls"
             choices.append(
@@ -620,12 +623,7 @@ class OpenAIServing:
         cls = self.settings.reasoning_parser
         if cls is None:
             return None
-        parsers = [cls(self.tokenizer) for _ in range(n)]
-        for parser in parsers:
-            opens = getattr(parser, "prompt_opens_reasoning", None)
-            if opens is not None and prompt.text is not None:
-                parser.starts_in_reasoning = opens(prompt.text)
-        return parsers
+        return [cls.for_prompt(self.tokenizer, prompt.text) for _ in range(n)]
 
     async def _stream_chat(
         self,
@@ -739,7 +737,7 @@ class ToolStream:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if index not in self.started:
                 self.started.add(index)
-                call.update(id=new_call_id(), type="function")
+                call.update(id=new_tool_call_id(), type="function")
                 call["function"]["name"] = self.named
             if text or len(call) > 2:
                 out["tool_calls"] = [call]
@@ -747,18 +745,12 @@ class ToolStream:
         if finish_reason is not None:
             calls = forced_calls(None, self.texts[index])
             if calls:
-                out["tool_calls"] = [dict(call, index=i) for i, call in enumerate(calls)]
+                out["tool_calls"] = [
+                    dict(openai_tool_call(call), index=i) for i, call in enumerate(calls)
+                ]
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
         return out, finish_reason
-
-
-def _openai_call(call: Any) -> dict[str, Any]:
-    return {
-        "id": call.id,
-        "type": call.type,
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
 
 
 class AutoToolStream:
@@ -786,7 +778,7 @@ class AutoToolStream:
                     previous, current, piece, [], [], [], self.request
                 )
             )
-        if finish_reason is not None and hasattr(parser, "flush_streaming"):
+        if finish_reason is not None:
             messages.append(parser.flush_streaming(current))
         for message in messages:
             if message is None:

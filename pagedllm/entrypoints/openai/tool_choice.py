@@ -9,9 +9,9 @@ tools each (at most one when ``parallel_tool_calls`` is false).
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
+from pagedllm.core.interfaces import ToolCall, new_tool_call_id
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
 _ANY_OBJECT = {"type": "object"}
@@ -85,12 +85,17 @@ def forced_tool_schema(
     raise OpenAIError(400, f"tool_choice {tool_choice!r} is not valid", param="tool_choice")
 
 
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+    """A tool call in the OpenAI response format."""
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
-def forced_calls(named: str | None, text: str) -> list[dict[str, Any]]:
-    """OpenAI tool calls from the constrained output (empty if it did not complete)."""
+def forced_calls(named: str | None, text: str) -> list[ToolCall]:
+    """The calls in the constrained output (empty if it did not complete)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -100,10 +105,6 @@ def forced_calls(named: str | None, text: str) -> list[dict[str, Any]]:
     else:
         pairs = [(item["name"], item["parameters"]) for item in value]
     return [
-        {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-        }
+        ToolCall(new_tool_call_id(), name, json.dumps(arguments, ensure_ascii=False))
         for name, arguments in pairs
     ]

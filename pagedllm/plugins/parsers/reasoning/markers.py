@@ -28,7 +28,6 @@ class MarkerReasoningParser(ReasoningParser):
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
-        self.starts_in_reasoning = False
         self._sent_reasoning = ""
         self._sent_content = ""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from pagedllm.core.interfaces import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
+    new_tool_call_id,
 )
 
 
@@ -60,10 +60,6 @@ class Description:
                 continue
             kept.append(item)
         return "".join(kept)
-
-
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def call_from_json(value: Any) -> tuple[str, str] | None:
@@ -157,7 +153,7 @@ class DescribedToolParser(ToolParser):
         go on (hold back what may still become a call)."""
 
     def make_call_id(self) -> str:
-        return new_call_id()
+        return new_tool_call_id()
 
     def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCalls:
         try:
