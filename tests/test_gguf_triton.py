@@ -135,6 +135,8 @@ def test_triton_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
         for chunk in (8, 1024):
             got = triton_gguf_linear(x, raw_t, qtype, out_features, in_features, b, chunk)
             assert got.shape == (2, 3, out_features)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            # A 512-term float32 dot product summed in another order (the interpreter's
+            # numpy dot, the reference's BLAS) differs by a few 1e-5.
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="features"):
         triton_gguf_linear(x[..., :32], raw_t, qtype, out_features, in_features)

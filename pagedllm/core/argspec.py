@@ -10,9 +10,13 @@ one place.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import json
+import numbers
+import os
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -127,10 +131,25 @@ def optional_int(text: str) -> int | None:
     return None if text in ("None", "none") else int(text)
 
 
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _is_callable_type(annotation: Any) -> bool:
+    return annotation is collections.abc.Callable or (
+        typing.get_origin(annotation) is collections.abc.Callable
+    )
+
+
 def _strip_optional(annotation: Any) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    """The type a command-line value has: ``None`` and callables (which only Python
+    callers can give, e.g. ``hf_overrides``) are left out of a union."""
+    if _is_union(annotation):
+        args = [
+            a
+            for a in typing.get_args(annotation)
+            if a is not type(None) and not _is_callable_type(a)
+        ]
         if len(args) == 1:
             return args[0]
         return annotation
@@ -298,6 +317,112 @@ def non_default_fields(instance: Any) -> dict[str, Any]:
     return changed
 
 
+# ------------------------------------------------------------- checks on the values
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _value_matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` fits ``annotation``, accepting what a Python caller reasonably
+    passes: an int for a float, a tuple for a list, one item for a list of such items."""
+    if annotation is Any:
+        return True
+    if annotation is None or annotation is type(None):
+        return value is None
+    if _is_union(annotation):
+        return any(_value_matches(value, a) for a in typing.get_args(annotation))
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return value in typing.get_args(annotation)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if _is_callable_type(annotation):
+        return callable(value)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        item = args[0] if len(args) == 1 or origin is list else Any
+        if isinstance(value, list | tuple):
+            return all(_value_matches(v, item) for v in value)
+        return item is not Any and _value_matches(value, item)
+    if origin is dict or annotation is dict:
+        return isinstance(value, collections.abc.Mapping)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True  # an annotation this check does not understand is not checked
+
+
+_TYPE_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
+_PLURAL_NAMES = {bool: "bools", int: "ints", float: "numbers", str: "strings"}
+
+
+def describe_type(annotation: Any) -> str:
+    """``int | None`` -> ``an int or None``, ``list[str]`` -> ``a list of strings``."""
+    if annotation is Any:
+        return "any value"
+    if annotation is None or annotation is type(None):
+        return "None"
+    if _is_union(annotation):
+        args = typing.get_args(annotation)
+        # None last: "an int or None".
+        args = sorted(args, key=lambda a: a is type(None))
+        names = [describe_type(a) for a in args]
+        return ", ".join(names[:-1]) + " or " + names[-1]
+    if annotation in _TYPE_NAMES:
+        return _TYPE_NAMES[annotation]
+    if _is_callable_type(annotation):
+        return "a callable"
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        args = typing.get_args(annotation)
+        item = args[0] if args else Any
+        kind = "list" if (origin or annotation) is list else "tuple"
+        if item is Any:
+            return f"a {kind}"
+        return f"a {kind} of {_PLURAL_NAMES.get(item, describe_type(item))}"
+    if origin is dict or annotation is dict:
+        return "a dict"
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(annotation)))
+    return f"a {getattr(annotation, '__name__', annotation)}"
+
+
+def _annotation_has_str(annotation: Any) -> bool:
+    if _is_union(annotation):
+        return any(a is str for a in typing.get_args(annotation))
+    return annotation is str
+
+
+def check_field_types(instance: Any) -> list[str]:
+    """One message per field whose value does not fit the field's declared type, naming
+    the field, the value and the type (``seed='abc' is not an int or None``).
+
+    Values given on the command line were converted by the parser already; this catches
+    Python callers (``LLM(model, seed="abc")``). A path object given for a string field
+    is converted to ``str``.
+    """
+    hints = typing.get_type_hints(type(instance))
+    problems = []
+    for field in dataclasses.fields(instance):
+        if not field.init or field.name not in hints:
+            continue
+        annotation = hints[field.name]
+        value = getattr(instance, field.name)
+        if isinstance(value, os.PathLike) and _annotation_has_str(annotation):
+            value = os.fspath(value)
+            setattr(instance, field.name, value)
+        if not _value_matches(value, annotation):
+            problems.append(f"{field.name}={_REPR.repr(value)} is not {describe_type(annotation)}")
+    return problems
+
+
 def apply_deprecated_aliases(instance: Any) -> list[str]:
     """Copy deprecated aliases onto the fields that replaced them; return the warnings."""
     warnings_out = []
@@ -320,21 +445,35 @@ def _is_off(value: Any) -> bool:
 
 
 def refused_fields(instance: Any) -> list[str]:
-    """One message per field set to a non-default value whose feature is unbuilt or removed."""
+    """One message per field set to a non-default value whose feature is unbuilt or removed.
+
+    A deprecated alias (``alias_of``) of such a field is refused under its own name, the
+    flag the user typed; call this before :func:`apply_deprecated_aliases` copies it.
+    """
+    fields = {field.name: field for field in dataclasses.fields(instance)}
     problems = []
-    for field in dataclasses.fields(instance):
+    for field in fields.values():
         meta = field_meta(field)
-        if meta is None or (meta.unbuilt is None and meta.removed is None):
+        if meta is None:
+            continue
+        note = ""
+        if meta.alias_of is not None and meta.alias_of in fields:
+            note = f" (a deprecated alias of {option_name(meta.alias_of)})"
+            meta = field_meta(fields[meta.alias_of])
+            if meta is None:
+                continue
+        if meta.unbuilt is None and meta.removed is None:
             continue
         value = getattr(instance, field.name)
         default = field_default(field)
         if value == default or (_is_off(value) and _is_off(default)):
             continue
+        option = option_name(field.name)
         if meta.removed is not None:
-            problems.append(f"{option_name(field.name)} was removed: {meta.removed}")
+            problems.append(f"{option}{note} was removed: {meta.removed}")
         else:
             problems.append(
-                f"{option_name(field.name)}={format_value(value)} is not supported by "
-                f"pagedllm yet: {meta.unbuilt}"
+                f"{option}={format_value(value)}{note} is not supported by pagedllm yet: "
+                f"{meta.unbuilt}"
             )
     return problems

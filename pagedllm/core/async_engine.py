@@ -3,9 +3,14 @@ for asyncio callers.
 
 The model runs on a dedicated thread (its work is blocking CPU/GPU work); everything
 that touches the engine's state happens there, so no locks guard it. Callers submit
-commands through a queue and receive outputs on an ``asyncio.Queue`` per request. A
-caller that stops listening (a client disconnect cancels its task) aborts the request,
-which frees its KV blocks.
+commands through a queue and receive outputs on an ``asyncio.Queue`` per call. A caller
+that stops listening (a client disconnect cancels its task) aborts its requests, which
+frees their KV blocks.
+
+The loop is the one thing that must not die: a command whose caller is gone is skipped,
+an output for a request that is gone is dropped, and a step that fails fails only the
+requests it was computing. Should the loop itself break, ``is_healthy`` turns false and
+``dead`` is set, so that a server can exit and be restarted.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import dataclasses
 import logging
 import queue
 import threading
-import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.engine import LLMEngine
+from pagedllm.core.engine import LLMEngine, NewRequest
+from pagedllm.core.errors import EngineDeadError, RequestFailedError
+from pagedllm.core.guided_compile import CompileCancelled
 from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.sampling.guided_params import as_guided_params
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
@@ -29,24 +36,25 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling import SamplingParams
     from pagedllm.inputs import PromptType
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "NewRequest", "RequestFailedError"]
+
 logger = logging.getLogger("pagedllm.async_engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while computing this request (the engine itself goes on)."""
 
 
 @dataclasses.dataclass(slots=True)
 class _Stream:
+    """Where one request's outputs go: ``(index, output or error)`` on its caller's
+    queue, from the engine thread."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]]
+    index: int
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
 
 class AsyncLLMEngine:
@@ -58,6 +66,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.dead_error: BaseException | None = None
+        # Set when the loop has died (not on a normal shutdown).
+        self.dead = threading.Event()
         # Called on the engine thread after each step with its outputs (metrics).
         self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
@@ -75,23 +85,17 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:
-                    self._fail_running(exc)
+                except Exception as exc:  # outside any request's computation
+                    self._fail_all(exc)
                     continue
-                for listener in self.step_listeners:
-                    listener(self.engine, outputs)
-                for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put(output)
-                        if output.finished:
-                            self._streams.pop(output.request_id, None)
+                self._deliver(outputs)
         except BaseException as exc:  # the loop itself broke: every request fails
             self.dead_error = exc
-            logger.exception("the engine loop died")
+            logger.critical("the engine loop died", exc_info=exc)
             for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine stopped: {exc}"))
+                stream.put(EngineDeadError(f"the engine stopped: {exc!r}"))
             self._streams.clear()
+            self.dead.set()
 
     def _run_commands(self) -> None:
         while True:
@@ -101,9 +105,26 @@ class AsyncLLMEngine:
                 return
             command()
 
-    def _fail_running(self, exc: Exception) -> None:
-        """A step raised: fail the requests it was computing, keep serving the rest."""
-        logger.error("engine step failed; aborting its requests:\n%s", traceback.format_exc())
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for request_id, exc in self.engine.take_failures().items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RequestFailedError(f"the engine failed on this request: {exc}"))
+        for listener in self.step_listeners:
+            try:
+                listener(self.engine, outputs)
+            except Exception:  # metrics must never cost a request
+                logger.exception("a step listener failed")
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised before it knew its requests: fail every request, keep serving."""
+        logger.error("engine step failed; aborting every request", exc_info=exc)
         ids = list(self.engine.parents)
         for request_id in ids:
             stream = self._streams.pop(request_id, None)
@@ -112,15 +133,21 @@ class AsyncLLMEngine:
         self.engine.abort_request(ids)
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the engine thread, between steps. A caller that gave up before it
+        ran (the future is cancelled) is skipped."""
         if self.dead_error is not None or self._stopped:
             raise EngineDeadError("the engine is not running")
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as exc:
                 future.set_exception(exc)
+            else:
+                future.set_result(result)
 
         self._commands.put(command)
         self._wakeup.set()
@@ -142,37 +169,76 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come. Invalid requests raise ``ValueError``
         before the first output; leaving the iteration early aborts the request."""
+        async for _, output in self.generate_many(
+            [NewRequest(request_id, prompt, params, priority)]
+        ):
+            yield output
+
+    async def generate_many(
+        self, requests: Sequence[NewRequest]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests, interleaved as they come, tagged with the index
+        of their request. They are validated together and queued together: one invalid
+        request (``ValueError``) queues none. Leaving early aborts those not finished."""
+        # Compile guided-decoding constraints off the engine thread first: a bad schema
+        # is refused before any request exists, and the engine finds them compiled.
+        for request in requests:
+            await self.compile_guided(request.params)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        # Compile a guided-decoding constraint off the engine thread first: a bad schema
-        # is refused before the request exists, and the engine finds it compiled.
-        await asyncio.to_thread(self.engine.check_guided, params)
+        outputs: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        streams = {r.request_id: _Stream(loop, outputs, i) for i, r in enumerate(requests)}
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params, priority=priority)
-            self._streams[request_id] = stream
+            self.engine.add_requests(requests)
+            self._streams.update(streams)
 
-        await asyncio.wrap_future(self._submit(add))
-        finished = False
         try:
-            while True:
-                item = await stream.queue.get()
+            await asyncio.wrap_future(self._submit(add))
+        except asyncio.CancelledError:
+            self.abort(list(streams))  # in case they were added before the cancel landed
+            raise
+        unfinished = set(streams)
+        try:
+            while unfinished:
+                index, item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield index, item
         finally:
-            if not finished:
-                self.abort(request_id)
+            if unfinished:
+                self.abort(list(unfinished))
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (from any thread); its KV blocks are freed."""
+    async def compile_guided(self, params: SamplingParams) -> None:
+        """Compile ``params``' guided-decoding constraint (cached) without blocking the
+        event loop; ``ValueError`` says what is wrong with it. A caller that is cancelled
+        (its client went away) stops the compile unless another request waits on it."""
+        guided = as_guided_params(params.guided_decoding)
+        if guided is None:
+            return
+        if self.engine.guided is None:
+            raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
+        key, future = self.engine.guided.acquire(guided)
+        try:
+            await asyncio.shield(asyncio.wrap_future(future))
+        except CompileCancelled:  # stopped for everyone: the engine is shutting down
+            raise EngineDeadError("the server is shutting down") from None
+        except asyncio.CancelledError:
+            if future.cancelled():
+                raise EngineDeadError("the server is shutting down") from None
+            raise
+        finally:
+            self.engine.guided.release(key)
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Stop requests (from any thread); their KV blocks are freed."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
 
         def command() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+            for request_id in ids:
+                self._streams.pop(request_id, None)
+            self.engine.abort_request(ids)
 
         if self.dead_error is None and not self._stopped:
             self._commands.put(command)
@@ -182,8 +248,15 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         return self.dead_error is None and not self._stopped and self._thread.is_alive()
 
+    def stop_compiling(self) -> None:
+        """Stop every guided-decoding compile now (from any thread): requests waiting on
+        one fail with EngineDeadError."""
+        if self.engine.guided is not None:
+            self.engine.guided.shutdown()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; waiting requests fail with EngineDeadError."""
+        self.stop_compiling()
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.argspec import (
     apply_deprecated_aliases,
+    check_field_types,
     field_meta,
     format_value,
     option_name,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.interfaces import Device
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.core.scheduler import Scheduler
 
 logger = logging.getLogger("pagedllm.config")
 
@@ -130,12 +132,42 @@ class DecodingConfig:
     disable_any_whitespace: bool
     disable_additional_properties: bool
     reasoning_parser: str | None
+    # --guided-decoding-compile-*: worker processes, and the bounds of one compile.
+    compile_workers: int = 2
+    compile_timeout: float = 5.0
+    compile_memory_mib: int = 512
+    compile_cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        _require(
+            self.compile_workers >= 0,
+            "--guided-decoding-compile-workers",
+            self.compile_workers,
+            "it must be 0 or more",
+        )
+        _require(
+            self.compile_timeout > 0,
+            "--guided-decoding-compile-timeout",
+            self.compile_timeout,
+            "it must be more than 0 seconds",
+        )
+        _require(
+            self.compile_memory_mib > 0,
+            "--guided-decoding-compile-memory",
+            self.compile_memory_mib,
+            "it must be more than 0 MiB",
+        )
+        _require(
+            self.compile_cache_size >= 1,
+            "--guided-decoding-cache-size",
+            self.compile_cache_size,
+            "it must be at least 1",
+        )
 
 
 @dataclasses.dataclass(slots=True)
 class ObservabilityConfig:
     disable_log_stats: bool
-    show_hidden_metrics_for_version: str | None
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,14 +198,21 @@ _DEFAULT_MAX_NUM_SEQS = 256
 
 
 def _check_choices(args: EngineArgs, pm: PluginManager) -> None:
-    """Choices checked for values set from Python too (argparse checks only the CLI)."""
-    for field in dataclasses.fields(args):
+    """Choices checked for values set from Python too (argparse checks only the CLI).
+
+    A deprecated alias is checked against the choices of the option it stands for, under
+    its own name (before :func:`apply_deprecated_aliases` copies it).
+    """
+    fields = {field.name: field for field in dataclasses.fields(args)}
+    for field in fields.values():
         meta = field_meta(field)
         if meta is None:
             continue
         value = getattr(args, field.name)
         if value is None:
             continue
+        if meta.alias_of in fields and meta.choices is None and meta.registry is None:
+            meta = field_meta(fields[meta.alias_of]) or meta
         if meta.registry is not None:
             valid = [*meta.extra_choices, *pm.choices(meta.registry)]
         elif meta.choices is not None:
@@ -193,6 +232,9 @@ def _require(condition: bool, option: str, value: Any, why: str) -> None:
     if not condition:
         raise ConfigError(f"{option}={format_value(value)} is invalid: {why}")
 
+
+# vLLM's default --swap-space, in GiB (accepted so that leaving the flag out works).
+_DEFAULT_SWAP_SPACE_GIB = 4
 
 _GUIDED_OPTIONS = (
     "guided_decoding_disable_fallback",
@@ -218,10 +260,11 @@ def _refuse_unused(args: EngineArgs, device_name: str, guided_backends: list[str
             "--logits-processor-pattern: requests cannot name logits processors in pagedllm "
             "yet, so there is nothing to allow"
         )
-    if args.swap_space != 4:
+    # 0 says what pagedllm does (it reserves no swap space); the default is accepted too.
+    if args.swap_space not in (0, _DEFAULT_SWAP_SPACE_GIB):
         raise ConfigError(
-            f"--swap-space={args.swap_space}: pagedllm never swaps (preemption recomputes), "
-            f"so swap space would go unused; leave it out"
+            f"--swap-space={args.swap_space}: pagedllm never swaps: it preempts by "
+            f"recomputation and needs no swap space; use 0 or leave it out"
         )
     if device_name == "cpu" and args.gpu_memory_utilization != 0.9:
         raise ConfigError(
@@ -235,6 +278,50 @@ def _refuse_unused(args: EngineArgs, device_name: str, guided_backends: list[str
                     f"{option_name(name)}: no guided-decoding backend is installed, so this "
                     f"option would have no effect"
                 )
+
+
+_PREEMPTION_SWAP_REFUSED = (
+    "--preemption-mode swap is not supported: pagedllm preempts by recomputation "
+    "(on the cpu the KV cache already lives in host memory, so swapping would only "
+    "copy it); leave --preemption-mode unset or use recompute"
+)
+
+
+def _refuse_unsupported(args: EngineArgs) -> None:
+    """Valid choices that pagedllm cannot honour, refused here (before any weight is
+    read) rather than when the engine is built."""
+    if args.preemption_mode == "swap":
+        raise ConfigError(_PREEMPTION_SWAP_REFUSED)
+    if args.tokenizer_mode not in ("auto", "slow"):
+        raise ConfigError(
+            f"--tokenizer-mode {args.tokenizer_mode}: not supported (use auto or slow)"
+        )
+    scheduler_class(args.scheduler_cls)
+
+
+DEFAULT_SCHEDULER = "pagedllm.core.scheduler.Scheduler"
+# vLLM's names for its default scheduler mean ours.
+_SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
+
+
+def scheduler_class(path: str | None) -> type[Scheduler]:
+    """``--scheduler-cls``: a dotted path to a Scheduler subclass."""
+    import importlib
+
+    from pagedllm.core.scheduler import Scheduler
+
+    if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
+        return Scheduler
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ConfigError(
+            f"--scheduler-cls {path}: not a subclass of pagedllm.core.scheduler.Scheduler"
+        )
+    return cls
 
 
 def resolve_device(name: str, pm: PluginManager) -> Device:
@@ -291,12 +378,18 @@ def create_engine_config(
     Raises :class:`ConfigError` for invalid values and for options whose feature pagedllm
     does not have (naming the option), never ignoring them.
     """
-    for warning in apply_deprecated_aliases(args):
-        logger.warning("%s", warning)
+    problems = check_field_types(args)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    # Refusals and choices come before deprecated aliases are copied onto the options
+    # they stand for, so that messages name the flag the user typed.
     problems = refused_fields(args)
     if problems:
         raise ConfigError("; ".join(problems))
     _check_choices(args, pm)
+    for warning in apply_deprecated_aliases(args):
+        logger.warning("%s", warning)
+    _refuse_unsupported(args)
 
     device = resolve_device(args.device, pm)
     # Import the chosen plugins now, so a broken one fails at start-up, by name.
@@ -460,12 +553,13 @@ def create_engine_config(
             disable_fallback=args.guided_decoding_disable_fallback,
             disable_any_whitespace=args.guided_decoding_disable_any_whitespace,
             disable_additional_properties=args.guided_decoding_disable_additional_properties,
+            compile_workers=args.guided_decoding_compile_workers,
+            compile_timeout=args.guided_decoding_compile_timeout,
+            compile_memory_mib=args.guided_decoding_compile_memory,
+            compile_cache_size=args.guided_decoding_cache_size,
             reasoning_parser=args.reasoning_parser,
         ),
-        observability_config=ObservabilityConfig(
-            disable_log_stats=args.disable_log_stats,
-            show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
-        ),
+        observability_config=ObservabilityConfig(disable_log_stats=args.disable_log_stats),
     )
     pm.hook.pagedllm_update_config(config=config)
     return config

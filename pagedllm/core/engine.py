@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.config import scheduler_class
+from pagedllm.core.errors import EngineDeadError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_setup import load_model, num_kv_blocks
@@ -17,15 +19,27 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner, kv_cache_spec
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.stats import StatLogger
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.plugins import PluginManager
     from pagedllm.inputs import PromptType
 
 logger = logging.getLogger("pagedllm.engine")
+
+
+@dataclasses.dataclass(slots=True)
+class NewRequest:
+    """What :meth:`LLMEngine.add_requests` takes for one request."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
 
 
 class LLMEngine:
@@ -41,18 +55,6 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         sched = config.scheduler_config
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"--max-num-batched-tokens={sched.max_num_batched_tokens} is smaller than "
-                f"--max-model-len={self.max_model_len}: a long prompt could never be scheduled "
-                f"without --enable-chunked-prefill"
-            )
-        if sched.preemption_mode == "swap":
-            raise ConfigError(
-                "--preemption-mode swap is not supported: pagedllm preempts by recomputation "
-                "(on the cpu the KV cache already lives in host memory, so swapping would only "
-                "copy it); leave --preemption-mode unset or use recompute"
-            )
         cache = config.cache_config
         spec = kv_cache_spec(loaded.hf_config, loaded.dtype)
         num_blocks = num_kv_blocks(
@@ -64,7 +66,7 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
         )
-        self.scheduler = _scheduler_class(sched.scheduler_cls)(
+        self.scheduler = scheduler_class(sched.scheduler_cls)(
             sched, self.kv_manager, self.max_model_len
         )
         self.vocab_size = loaded.hf_config.vocab_size
@@ -92,6 +94,8 @@ class LLMEngine:
         self._compiling: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
+        # Requests a step failed on, until the caller takes them (take_failures).
+        self.failed: dict[str, Exception] = {}
         # engine request id -> (parent, sequence index)
         self.sequences: dict[str, tuple[ParentRequest, int]] = {}
         self.stat_logger = StatLogger(
@@ -149,11 +153,25 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        if request_id in self.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self.add_requests([NewRequest(request_id, prompt, params, priority, arrival_time)])
+
+    def add_requests(self, requests: Sequence[NewRequest]) -> None:
+        """Queue several requests at once: every one is validated first, so an invalid
+        one (``ValueError``) queues none of them."""
+        ids = [r.request_id for r in requests]
+        taken = sorted({i for i in ids if i in self.parents or ids.count(i) > 1})
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        parents = [self._new_parent(r) for r in requests]
+        for parent, compiled in parents:
+            self._enqueue(parent, compiled)
+
+    def _new_parent(self, new: NewRequest) -> tuple[ParentRequest, Any]:
+        """The request's state, validated; nothing is queued yet."""
+        params, priority = new.params, new.priority
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only used with --scheduling-policy priority")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = self.tokenize_prompt(new.prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         if not token_ids:
@@ -169,16 +187,19 @@ class LLMEngine:
             if limit != -1 and asked > limit:
                 raise ValueError(f"requested {asked} logprobs; the limit is --max-logprobs={limit}")
         guided, compiled = self._submit_guided(params)
-        if compiled is not None and compiled.done() and compiled.exception() is not None:
-            raise ValueError(str(compiled.exception()))
+        if compiled is not None and compiled.done():
+            if compiled.cancelled():
+                raise EngineDeadError("compiling the request's constraint was stopped")
+            if compiled.exception() is not None:
+                raise ValueError(str(compiled.exception()))
         params = params.clone()
         params.guided_decoding = guided
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
-        now = time.monotonic() if arrival_time is None else arrival_time
+        now = time.monotonic() if new.arrival_time is None else new.arrival_time
         parent = ParentRequest(
-            request_id=request_id,
+            request_id=new.request_id,
             prompt=text,
             prompt_token_ids=token_ids,
             params=params,
@@ -193,7 +214,7 @@ class LLMEngine:
                 child_params = params.clone()
                 if params.seed is not None:
                     child_params.seed = params.seed + index
-            child_id = request_id if count == 1 else f"{index}_{request_id}"
+            child_id = new.request_id if count == 1 else f"{index}_{new.request_id}"
             if index > 0:
                 # Only the first sequence computes prompt logprobs.
                 child_params.prompt_logprobs = None
@@ -205,12 +226,17 @@ class LLMEngine:
                 arrival_time=now,
                 priority=priority,
             )
-            if compiled is not None:
-                request.pending = compiled
-                self._compiling[child_id] = request
             parent.sequences.append(self.output_processor.new_sequence(request, index))
+        return parent, compiled
+
+    def _enqueue(self, parent: ParentRequest, compiled: Any) -> None:
+        for index, seq in enumerate(parent.sequences):
+            child_id = seq.request.request_id
+            if compiled is not None:
+                seq.request.pending = compiled
+                self._compiling[child_id] = seq.request
             self.sequences[child_id] = (parent, index)
-        self.parents[request_id] = parent
+        self.parents[parent.request_id] = parent
         for seq in parent.sequences:
             self.scheduler.add_request(seq.request)
 
@@ -259,7 +285,12 @@ class LLMEngine:
             if not request.pending.done():
                 continue
             del self._compiling[child_id]
-            error = request.pending.exception()
+            pending = request.pending
+            error = (
+                RuntimeError("compiling its constraint was stopped")
+                if pending.cancelled()
+                else pending.exception()
+            )
             entry = self.sequences.get(child_id)
             if error is None or entry is None:
                 continue
@@ -277,10 +308,53 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. A failure while computing it fails only the requests it
+        scheduled (see :meth:`take_failures`); the engine goes on with the others."""
         failed = self._fail_uncompiled() if self._compiling else []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return failed
+        scheduled = {}
+        for item in scheduler_output.scheduled:
+            parent, _ = self.sequences[item.request.request_id]
+            scheduled[parent.request_id] = parent
+        try:
+            updated, result = self._execute(scheduler_output)
+        except Exception as exc:
+            self._fail(list(scheduled.values()), exc)
+            return failed
+        touched: dict[str, ParentRequest] = {}
+        stopped: list[str] = []
+        now = time.monotonic()
+        for request in updated:
+            entry = self.sequences.get(request.request_id)
+            if entry is None:  # a sibling sequence failed earlier in this loop
+                continue
+            parent, index = entry
+            try:
+                stop = self._on_token(request, parent, parent.sequences[index], result, now)
+            except Exception as exc:
+                touched.pop(parent.request_id, None)
+                self._fail([parent], exc)
+                continue
+            if stop:
+                stopped.append(request.request_id)
+            touched[parent.request_id] = parent
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = failed
+        for parent in touched.values():
+            try:
+                output = self._make_output(parent)
+            except Exception as exc:
+                self._fail([parent], exc)
+                continue
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _execute(self, scheduler_output: Any) -> tuple[list[Request], Any]:
+        """Run the model on the scheduled batch and advance the scheduler."""
         now = time.monotonic()
         for item in scheduler_output.scheduled:
             parent, _ = self.sequences[item.request.request_id]
@@ -293,58 +367,75 @@ class LLMEngine:
                 parent, _ = self.sequences[item.request.request_id]
                 self._record_prompt_logprobs(parent, item.num_computed_tokens + 1, rows)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids)
-        self.stat_logger.on_step(scheduler_output, len(updated))
-        touched: dict[str, ParentRequest] = {}
-        stopped: list[str] = []
-        now = time.monotonic()
-        for request in updated:
-            parent, index = self.sequences[request.request_id]
-            seq = parent.sequences[index]
-            token = request.output_token_ids[-1]
-            broken = (
-                self.guided is not None
-                and not request.is_finished
-                and not self.guided.accept(request, token)
+        try:
+            self.stat_logger.on_step(scheduler_output, len(updated))
+        except Exception:  # statistics must never cost a request
+            logger.exception("the stat logger failed")
+        return updated, result
+
+    def _on_token(
+        self, request: Request, parent: ParentRequest, seq: Any, result: Any, now: float
+    ) -> bool:
+        """Take a sequence's new token: guided decoding, detokenizing, stop strings.
+        True when it stopped on a stop string (the scheduler finishes it)."""
+        token = request.output_token_ids[-1]
+        broken = (
+            self.guided is not None
+            and not request.is_finished
+            and not self.guided.accept(request, token)
+        )
+        stop = self.output_processor.on_token(seq, token, result.logprobs.get(request.request_id))
+        if broken and stop is None:
+            # Only when a ban overrode the mask (e.g. min_tokens against a finished
+            # constraint): end the output rather than leave the constraint.
+            logger.warning(
+                "request %s: token %d breaks its guided-decoding constraint; stopping it",
+                request.request_id,
+                token,
             )
-            stop = self.output_processor.on_token(
-                seq, token, result.logprobs.get(request.request_id)
-            )
-            if broken and stop is None:
-                # Only when a ban overrode the mask (e.g. min_tokens against a finished
-                # constraint): end the output rather than leave the constraint.
-                logger.warning(
-                    "request %s: token %d breaks its guided-decoding constraint; stopping it",
-                    request.request_id,
-                    token,
-                )
-                stop = token
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-                parent.num_cached_tokens = max(request.num_cached_tokens, 0)
-            parent.metrics.last_token_time = now
-            parent.metrics.num_generation_tokens = max(
-                parent.metrics.num_generation_tokens, request.num_output_tokens
-            )
-            if stop is not None:
-                stopped.append(request.request_id)
-                self.output_processor.finish(seq, "stop", stop)
-            elif request.is_finished:
-                self.output_processor.finish(seq, request.status.finish_reason, request.stop_reason)
-            touched[parent.request_id] = parent
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = failed
-        for parent in touched.values():
-            parent.metrics.num_preemptions = sum(
-                s.request.num_preemptions for s in parent.sequences
-            )
-            output = self.output_processor.make_output(parent)
-            if output is not None:
-                outputs.append(output)
-            if parent.finished:
-                self._forget(parent)
+            stop = token
+        if parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = now
+            parent.num_cached_tokens = max(request.num_cached_tokens, 0)
+        parent.metrics.last_token_time = now
+        parent.metrics.num_generation_tokens = max(
+            parent.metrics.num_generation_tokens, request.num_output_tokens
+        )
+        if stop is not None:
+            self.output_processor.finish(seq, "stop", stop)
+            return True
+        if request.is_finished:
+            self.output_processor.finish(seq, request.status.finish_reason, request.stop_reason)
+        return False
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
+        parent.metrics.num_preemptions = sum(s.request.num_preemptions for s in parent.sequences)
+        output = self.output_processor.make_output(parent)
+        if parent.finished:
+            self._forget(parent)
+            try:
                 self.pm.hook.pagedllm_request_finished(request_output=output)
-        return outputs
+            except Exception:  # a plugin's bug must not cost the request its output
+                logger.exception("a pagedllm_request_finished hook failed")
+        return output
+
+    def _fail(self, parents: list[ParentRequest], exc: Exception) -> None:
+        """Abort ``parents`` after an unexpected error; :meth:`take_failures` reports them."""
+        logger.error(
+            "engine failure on request(s) %s; aborting them",
+            ", ".join(p.request_id for p in parents),
+            exc_info=exc,
+        )
+        for parent in parents:
+            child_ids = [seq.request.request_id for seq in parent.sequences]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget(parent)
+            self.failed[parent.request_id] = exc
+
+    def take_failures(self) -> dict[str, Exception]:
+        """Requests that failed (and were aborted) since the last call: id -> error."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _record_prompt_logprobs(self, parent: ParentRequest, first: int, rows: list[Any]) -> None:
         """Rows for prompt positions ``first, first + 1, ...``; positions already recorded
@@ -359,26 +450,3 @@ class LLMEngine:
         for seq in parent.sequences:
             self.sequences.pop(seq.request.request_id, None)
             self._compiling.pop(seq.request.request_id, None)
-
-
-DEFAULT_SCHEDULER = "pagedllm.core.scheduler.Scheduler"
-# vLLM's names for its default scheduler mean ours.
-_SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
-
-
-def _scheduler_class(path: str | None) -> type[Scheduler]:
-    """``--scheduler-cls``: a dotted path to a Scheduler subclass."""
-    if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
-        return Scheduler
-    import importlib
-
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise ConfigError(
-            f"--scheduler-cls {path}: not a subclass of pagedllm.core.scheduler.Scheduler"
-        )
-    return cls

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.argspec import add_dataclass_args, arg, dataclass_kwargs, human_int, json_dict
@@ -101,7 +102,8 @@ class EngineArgs:
         choices=("auto", "custom", "mistral", "slow"),
         help="'auto' uses the fast tokenizer when there is one, 'slow' always the slow one, "
         "'mistral' the mistral_common tokenizer, 'custom' a preregistered tokenizer named by "
-        "--tokenizer.",
+        "--tokenizer. pagedllm supports 'auto' and 'slow' (refused for a model that has no "
+        "slow tokenizer).",
     )
     tokenizer_revision: str | None = arg(
         None,
@@ -141,7 +143,8 @@ class EngineArgs:
         help="Bearer token for downloading remote files from the Hugging Face Hub.",
         unbuilt="pagedllm never downloads from the Hub; pass a local model path instead",
     )
-    hf_overrides: dict[str, Any] = arg(
+    # From Python, also a callable that takes the Hugging Face config and returns it edited.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = arg(
         {},
         group="ModelConfig",
         help="JSON object of values that override fields of the model's Hugging Face config.",
@@ -352,6 +355,30 @@ class EngineArgs:
         group="DecodingConfig",
         help="Do not allow additionalProperties in JSON schemas during guided decoding.",
     )
+    guided_decoding_compile_timeout: float = arg(
+        5.0,
+        group="DecodingConfig",
+        help="Seconds one guided-decoding constraint may take to compile; a longer compile is "
+        "stopped and its request refused (or, with fallback, tried on the next backend).",
+    )
+    guided_decoding_compile_memory: int = arg(
+        512,
+        group="DecodingConfig",
+        help="MiB of memory one guided-decoding compile may use beyond its worker's own; a "
+        "compile that needs more is stopped like one past the time limit.",
+    )
+    guided_decoding_compile_workers: int = arg(
+        2,
+        group="DecodingConfig",
+        help="Worker processes compiling guided-decoding constraints at once. 0 compiles in "
+        "threads of the engine's process, without the time limit and memory budget.",
+    )
+    guided_decoding_cache_size: int = arg(
+        256,
+        group="DecodingConfig",
+        help="Compiled guided-decoding constraints kept for reuse; the least recently used "
+        "are dropped first.",
+    )
     reasoning_parser: str | None = arg(
         None,
         group="DecodingConfig",
@@ -496,7 +523,9 @@ class EngineArgs:
     swap_space: float = arg(
         4.0,
         group="CacheConfig",
-        help="CPU swap space per device, in GiB, for preempted requests.",
+        help="CPU swap space per device, in GiB, for preempted requests. pagedllm preempts by "
+        "recomputation and never swaps, so it needs none: 0 and the default are accepted, "
+        "other values refused.",
     )
     kv_cache_dtype: str = arg(
         "auto",
@@ -648,6 +677,8 @@ class EngineArgs:
         group="ObservabilityConfig",
         help="Bring back Prometheus metrics hidden since this version (e.g. 0.7) while you "
         "migrate away from them.",
+        unbuilt="pagedllm has not hidden any metrics, so there are none to bring back; "
+        "leave this flag out",
     )
     otlp_traces_endpoint: str | None = arg(
         None,

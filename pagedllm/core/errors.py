@@ -15,3 +15,11 @@ class PluginError(PagedLLMError, RuntimeError):
 
 class NotBuiltError(PagedLLMError):
     """A capability that this version of pagedllm does not have yet."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while computing this request (the engine itself goes on)."""

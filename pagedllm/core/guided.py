@@ -13,11 +13,19 @@ import dataclasses
 import logging
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.core.interfaces import CompiledConstraint, Grammar, GuidedBackend, GuidedOptions
+from pagedllm.core.guided_compile import CompileLimitError, CompilePool
+from pagedllm.core.interfaces import (
+    CompiledConstraint,
+    Grammar,
+    GuidedBackend,
+    GuidedConstraint,
+    GuidedOptions,
+)
 from pagedllm.core.sampling.guided_params import GuidedDecodingParams
 
 if TYPE_CHECKING:
@@ -30,12 +38,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm.guided")
 
 # The order ``auto`` tries the built-in backends in; other registered ones follow.
+# outlines builds a whole automaton first: what it cannot within the compile time limit
+# (``a{100000}``, its generic JSON-object regex on a large vocabulary) falls back to
+# xgrammar, which compiles lazily.
 AUTO_ORDER = ("outlines", "xgrammar")
 MATCHER_KEY = "guided.matcher"
 REASONER_KEY = "guided.reasoner"
 ANSWER_START_KEY = "guided.answer_start"
 SCANNED_KEY = "guided.scanned"
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    """A constraint compiling or compiled: its future, and how many callers wait on it."""
+
+    future: Future[CompiledConstraint]
+    cancelled: threading.Event
+    waiters: int = 0
 
 
 class GuidedDecodingManager:
@@ -64,10 +84,26 @@ class GuidedDecodingManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._backends: dict[str, GuidedBackend] = {}
-        self._cache: dict[Any, Future[CompiledConstraint]] = {}
+        # Compiled constraints, least recently used first (--guided-decoding-cache-size).
+        self._cache: OrderedDict[Any, _Entry] = OrderedDict()
+        self.cache_size = config.compile_cache_size
         self._lock = threading.Lock()
+        workers = config.compile_workers
+        # --guided-decoding-compile-workers 0: compile in threads of this process.
+        self._pool = (
+            CompilePool(
+                tokenizer,
+                vocab_size,
+                eos_token_ids,
+                workers=workers,
+                timeout=config.compile_timeout,
+                memory_mib=config.compile_memory_mib,
+            )
+            if workers > 0
+            else None
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pagedllm-guided"
+            max_workers=max(workers, 1), thread_name_prefix="pagedllm-guided"
         )
 
     # ------------------------------------------------------------------ compiling
@@ -97,18 +133,58 @@ class GuidedDecodingManager:
 
     def submit(self, guided: GuidedDecodingParams) -> Future[CompiledConstraint]:
         """The compiled constraint, compiling in the background (cached)."""
+        return self._entry(guided, wait=False).future
+
+    def acquire(self, guided: GuidedDecodingParams) -> tuple[Any, Future[CompiledConstraint]]:
+        """``(key, future)`` of the compiled constraint for a caller that waits on it; the
+        caller gives it back with :meth:`release`."""
+        key = self._key(guided)
+        return key, self._entry(guided, wait=True, key=key).future
+
+    def release(self, key: Any) -> None:
+        """A caller stopped waiting: a compile nobody waits for any more is stopped (and
+        forgotten, so that a later request compiles it afresh)."""
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                return
+            entry.waiters -= 1
+            if entry.waiters > 0 or entry.future.done():
+                return
+            del self._cache[key]
+        entry.cancelled.set()
+        entry.future.cancel()
+
+    def _key(self, guided: GuidedDecodingParams) -> Any:
         constraint = guided.constraint()
         options = dataclasses.replace(self.options, whitespace_pattern=guided.whitespace_pattern)
-        names = tuple(self.backend_names(guided.backend))
-        key = (names, constraint, options)
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                future = self._executor.submit(self._compile, names, constraint, options)
-                self._cache[key] = future
-        return future
+        return (tuple(self.backend_names(guided.backend)), constraint, options)
 
-    def _compile(self, names, constraint, options) -> CompiledConstraint:
+    def _entry(self, guided: GuidedDecodingParams, *, wait: bool, key: Any = None) -> _Entry:
+        key = key if key is not None else self._key(guided)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                cancelled = threading.Event()
+                future = self._executor.submit(self._compile, *key, cancelled)
+                entry = self._cache[key] = _Entry(future, cancelled)
+                self._evict()
+            else:
+                self._cache.move_to_end(key)
+            entry.waiters += wait
+        return entry
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished entries past the cache size."""
+        excess = len(self._cache) - self.cache_size
+        for key in list(self._cache):
+            if excess <= 0:
+                break
+            if self._cache[key].future.done():
+                del self._cache[key]
+                excess -= 1
+
+    def _compile(self, names, constraint, options, cancelled) -> CompiledConstraint:
         errors: list[str] = []
         first_error: ValueError | None = None
         for name in names:
@@ -118,9 +194,14 @@ class GuidedDecodingManager:
                 errors.append(f"{name}: {reason}")
                 continue
             try:
-                return backend.compile(constraint, options)
+                if self._pool is None:
+                    return backend.compile(constraint, options)
+                data = self._pool.compile(type(backend), constraint, options, cancelled)
+                return backend.load_compiled(data)
             except ValueError as exc:
                 message = _LOG_PREFIX.sub("", str(exc))
+                if isinstance(exc, CompileLimitError):
+                    message = f"{_describe(constraint)}: {message}"
                 if first_error is None:
                     first_error = ValueError(message)
                 errors.append(f"{name}: {message}")
@@ -198,7 +279,25 @@ class GuidedDecodingManager:
         return matcher.accept_token(token)
 
     def shutdown(self) -> None:
+        """Stop every compile now (the server is stopping)."""
+        with self._lock:
+            entries = list(self._cache.values())
+        for entry in entries:
+            entry.cancelled.set()
+        if self._pool is not None:
+            self._pool.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _describe(constraint: GuidedConstraint) -> str:
+    """The constraint as a 400 names it: its kind, and its text if short."""
+    kind = {"json": "JSON schema", "json_object": "JSON object", "choice": "choice"}.get(
+        constraint.kind, constraint.kind
+    )
+    if constraint.spec is None:
+        return f"the {kind} constraint"
+    text = str(constraint.spec)
+    return f"the {kind} constraint {text[:60] + '...' if len(text) > 60 else text!r}"
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -150,10 +150,9 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
     mc = config.model_config
     if mc.skip_tokenizer_init:
         return None
-    if mc.tokenizer_mode not in ("auto", "slow"):
-        raise ConfigError(f"--tokenizer-mode {mc.tokenizer_mode}: not supported (use auto or slow)")
     from transformers import AutoTokenizer
 
+    tokenizer = None
     if loader is not None and mc.tokenizer == mc.model:
         tokenizer = loader.load_tokenizer(
             mc,
@@ -161,21 +160,30 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             use_fast=mc.tokenizer_mode != "slow",
             trust_remote_code=mc.trust_remote_code,
         )
-        if tokenizer is not None:
-            return tokenizer
-
-    path = resolve_model_path(
-        mc.tokenizer, revision=mc.tokenizer_revision, download_dir=config.load_config.download_dir
-    )
-    try:
-        return AutoTokenizer.from_pretrained(
-            path,
+    if tokenizer is None:
+        path = resolve_model_path(
+            mc.tokenizer,
             revision=mc.tokenizer_revision,
-            use_fast=mc.tokenizer_mode != "slow",
-            trust_remote_code=mc.trust_remote_code,
+            download_dir=config.load_config.download_dir,
         )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the tokenizer from {mc.tokenizer!r}: {exc}") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                path,
+                revision=mc.tokenizer_revision,
+                use_fast=mc.tokenizer_mode != "slow",
+                trust_remote_code=mc.trust_remote_code,
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load the tokenizer from {mc.tokenizer!r}: {exc}") from exc
+    if mc.tokenizer_mode == "slow" and getattr(tokenizer, "is_fast", False):
+        # transformers gives a fast tokenizer when the model has no slow one (and
+        # transformers 5 builds slow ones only for the few classes that still have one).
+        raise ConfigError(
+            f"--tokenizer-mode slow: this model has no slow (Python) tokenizer (transformers "
+            f"loaded the fast {type(tokenizer).__name__} for {mc.tokenizer!r}); use "
+            f"--tokenizer-mode auto"
+        )
+    return tokenizer
 
 
 def generation_defaults(config: PagedLLMConfig, hf_config: Any) -> tuple[dict[str, Any], Any]:
@@ -230,6 +238,13 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     hf_config = load_hf_config(config, loader)
     dtype = resolve_dtype(mc.dtype, hf_config, config.device_config.device)
     max_model_len = derive_max_model_len(hf_config, mc.max_model_len, mc.disable_sliding_window)
+    sched = config.scheduler_config
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"--max-num-batched-tokens={sched.max_num_batched_tokens} is smaller than "
+            f"--max-model-len={max_model_len}: a long prompt could never be scheduled "
+            f"without --enable-chunked-prefill"
+        )
     registry = pm.registry("models")
     architectures = list(getattr(hf_config, "architectures", None) or [])
     architecture = next((a for a in architectures if a in registry), None)
@@ -242,6 +257,9 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
         mc.quantization, pm, getattr(hf_config, "quantization_config", None)
     )
     loader.download_model(mc)
+    # The tokenizer comes before the weights, so that a tokenizer the options refuse
+    # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.
+    tokenizer = load_tokenizer(config, loader)
     model_cls = registry.load(architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -263,7 +281,6 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     _return_freed_memory()
-    tokenizer = load_tokenizer(config, loader)
     defaults, generation = generation_defaults(config, hf_config)
     seconds = time.perf_counter() - start
     logger.info(

@@ -9,7 +9,7 @@ from typing import Any
 from pagedllm.core.config import UsageContext
 from pagedllm.core.engine import LLMEngine
 from pagedllm.core.engine_args import EngineArgs
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, RequestFailedError
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.plugins import PluginManager, make_plugin_manager
 from pagedllm.core.sampling import SamplingParams
@@ -93,7 +93,10 @@ class LLM:
         prompt_tokens = output_tokens = 0
         with bar:
             while self.llm_engine.has_unfinished_requests():
-                for output in self.llm_engine.step():
+                outputs = self.llm_engine.step()
+                for request_id, exc in self.llm_engine.take_failures().items():
+                    raise RequestFailedError(f"request {request_id} failed: {exc}") from exc
+                for output in outputs:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output

@@ -10,6 +10,7 @@ allowed. Each matcher fills its row in place, so the whole batch is masked in on
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -85,8 +86,12 @@ class GuidedBackend(ABC):
     """Compiles constraints for one tokenizer.
 
     Contract: :meth:`compile` raises ``ValueError`` whose message names what is wrong
-    with an invalid schema, regex or grammar; it may be slow: the engine runs it off the
-    engine loop and caches its result per constraint.
+    with an invalid schema, regex or grammar. It may be slow: the engine runs it in a
+    worker process (killed past ``--guided-decoding-compile-timeout`` or
+    ``--guided-decoding-compile-memory``) and caches its result per constraint. So the
+    class must be importable by its module path, and what :meth:`compile` returns must go
+    through :meth:`dump_compiled` in the worker and :meth:`load_compiled` in the engine
+    (by default, pickle).
     """
 
     name: str = ""
@@ -103,3 +108,16 @@ class GuidedBackend(ABC):
     @abstractmethod
     def compile(self, constraint: GuidedConstraint, options: GuidedOptions) -> CompiledConstraint:
         """Compile ``constraint``."""
+
+    def warm_up(self) -> None:
+        """Prepare what every compile needs (e.g. the vocabulary), before the first
+        compile's time limit starts. Optional."""
+        return None
+
+    def dump_compiled(self, compiled: CompiledConstraint) -> bytes:
+        """``compiled`` as bytes, to leave the worker process."""
+        return pickle.dumps(compiled)
+
+    def load_compiled(self, data: bytes) -> CompiledConstraint:
+        """The compiled constraint :meth:`dump_compiled` made ``data`` from."""
+        return pickle.loads(data)

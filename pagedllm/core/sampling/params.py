@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import enum
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +17,15 @@ SAMPLING_EPS = 1e-5
 # Temperatures in (0, MIN_TEMPERATURE) overflow the softmax; vLLM raises them to this.
 MIN_TEMPERATURE = 1e-2
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Fields that must be finite numbers (NaN or infinity would poison the logits).
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class SamplingType(enum.IntEnum):
@@ -140,6 +150,10 @@ class SamplingParams:
                 )
             if self.best_of != self.n and self.output_kind == RequestOutputKind.DELTA:
                 raise ValueError("best_of must equal n to use output_kind=DELTA")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -271,6 +285,7 @@ class SamplingParams:
 
     def _check_vocab(self, vocab_size: int) -> None:
         groups = {
+            "stop_token_ids": self.stop_token_ids,
             "allowed_token_ids": self.allowed_token_ids or [],
             "logit_bias": list(self.logit_bias or {}),
             "bad_words": [t for ids in self.bad_words_token_ids for t in ids],
@@ -299,6 +314,8 @@ def _int_keyed(logit_bias: dict[Any, Any]) -> dict[int, float]:
             raise ValueError(
                 f"logit_bias must map token ids to numbers, got {key!r}: {value!r}."
             ) from None
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {key!r}: {value!r}.")
         result[token_id] = bias
     return result
 
@@ -307,7 +324,11 @@ def _encode_bad_words(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
     """Each word as at the start of a text and, when that gives another token sequence of
     the same length, after a space (vLLM's rule: ban it both at the start and mid-text)."""
     result: list[list[int]] = []
-    for word in bad_words:
+    for position, word in enumerate(bad_words):
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(
+                f"bad_words[{position}] is {word!r}: a bad word must be a non-empty string."
+            )
         plain: list[int] | None = None
         for prefix in ("", " "):
             ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
@@ -318,4 +339,8 @@ def _encode_bad_words(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
                 result.append(ids)
             elif ids[0] != plain[0] and len(ids) == len(plain):
                 result.append(ids)
+        if plain is None:
+            raise ValueError(
+                f"bad_words[{position}] {word!r} has no tokens, so it could never match."
+            )
     return result

@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pagedllm import __version__
 from pagedllm.core.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
@@ -29,6 +29,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
+    document_errors,
     error_response,
     format_validation_errors,
 )
@@ -38,6 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_request_id,
     now,
     random_id,
 )
@@ -49,8 +51,8 @@ logger = logging.getLogger("pagedllm.server")
 ENV_API_KEY = "PAGEDLLM_API_KEY"
 # Bodies larger than this are refused before they are read (413).
 MAX_BODY_BYTES = 32 * 2**20
-# Routes that stay open with --api-key, as in vLLM.
-_OPEN_PATHS = ("/health", "/ping", "/metrics", "/version", "/load")
+# Routes that stay open with --api-key, as in vLLM (matched exactly).
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 class BodySizeLimit:
@@ -129,6 +131,13 @@ class InternalErrors:
             await response(scope, receive, send)
 
 
+def _needs_key(app: FastAPI, path: str, scope: dict[str, Any]) -> bool:
+    """Whether ``path`` is a route of ``app`` that --api-key protects."""
+    if path in _OPEN_PATHS:
+        return False
+    return any(route.matches(scope)[0] != Match.NONE for route in app.router.routes)
+
+
 def _too_large(limit: int) -> JSONResponse:
     return error_response(413, f"the request body is larger than {limit} bytes")
 
@@ -203,13 +212,18 @@ def build_app(
     @app.middleware("http")
     async def authenticate_and_tag(request: Request, call_next: Any) -> Response:
         path = request.url.path.removeprefix(args.root_path or "")
-        if api_key and request.method != "OPTIONS" and not path.startswith(_OPEN_PATHS):
+        # A path no route serves is a 404 with or without a key.
+        if api_key and request.method != "OPTIONS" and _needs_key(app, path, request.scope):
             supplied = request.headers.get("authorization", "")
             expected = f"Bearer {api_key}"
             if not hmac.compare_digest(supplied.encode(), expected.encode()):
                 return error_response(
                     401, "Unauthorized: a valid API key is required", "AuthenticationError"
                 )
+        try:
+            check_request_id(request.headers.get("x-request-id"), "the X-Request-Id header")
+        except ValueError as exc:
+            return error_response(400, str(exc), param="X-Request-Id")
         request_id = None
         if args.enable_request_id_headers:
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -372,44 +386,24 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
-        if body.messages is not None:
-            try:
-                chat = ChatCompletionRequest(
-                    messages=body.messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    add_special_tokens=body.add_special_tokens,
-                    chat_template=body.chat_template,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                )
-            except ValidationError as exc:
-                raise RequestValidationError(exc.errors()) from exc
-            prompt = serving._chat_prompt(chat)
-            tokens = prompt.token_ids
-        else:
-            tokens = serving._tokenize(body.prompt or "", body.add_special_tokens)
-        result: dict[str, Any] = {
-            "count": len(tokens),
-            "max_model_len": serving.max_model_len,
-            "tokens": tokens,
-        }
-        if body.return_token_strs:
-            result["token_strs"] = serving.tokenizer.convert_ids_to_tokens(tokens)
-        return result
+        return await serving.create_tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
-        if serving.tokenizer is None:
-            raise OpenAIError(400, "the server runs with --skip-tokenizer-init")
-        vocab = engine.engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(400, f"token ids {bad[:5]} are outside [0, {vocab})", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return await serving.create_detokenize(body)
 
     pm.hook.pagedllm_add_api_routes(app=app, engine=engine)
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document_errors(
+                generate_openapi(),
+                lambda path: bool(api_key) and path not in _OPEN_PATHS and path != "/docs",
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -456,6 +450,7 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        max_sequences_per_request=args.max_sequences_per_request,
     )
     stack = build_serving(engine_args, options, pm)
     config, engine = stack.config, stack.engine
@@ -479,7 +474,25 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(server_config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # A stop signal also stops the guided-decoding compiles, so that requests
+            # waiting on one end at once instead of holding up the shutdown. Not in the
+            # handler itself: it may have interrupted a holder of a lock the work needs.
+            threading.Thread(target=engine.stop_compiling, name="pagedllm-stop").start()
+
+    server = Server(server_config)
+
+    def exit_when_engine_dies() -> None:
+        # A dead engine loop cannot recover: stop serving (and exit non-zero) so that a
+        # supervisor restarts the server instead of it answering 503 forever.
+        engine.dead.wait()
+        logger.critical("the engine loop died; stopping the server")
+        server.should_exit = True
+
+    threading.Thread(target=exit_when_engine_dies, name="pagedllm-watchdog", daemon=True).start()
     logger.info(
         "serving %s as %s on %s:%d",
         config.model_config.model,
@@ -501,6 +514,8 @@ def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.shutdown()
+    if engine.dead.is_set():
+        return 1
     if stopped_by:
         logger.info("stopped by %s", signal.Signals(stopped_by[0]).name)
     return 0

@@ -198,6 +198,12 @@ class FrontendArgs:
         bool_style="store_true",
         help="Report prompt_tokens_details in the usage part of responses.",
     )
+    max_sequences_per_request: int = arg(
+        256,
+        group="Frontend",
+        help="Largest number of sequences one request may ask for: its prompts times n (or "
+        "best_of). Larger requests are refused with a 400.",
+    )
     enable_server_load_tracking: bool = arg(
         False,
         group="Frontend",

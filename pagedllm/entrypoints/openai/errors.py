@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 _TYPES = {
     400: "BadRequestError",
@@ -74,3 +75,63 @@ def format_validation_errors(errors: Iterable[Mapping[str, Any]], root: str | No
             where = path
         problems.append(f"{where}: {message}" if where else message)
     return "; ".join(problems)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the server answers (as the OpenAI API)."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "Invalid request: the message names the field and what is wrong with it",
+    401: "Missing or wrong API key",
+    404: "No such model (or route)",
+    413: "The request body is too large",
+    500: "The engine failed on this request",
+    503: "The engine is not running",
+}
+
+
+def document_errors(schema: dict[str, Any], needs_key: Any) -> None:
+    """Make the OpenAPI ``schema`` say what the server really answers on errors: the
+    OpenAI error body with 400 (FastAPI documents its own 422, which it never sends
+    here), 401 where ``needs_key(path)``, 404/503 on the model routes, 413 for bodies
+    and 500 everywhere."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    definitions = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(definitions.pop("$defs", {}))
+    components["ErrorResponse"] = definitions
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = {500}
+            if "requestBody" in operation:
+                statuses |= {400, 413}
+            if path.startswith(("/v1/", "/tokenize", "/detokenize", "/invocations")):
+                statuses |= {404, 503}
+            if path in ("/health", "/ping"):
+                statuses.add(503)
+            if path == "/load":
+                statuses.add(404)
+            if needs_key(path):
+                statuses.add(401)
+            for status in sorted(statuses):
+                responses.setdefault(
+                    str(status),
+                    {
+                        "description": _DESCRIPTIONS[status],
+                        "content": {"application/json": {"schema": ref}},
+                    },
+                )

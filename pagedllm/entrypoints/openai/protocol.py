@@ -7,6 +7,7 @@ refused otherwise, by name.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -20,8 +21,58 @@ INT64_MAX = 2**63 - 1
 MAX_N = 128
 
 
+# Longest request id (the body's request_id, or the X-Request-Id header) accepted.
+MAX_REQUEST_ID_LENGTH = 256
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities (which Python's JSON parser accepts) are refused like any other
+    # invalid number.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise ValueError(
+                f"{where or 'the body'} contains a lone UTF-16 surrogate, which is not valid "
+                f"Unicode text"
+            )
+        return data
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (key or value) in ``value`` holding a lone UTF-16
+    surrogate (JSON's ``"\\ud800"`` escape decodes to one), or None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return here
+            found = find_lone_surrogate(item, here)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def check_request_id(value: str | None, name: str) -> str | None:
+    """A client-chosen request id: at most MAX_REQUEST_ID_LENGTH printable characters."""
+    if value is None:
+        return None
+    if len(value) > MAX_REQUEST_ID_LENGTH:
+        raise ValueError(f"{name} is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    if not value.isprintable():
+        raise ValueError(f"{name} contains control or non-printable characters")
+    return value
 
 
 class StreamOptions(OpenAIModel):
@@ -81,6 +132,11 @@ class SamplingFields(OpenAIModel):
     guided_whitespace_pattern: str | None = None
     response_format: dict[str, Any] | None = None
     logits_processors: list[Any] | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, value: str | None) -> str | None:
+        return check_request_id(value, "request_id")
 
     @model_validator(mode="after")
     def _refuse_unbuilt(self) -> SamplingFields:

@@ -3,22 +3,26 @@ OpenAI responses and server-sent-event streams."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedllm.core.async_engine import AsyncLLMEngine
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from pagedllm.core.async_engine import AsyncLLMEngine, NewRequest
 from pagedllm.core.interfaces import new_tool_call_id
 from pagedllm.core.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.core.sampling import GuidedDecodingParams
-from pagedllm.entrypoints.openai.chat_utils import render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.prompts import PreparedPrompt, PromptPreparer
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     now,
 )
 from pagedllm.entrypoints.openai.tool_choice import (
@@ -38,16 +42,12 @@ class ServingSettings:
     enable_prompt_tokens_details: bool
     max_logprobs: int
     # --reasoning-parser: a ReasoningParser class, instantiated per chat choice.
+    # --max-sequences-per-request: prompts x n (or best_of) in one request.
+    max_sequences_per_request: int = 256
     reasoning_parser: Any = None
     # --tool-call-parser (a ToolParser class) and --enable-auto-tool-choice.
     tool_parser: Any = None
     enable_auto_tool_choice: bool = False
-
-
-@dataclasses.dataclass(slots=True)
-class PreparedPrompt:
-    text: str | None
-    token_ids: list[int]
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -61,6 +61,13 @@ class OpenAIServing:
         self.settings = settings
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.prompts = PromptPreparer(
+            self.tokenizer,
+            self.max_model_len,
+            engine.engine.vocab_size,
+            chat_template=settings.chat_template,
+            content_format=settings.chat_template_content_format,
+        )
 
     @property
     def model_name(self) -> str:
@@ -74,56 +81,18 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- prompts
 
-    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.tokenizer is None:
-            raise OpenAIError(400, "the server runs with --skip-tokenizer-init: send token ids")
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-    def _completion_prompts(self, request: CompletionRequest) -> list[PreparedPrompt]:
-        prompt = request.prompt
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif all(isinstance(p, int) for p in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        prepared = []
-        vocab = self.engine.engine.vocab_size
-        for item in items:
-            if isinstance(item, str):
-                prepared.append(
-                    PreparedPrompt(item, self._tokenize(item, request.add_special_tokens))
-                )
-                continue
-            # Checked before decoding: the tokenizer overflows on ids beyond a C long.
-            bad = [t for t in item if not 0 <= t < vocab]
-            if bad:
-                raise OpenAIError(
-                    400,
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                    param="prompt",
-                )
-            text = self.tokenizer.decode(item) if self.tokenizer is not None else None
-            prepared.append(PreparedPrompt(text, list(item)))
-        return [self._truncate(p, request.truncate_prompt_tokens) for p in prepared]
-
-    def _truncate(self, prompt: PreparedPrompt, keep: int | None) -> PreparedPrompt:
-        """``truncate_prompt_tokens``: keep the last ``keep`` tokens (as the engine does),
-        so that the length checks and the echo see the prompt that is actually run."""
-        if keep is None:
-            return prompt
-        if keep > self.max_model_len:
+    def _check_sequences(self, num_prompts: int, request: Any) -> None:
+        """The cap on prompts x n (--max-sequences-per-request), before any work."""
+        per_prompt = request.best_of or request.n
+        limit = self.settings.max_sequences_per_request
+        if num_prompts * per_prompt > limit:
             raise OpenAIError(
                 400,
-                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                f"({self.max_model_len}). Please, select a smaller truncation size.",
-                param="truncate_prompt_tokens",
+                f"this request asks for {num_prompts * per_prompt} sequences ({num_prompts} "
+                f"prompt(s) x {per_prompt}); the server's limit is {limit} "
+                f"(--max-sequences-per-request)",
+                param="n" if num_prompts == 1 else "prompt",
             )
-        if len(prompt.token_ids) <= keep:
-            return prompt
-        token_ids = prompt.token_ids[-keep:]
-        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
-        return PreparedPrompt(text, token_ids)
 
     def _max_tokens(self, requested: int | None, prompt: PreparedPrompt) -> int:
         prompt_len = len(prompt.token_ids)
@@ -268,46 +237,59 @@ class OpenAIServing:
         params_list: list[Any],
         priority: int,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt, interleaved as they come, tagged with the prompt index."""
-        if len(prompts) == 1:
-            prompt = {"prompt_token_ids": prompts[0].token_ids, "prompt": prompts[0].text}
-            async for output in self.engine.generate(
-                prompt, params_list[0], request_id, priority=priority
-            ):
-                yield 0, output
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        """Outputs of every prompt, interleaved as they come, tagged with the prompt index.
+        The prompts are queued together, so an invalid one queues none."""
+        ids = [request_id]
+        if len(prompts) > 1:
+            ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        requests = [
+            NewRequest(
+                request_id=ids[i],
+                prompt={"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                params=params_list[i],
+                priority=priority,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        async for item in self.engine.generate_many(requests):
+            yield item
 
-        async def pump(index: int) -> None:
-            prompt = {
-                "prompt_token_ids": prompts[index].token_ids,
-                "prompt": prompts[index].text,
-            }
+    # ------------------------------------------------------------- tokenizing
+
+    async def create_tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.messages is not None:
             try:
-                async for output in self.engine.generate(
-                    prompt, params_list[index], f"{request_id}-{index}", priority=priority
-                ):
-                    await queue.put((index, output))
-            except BaseException as exc:
-                await queue.put(exc)
-            else:
-                await queue.put(None)
+                chat = ChatCompletionRequest(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    add_special_tokens=body.add_special_tokens,
+                    chat_template=body.chat_template,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from exc
+            tokens = (await self.prompts.run(self.prompts.chat_prompt, chat)).token_ids
+        else:
+            tokens = await self.prompts.run(
+                self.prompts.tokenize, body.prompt or "", body.add_special_tokens
+            )
+        result: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": self.max_model_len,
+            "tokens": tokens,
+        }
+        if body.return_token_strs:
+            result["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return result
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def create_detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise OpenAIError(400, "the server runs with --skip-tokenizer-init")
+        self.prompts.check_token_ids(body.tokens, "tokens")
+        return {"prompt": await self.prompts.run(self.tokenizer.decode, body.tokens)}
 
     # ------------------------------------------------------------- completions
 
@@ -315,7 +297,8 @@ class OpenAIServing:
         self.check_model(request.model)
         self._check_logprobs(request.logprobs, "logprobs")
         self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompts = self._completion_prompts(request)
+        self._check_sequences(_num_prompts(request.prompt), request)
+        prompts = await self.prompts.run(self.prompts.completion_prompts, request)
         defaults = self.engine.engine.loaded.generation_defaults
         # echo with max_tokens=0 scores the prompt (as lm-eval does): one token is
         # computed and dropped, as in vLLM.
@@ -476,24 +459,6 @@ class OpenAIServing:
             )
         return bool(enabled and request.tools and request.tool_choice in (None, "auto"))
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        try:
-            text = render_chat(
-                self.tokenizer,
-                request.messages,
-                template=request.chat_template or self.settings.chat_template,
-                content_format=self.settings.chat_template_content_format,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tools=request.tools,
-                documents=request.documents,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from exc
-        prompt = PreparedPrompt(text, self._tokenize(text, request.add_special_tokens))
-        return self._truncate(prompt, request.truncate_prompt_tokens)
-
     def _role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:
             return self.settings.response_role
@@ -514,7 +479,8 @@ class OpenAIServing:
         if request.logprobs:
             self._check_logprobs(top, "top_logprobs")
         self._check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompt = self._chat_prompt(request)
+        self._check_sequences(1, request)
+        prompt = await self.prompts.run(self.prompts.chat_prompt, request)
         requested = request.max_completion_tokens or request.max_tokens
         params = request.sampling_params(
             self._max_tokens(requested, prompt),
@@ -813,6 +779,12 @@ def _merge_deltas(*deltas: Any) -> dict[str, Any]:
             if value:
                 merged[key] = merged.get(key, "") + value
     return merged
+
+
+def _num_prompts(prompt: Any) -> int:
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
 
 
 def _echo_only(request: CompletionRequest) -> bool:

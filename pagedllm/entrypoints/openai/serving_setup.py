@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ class ServingOptions:
     enable_prompt_tokens_details: bool = False
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    max_sequences_per_request: int = 256
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,10 +53,15 @@ def build_serving(
     """Load the model and start the engine loop; the caller calls ``engine.shutdown()``."""
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import UsageContext
+    from pagedllm.core.errors import ConfigError
     from pagedllm.entrypoints.openai.chat_utils import load_chat_template
     from pagedllm.entrypoints.openai.metrics import Metrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing, ServingSettings
 
+    if options.max_sequences_per_request < 1:
+        raise ConfigError(
+            f"--max-sequences-per-request={options.max_sequences_per_request} must be at least 1"
+        )
     chat_template = load_chat_template(options.chat_template)
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     engine = AsyncLLMEngine(config, pm)
@@ -70,15 +78,24 @@ def build_serving(
             pm.load("tool_parsers", options.tool_call_parser) if options.tool_call_parser else None
         ),
         enable_auto_tool_choice=options.enable_auto_tool_choice,
+        max_sequences_per_request=options.max_sequences_per_request,
         reasoning_parser=(
             pm.load("reasoning_parsers", config.decoding_config.reasoning_parser)
             if config.decoding_config.reasoning_parser
             else None
         ),
     )
-    metrics = Metrics(names[0])
+    metrics = Metrics(metrics_label(names[0]))
     engine.step_listeners.append(metrics.on_step)
     return ServingStack(config, engine, OpenAIServing(engine, settings), metrics)
+
+
+def metrics_label(name: str) -> str:
+    """The model's name in ``/metrics``, which stays open with --api-key: a served name
+    that is a filesystem path (the default: the model argument) shows its last part."""
+    if os.path.isabs(name) or (os.sep in name and os.path.exists(name)):
+        return os.path.basename(os.path.normpath(name))
+    return name
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,4 +115,14 @@ class RequestLog:
         text = str(prompt)
         if self.max_len is not None:
             text = text[: self.max_len]
-        self.logger.info("received request %s: %s", request_id, text)
+        self.logger.info("received request %s: %s", for_log(request_id), for_log(text))
+
+
+# Characters that could forge or garble a log line: controls (newlines, terminal escape
+# sequences), line and paragraph separators, bidirectional overrides.
+_UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def for_log(text: str) -> str:
+    """``text`` with every character that could forge or garble a log line escaped."""
+    return _UNSAFE_IN_LOGS.sub(lambda m: m.group().encode("unicode_escape").decode(), text)

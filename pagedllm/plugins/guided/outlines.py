@@ -112,6 +112,9 @@ class OutlinesBackend(GuidedBackend):
             self._vocabulary = Vocabulary(self.eos_token_ids[0], tokens)
         return self._vocabulary
 
+    def warm_up(self) -> None:
+        self.vocabulary()
+
     def regex(self, constraint: GuidedConstraint, options: GuidedOptions) -> str:
         from outlines_core.json_schema import build_regex_from_schema
 

@@ -56,22 +56,43 @@ class XGrammarBackend(GuidedBackend):
 
     def __init__(self, tokenizer, vocab_size, eos_token_ids) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids)
+        self._info: Any = None
         self._compiler: Any = None
 
     def unsupported_reason(self, constraint: GuidedConstraint) -> str | None:
         return None
 
-    def compiler(self) -> Any:
-        if self._compiler is None:
+    def tokenizer_info(self) -> Any:
+        if self._info is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
+            self._info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer,
                 vocab_size=self.vocab_size,
                 stop_token_ids=list(self.eos_token_ids) or None,
             )
-            self._compiler = xgr.GrammarCompiler(info)
+        return self._info
+
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            # The engine caches compiled constraints itself.
+            self._compiler = xgr.GrammarCompiler(self.tokenizer_info(), cache_enabled=False)
         return self._compiler
+
+    def warm_up(self) -> None:
+        self.compiler()
+
+    def dump_compiled(self, compiled: CompiledConstraint) -> bytes:
+        assert isinstance(compiled, XGrammarCompiled)
+        return compiled.compiled.serialize_json().encode()
+
+    def load_compiled(self, data: bytes) -> CompiledConstraint:
+        import xgrammar as xgr
+
+        grammar = xgr.CompiledGrammar.deserialize_json(data.decode(), self.tokenizer_info())
+        return XGrammarCompiled(grammar)
 
     def compile(self, constraint: GuidedConstraint, options: GuidedOptions) -> CompiledConstraint:
         compiler = self.compiler()
