@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -9,9 +10,10 @@ import types
 import pytest
 
 from pagedllm import hookimpl
-from pagedllm.core.config import resolve_device
+from pagedllm.core.config import DeviceConfig, resolve_device
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces import Device
+from pagedllm.core.interfaces import Device, KVCacheMemory
+from pagedllm.core.model_setup import num_kv_blocks
 from pagedllm.core.plugins import make_plugin_manager
 
 
@@ -96,3 +98,110 @@ def test_device_selects_block_size_default(pm):
 
     assert EngineArgs(device="dummydev").create_engine_config(pm).cache_config.block_size == 32
     assert EngineArgs(device="cpu").create_engine_config(pm).cache_config.block_size == 16
+
+
+# ------------------------------------------- the device sizes the KV cache and threads
+
+
+class _Accelerator(Device):
+    name = "accel"
+    runs_models = True
+
+    @classmethod
+    def unavailable_reason(cls):
+        return None
+
+    def torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def memory_info(self):
+        return 3 * 2**30, 8 * 2**30
+
+
+class _OneThreadDevice(_Accelerator):
+    """Not named "cpu", runs on the host: its own KV-cache rule and thread count."""
+
+    name = "onethread"
+    uses_gpu_memory_utilization = False
+
+    def kv_cache_memory(self, cache_config):
+        return KVCacheMemory(40 * 2**20, "one-thread rule")
+
+    def num_threads(self):
+        return 1
+
+
+def _config(pm, device: Device, **cache):
+    from pagedllm.core.engine_args import EngineArgs
+
+    config = EngineArgs(device="cpu").create_engine_config(pm)
+    for key, value in cache.items():
+        setattr(config.cache_config, key, value)
+    config.device_config = DeviceConfig(name=device.name, device=device)
+    return config
+
+
+def test_cpu_kv_cache_is_a_fixed_space_and_threads_fit_the_affinity(pm):
+    cpu = resolve_device("cpu", pm)
+    config = _config(pm, cpu, cpu_kvcache_space_gib=1.5)
+    assert cpu.kv_cache_memory(config.cache_config) == KVCacheMemory(
+        int(1.5 * 2**30), "PAGEDLLM_CPU_KVCACHE_SPACE=1.5 GiB"
+    )
+    assert not cpu.uses_gpu_memory_utilization
+    assert 1 <= cpu.num_threads() <= len(os.sched_getaffinity(0))
+
+
+def test_accelerator_kv_cache_is_a_share_of_its_memory(pm):
+    device = _Accelerator()
+    assert device.uses_gpu_memory_utilization
+    cache = _config(pm, device, gpu_memory_utilization=0.25).cache_config
+    assert device.kv_cache_memory(cache) == (2 * 2**30, "--gpu-memory-utilization=0.25")
+    # Never more than is free.
+    cache.gpu_memory_utilization = 0.9
+    assert device.kv_cache_memory(cache).num_bytes == 3 * 2**30
+
+
+def test_engine_sizes_the_kv_cache_by_asking_the_device(pm):
+    config = _config(pm, _OneThreadDevice(), block_size=16)
+    config.scheduler_config.max_num_seqs = 1000
+    # 40 MiB of 1 MiB blocks.
+    assert num_kv_blocks(config, 2**20, max_model_len=64) == 40
+    with pytest.raises(ConfigError, match=r"the KV cache \(one-thread rule\) holds 640 tokens"):
+        num_kv_blocks(config, 2**20, max_model_len=1024)
+
+
+def test_model_runs_with_the_devices_thread_count(tmp_path):
+    import torch
+    from tiny_models import make_checkpoint
+
+    from pagedllm import LLM, SamplingParams
+
+    @hookimpl
+    def pagedllm_register_devices(registry):
+        registry.add("onethread", _OneThreadDevice)
+
+    pm = make_plugin_manager(
+        env={},
+        extra_plugins=[
+            (
+                "onethread",
+                types.SimpleNamespace(pagedllm_register_devices=pagedllm_register_devices),
+            )
+        ],
+    )
+    before = torch.get_num_threads()
+    try:
+        with LLM(
+            str(make_checkpoint(tmp_path / "llama", "llama")),
+            plugin_manager=pm,
+            device="onethread",
+            dtype="float32",
+            disable_log_stats=True,
+        ) as llm:
+            assert torch.get_num_threads() == 1
+            out = llm.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        torch.set_num_threads(before)

@@ -56,8 +56,9 @@ def test_guided_decoding_as_a_dict_and_without_backends(checkpoint):
     assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text == "aaaaa"
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['regexp'\]"):
         llm.generate(PROMPT, SamplingParams(guided_decoding={"regexp": "a"}), use_tqdm=False)
-    # With the guided-decoding plugin disabled, its options would do nothing: refused.
-    pm = make_plugin_manager(env={"PAGEDLLM_DISABLED_PLUGINS": "pagedllm.guided"})
+    # With every guided-decoding plugin disabled (ours and the dummy plugin's), its options
+    # would do nothing: refused.
+    pm = make_plugin_manager(env={"PAGEDLLM_DISABLED_PLUGINS": "pagedllm.guided,dummy"})
     with pytest.raises(ConfigError, match="--guided-decoding-disable-fallback: no guided"):
         build(checkpoint, plugin_manager=pm, guided_decoding_disable_fallback=True)
 

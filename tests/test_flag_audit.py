@@ -343,3 +343,105 @@ def test_serve_refuses_before_loading(unreadable_weights: Path):
     assert result.returncode == 2, result.stderr
     assert "--preemption-mode swap is not supported" in result.stderr
     assert "header" not in result.stderr and "Loading weights" not in result.stderr
+
+
+# ------------------------------------------------------------ 7. configuration as data
+
+
+def _declared(cls=EngineArgs):
+    return [(f, argspec.field_meta(f)) for f in dataclasses.fields(cls)]
+
+
+def test_every_refused_flag_is_in_the_one_table():
+    from pagedllm.core.args.refusals import UNSUPPORTED, DeprecatedArgs
+
+    unbuilt = {f.name: meta.unbuilt for f, meta in _declared() if meta.unbuilt is not None}
+    assert unbuilt == UNSUPPORTED
+    old = {f.name for f, meta in _declared() if meta.removed or meta.deprecated}
+    assert old == {f.name for f in dataclasses.fields(DeprecatedArgs)}
+    assert {argspec.field_meta(f).group for f in dataclasses.fields(DeprecatedArgs)} == {
+        "Deprecated"
+    }
+
+
+@dataclasses.dataclass
+class _Ranged:
+    """A miniature of EngineArgs for the declared ranges and supported values."""
+
+    count: int | None = arg(None, group="G", help="Count.", min=1)
+    fraction: float = arg(0.5, group="G", help="Fraction.", min=0, min_exclusive=True, max=1)
+    limit: int = arg(2, group="G", help="Limit.", min=1, max="count")
+    offset: int = arg(0, group="G", help="Offset.", min=-1, range_hint="must be >= 0, or -1")
+    mode: str = arg(
+        "a",
+        group="G",
+        help="Mode.",
+        choices=("a", "b", "c"),
+        supported=("a", "b"),
+        unsupported="{option} {value}: not yet (use {supported})",
+    )
+
+
+def test_ranges_and_supported_values_are_checked_in_one_loop():
+    assert argspec.invalid_values(_Ranged()) == []
+    assert argspec.invalid_values(_Ranged(count=3, limit=3, mode="b")) == []
+    assert argspec.invalid_values(_Ranged(count=0, fraction=0, limit=4, offset=-2, mode="c")) == [
+        "--count=0 is invalid: must be at least 1",
+        "--fraction=0 is invalid: must be in (0, 1]",
+        "--limit=4 is invalid: must be between 1 and --count (0)",
+        "--offset=-2 is invalid: must be >= 0, or -1",
+        "--mode c: not yet (use a or b)",
+    ]
+    # An unset bound (count=None) bounds nothing.
+    assert argspec.invalid_values(_Ranged(limit=100)) == []
+
+
+def test_supported_needs_its_refusal():
+    with pytest.raises(TypeError, match="supported= and unsupported="):
+        arg(0, group="G", help="X.", supported=(0,))
+
+
+def _just_outside(meta):
+    if meta.max is not None and not isinstance(meta.max, str):
+        return meta.max + 1
+    return meta.min if meta.min_exclusive else meta.min - 1
+
+
+@pytest.mark.parametrize(
+    "name", [f.name for f, meta in _declared() if meta.min is not None or meta.max is not None]
+)
+def test_every_declared_range_is_enforced(pm, name):
+    meta = argspec.field_meta(EngineArgs.__dataclass_fields__[name])
+    value = _just_outside(meta)
+    with pytest.raises(ConfigError, match=f"^{argspec.option_name(name)}={value} is invalid: "):
+        EngineArgs(model="no/such-model", **{name: value}).create_engine_config(pm)
+
+
+def test_config_objects_default_to_what_the_engine_builds(pm, monkeypatch):
+    from pagedllm.core.config import (
+        CacheConfig,
+        DecodingConfig,
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ObservabilityConfig,
+        PagedLLMConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+
+    monkeypatch.delenv("PAGEDLLM_CPU_KVCACHE_SPACE", raising=False)
+    built = EngineArgs().create_engine_config(pm)
+    assert built.model_config == ModelConfig()
+    assert built.load_config == LoadConfig()
+    assert built.cache_config == CacheConfig()
+    assert built.scheduler_config == SchedulerConfig(scheduler_cls=EngineArgs().scheduler_cls)
+    assert built.parallel_config == ParallelConfig()
+    assert built.decoding_config == DecodingConfig()
+    assert built.observability_config == ObservabilityConfig()
+    # Only the device must be given; the names follow the model and the device.
+    device = built.device_config.device
+    config = PagedLLMConfig(device_config=DeviceConfig(device=device))
+    assert config.device_config.name == device.name
+    model = ModelConfig(model="m")
+    assert (model.tokenizer, model.served_model_name) == ("m", ["m"])

@@ -153,3 +153,35 @@ def test_reverse_permute_inverts_llama_cpp_permute():
     # llama.cpp convert_hf_to_gguf.py: permute(weights, n_head)
     permuted = w.reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     assert torch.equal(reverse_permute(permuted, n_head), w)
+
+
+def test_packed_layers_of_one_type_are_fused_when_built():
+    """Q and K share a GGML type: one packed weight whose rows are theirs, built before
+    loading and filled by name; V (another type) is computed on its own."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants as gq
+
+    from pagedllm.core.layers.linear import Linear, LinearGroup
+    from pagedllm.kernels.gguf_matmul import gguf_linear
+    from pagedllm.plugins.quantization.gguf import GGUFConfig, PackedFusedLinear
+
+    types = {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q4_0}
+    quant = GGUFConfig({f"attn.{name}.weight": qtype for name, qtype in types.items()})
+    sizes = {"q_proj": 64, "k_proj": 32, "v_proj": 32}
+    layers = {name: Linear(64, size, True, quant, f"attn.{name}") for name, size in sizes.items()}
+    group = LinearGroup(list(layers.values()))
+    assert isinstance(group.runs[0], PackedFusedLinear) and len(group.runs) == 2
+    assert layers["q_proj"].weight.data_ptr() == group.runs[0].weight.data_ptr()
+
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for name, layer in layers.items():
+            floats = rng.standard_normal((sizes[name], 64)).astype(np.float32)
+            layer.weight.copy_(torch.from_numpy(gq.quantize(floats, types[name]).view(np.uint8)))
+            layer.bias.copy_(torch.randn(sizes[name]))
+    x = torch.randn(3, 64)
+    for layer, out in zip(layers.values(), group(x), strict=True):
+        qtype = types[layer.prefix.split(".")[-1]]
+        expected = gguf_linear(x, layer.weight, qtype, layer.output_size, 64, layer.bias)
+        assert torch.allclose(out, expected, atol=1e-4)

@@ -14,7 +14,7 @@ from tiny_models import make_checkpoint
 
 import pagedllm.core.stats
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, EngineDeadError
 
 EOS = 1  # </s>
 IM_START = 4  # <|im_start|>
@@ -466,3 +466,51 @@ def test_generation_config_defaults(ckpt, llm, tmp_path):
     assert (defaults.temperature, defaults.top_p) == (0.6, 0.9)
     ignored = build(tuned, generation_config="vllm").get_default_sampling_params()
     assert (ignored.temperature, ignored.top_p) == (1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------- shutdown
+
+
+def _compile_workers() -> list:
+    import psutil
+
+    workers = []
+    for process in psutil.Process().children():
+        try:
+            if "pagedllm.core.guided_worker" in " ".join(process.cmdline()):
+                workers.append(process)
+        except psutil.Error:  # an earlier test's worker, exited (a zombie until reaped)
+            continue
+    return workers
+
+
+def test_shutdown_releases_the_engine(ckpt):
+    import gc
+    import weakref
+
+    from pagedllm import GuidedDecodingParams
+
+    llm = build(ckpt, guided_decoding_compile_workers=1)
+    before = {p.pid for p in _compile_workers()}
+    params = greedy(4, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert run(llm, "Hello", params)[0].outputs[0].text in ("yes", "no")
+    workers = [p for p in _compile_workers() if p.pid not in before]
+    assert workers  # a compile worker process serves this LLM
+    engine = weakref.ref(llm.llm_engine)
+    cache = weakref.ref(llm.llm_engine.runner.kv_caches[0])
+
+    llm.shutdown()
+    gc.collect()
+    assert engine() is None and cache() is None  # the model and the KV cache are freed
+    for worker in workers:
+        worker.wait(timeout=10)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        run(llm, "Hello", greedy())
+    llm.shutdown()  # a second call does nothing
+
+
+def test_llm_is_a_context_manager(ckpt):
+    with build(ckpt) as llm:
+        assert len(run(llm, "Hello", greedy(3))[0].outputs[0].token_ids) == 3
+    with pytest.raises(EngineDeadError):
+        llm.get_tokenizer()

@@ -10,8 +10,11 @@ from safetensors.torch import save_file
 
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
+from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.loading import get_model_loader, get_quantization_config
 from pagedllm.entrypoints.cli.main import build_parser
+from pagedllm.plugins.models.common import copy_weights
 
 
 class TinyModel(torch.nn.Module):
@@ -199,3 +202,77 @@ def test_plugin_quantization_selected_from_the_command_line(pm):
     with pytest.raises(ConfigError, match="quantized with 'awq'"):
         get_quantization_config("dummyq", pm, {"quant_method": "awq"})
     assert get_quantization_config(None, pm) is None
+
+
+# ------------------------------------------------ layers fused at construction, loaded by name
+
+
+class _RowScaledMethod(LinearMethod):
+    """Float weights with a per-row scale; declares no ``fuse``."""
+
+    def create_weights(self, layer, input_size, output_size, params_dtype):
+        layer.weight = torch.nn.Parameter(torch.empty(output_size, input_size), False)
+        layer.scale = torch.nn.Parameter(torch.ones(output_size, 1), False)
+
+    def apply(self, layer, x, bias=None):
+        return torch.nn.functional.linear(x, layer.weight * layer.scale, bias)
+
+
+class _ScaleLast(QuantizationConfig):
+    name = "scale_last"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def get_linear_method(self, layer, prefix):
+        return _RowScaledMethod() if prefix.endswith("v_proj") else None
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, quant=None, bias=(False, True, False)):
+        super().__init__()
+        self.q_proj = Linear(16, 8, bias[0], quant, "q_proj")
+        self.k_proj = Linear(16, 4, bias[1], quant, "k_proj")
+        self.v_proj = Linear(16, 4, bias[2], quant, "v_proj")
+        self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
+
+
+def _load_random(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    state = {name: torch.randn(p.shape) for name, p in module.named_parameters()}
+    copy_weights(module, state.items())
+    return state
+
+
+def test_unquantized_group_is_one_product_over_the_layers_storage():
+    attn = _Attention()
+    (run,) = attn.qkv.runs  # fused when built, before any weight exists
+    # The checkpoint's names, nothing more: the fused tensors are not parameters.
+    assert {n for n, _ in attn.named_parameters()} == {
+        "q_proj.weight",
+        "k_proj.weight",
+        "k_proj.bias",
+        "v_proj.weight",
+    }
+    assert not attn.state_dict().keys() - {n for n, _ in attn.named_parameters()}
+    state = _load_random(attn)
+    assert attn.q_proj.weight.data_ptr() == run.weight.data_ptr()  # a view, not a copy
+    x = torch.randn(5, 16)
+    q, k, v = attn.qkv(x)
+    F = torch.nn.functional
+    assert torch.allclose(q, F.linear(x, state["q_proj.weight"]), atol=1e-5)
+    assert torch.allclose(k, F.linear(x, state["k_proj.weight"], state["k_proj.bias"]), atol=1e-5)
+    assert torch.allclose(v, F.linear(x, state["v_proj.weight"]), atol=1e-5)
+
+
+def test_a_layer_whose_method_cannot_fuse_is_computed_on_its_own():
+    attn = _Attention(_ScaleLast())
+    assert [type(run).__name__ for run in attn.qkv.runs] == ["FusedLinear", "_Single"]
+    state = _load_random(attn)
+    x = torch.randn(5, 16)
+    q, k, v = attn.qkv(x)
+    expected = torch.nn.functional.linear(x, state["v_proj.weight"] * state["v_proj.scale"])
+    assert torch.allclose(v, expected, atol=1e-5)
+    assert torch.allclose(q, torch.nn.functional.linear(x, state["q_proj.weight"]), atol=1e-5)
+    assert q.shape == (5, 8) and k.shape == (5, 4)

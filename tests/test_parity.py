@@ -76,3 +76,40 @@ def test_greedy_parity(reference, setting):
         assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
         assert engine.kv_manager.total_prefix_cache_stats.hits > 0
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_llama_family_members_differ_by_class_attributes():
+    """Qwen2's biases and Qwen3's q/k norms come from the class registered for the
+    architecture, not from the config's model_type; Q/K/V and gate/up are built fused."""
+    import transformers
+
+    from pagedllm.core.layers.linear import FusedLinear
+    from pagedllm.plugins.models.llama import (
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
+
+    # One config (model_type "llama") for all three.
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    expected = {  # (q/k/v bias, o bias, q/k norm)
+        LlamaForCausalLM: (False, False, False),
+        Qwen2ForCausalLM: (True, False, False),
+        Qwen3ForCausalLM: (False, False, True),
+    }
+    for cls, (qkv_bias, o_bias, qk_norm) in expected.items():
+        layer = cls(config).model.layers[0]
+        attn = layer.self_attn
+        assert (attn.q_proj.bias is not None, attn.v_proj.bias is not None) == (qkv_bias,) * 2
+        assert (attn.o_proj.bias is not None) == o_bias, cls
+        assert (attn.q_norm is not None) == qk_norm, cls
+        assert [type(run) for run in attn.qkv.runs] == [FusedLinear]
+        assert [type(run) for run in layer.mlp.gate_up.runs] == [FusedLinear]

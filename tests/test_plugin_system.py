@@ -210,3 +210,139 @@ def test_plugin_file_registers_a_tool_parser(tmp_path, pm):
     assert pm.registry("tool_parsers").entry("from_file").source == info.name
     with pytest.raises(PluginError, match="does not exist"):
         pm.load_plugin_file(tmp_path / "nope.py")
+
+
+# ------------------------------------------------------------ hook contracts are loud
+
+
+def _typo_plugin() -> types.SimpleNamespace:
+    @hookimpl
+    def pagedllm_register_device(registry):  # missing the final "s"
+        registry.add("typo_dev", "pagedllm_dummy_plugin.device:DummyDevice")
+
+    @hookimpl
+    def pagedllm_register_tool_parsers(registry):
+        registry.add("typo_tool", "pagedllm_dummy_plugin.tool_parser:CallLineToolParser")
+
+    return types.SimpleNamespace(
+        pagedllm_register_device=pagedllm_register_device,
+        pagedllm_register_tool_parsers=pagedllm_register_tool_parsers,
+    )
+
+
+def test_misspelled_hook_fails_the_plugin_naming_the_hook(caplog):
+    pm = make_plugin_manager(env={}, extra_plugins=[("typo", _typo_plugin())])
+    info = pm.info("typo")
+    assert info.status is PluginStatus.FAILED
+    assert "'pagedllm_register_device'" in info.error
+    assert "did you mean 'pagedllm_register_devices'" in info.error
+    assert "'typo'" in caplog.text and "'pagedllm_register_device'" in caplog.text
+    # Failed means unavailable: its correctly spelled hooks are not called either.
+    assert "typo_tool" not in pm.registry("tool_parsers")
+    assert "typo_dev" not in pm.registry("devices")
+    assert "cpu" in pm.registry("devices")
+
+    with pytest.raises(PluginError, match="'typo'.*unknown hook 'pagedllm_register_device'"):
+        make_plugin_manager(env={}, extra_plugins=[("typo", _typo_plugin())], strict=True)
+
+
+def test_hook_function_without_hookimpl_marker_fails_the_plugin():
+    def pagedllm_register_devices(registry):
+        registry.add("unmarked", "pagedllm_dummy_plugin.device:DummyDevice")
+
+    plugin = types.SimpleNamespace(pagedllm_register_devices=pagedllm_register_devices)
+    pm = make_plugin_manager(env={}, extra_plugins=[("unmarked", plugin)])
+    info = pm.info("unmarked")
+    assert info.status is PluginStatus.FAILED
+    assert "'pagedllm_register_devices' without marking it with @hookimpl" in info.error
+
+
+TYPO_MODULE = """
+from pagedllm import hookimpl
+
+@hookimpl
+def pagedllm_register_load_format(registry):
+    registry.add("typofmt", "pagedllm.plugins.loaders.dummy:DummyLoader")
+"""
+
+
+def test_installed_plugin_with_a_misspelled_hook_is_reported_failed(tmp_path):
+    site = make_distribution(
+        tmp_path / "site",
+        "typo-plugin",
+        {"typo": "typo_plugin_mod"},
+        {"typo_plugin_mod": TYPO_MODULE},
+    )
+    result = run_cli("plugins", "--json", env=clean_env(PYTHONPATH=str(site)))
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    typo = next(p for p in report["plugins"] if p["name"] == "typo")
+    assert typo["status"] == "failed"
+    assert "unknown hook 'pagedllm_register_load_format'" in typo["error"]
+    assert "did you mean 'pagedllm_register_load_formats'" in typo["error"]
+    assert not any(e["name"] == "typofmt" for e in report["registries"]["load_formats"])
+
+    strict = run_cli("plugins", env=clean_env(PYTHONPATH=str(site), PAGEDLLM_STRICT_PLUGINS="1"))
+    assert strict.returncode == 2
+    assert "pagedllm_register_load_format" in strict.stderr
+
+
+def test_registration_runs_through_pluggy_hook_callers():
+    """Registration hooks are called through pluggy: a hook wrapper sees (and may add to)
+    every registration, and hook-call monitoring and tracing see the call."""
+    seen = []
+
+    @hookimpl(wrapper=True)
+    def pagedllm_register_devices(registry):
+        seen.append(("before", len(registry)))
+        result = yield
+        seen.append(("after", sorted(registry.names())))
+        registry.add("wrapped", "pagedllm_dummy_plugin.device:DummyDevice")
+        return result
+
+    @hookimpl(hookwrapper=True)
+    def pagedllm_register_tool_parsers(registry):
+        outcome = yield
+        seen.append(("old-style", outcome.exception is None, "hermes" in registry))
+
+    wrapper = types.SimpleNamespace(
+        pagedllm_register_devices=pagedllm_register_devices,
+        pagedllm_register_tool_parsers=pagedllm_register_tool_parsers,
+    )
+    pm = make_plugin_manager(env={}, extra_plugins=[("wrapper", wrapper)])
+    calls = []
+    pm.pm.add_hookcall_monitoring(
+        lambda name, impls, kwargs: calls.append((name, [i.plugin_name for i in impls])),
+        lambda outcome, name, impls, kwargs: None,
+    )
+    traced = []
+    pm.pm.trace.root.setwriter(traced.append)
+    undo_tracing = pm.pm.enable_tracing()
+
+    devices = pm.registry("devices")
+    assert seen[0] == ("before", 0)
+    assert seen[1][0] == "after" and {"cpu", "cuda"} <= set(seen[1][1])
+    entry = devices.entry("wrapped")
+    assert entry.source == "wrapper"
+    assert devices.entry("cpu").source == "pagedllm.devices"
+    names = [name for name, _ in calls]
+    assert names == ["pagedllm_register_devices"]
+    assert {"wrapper", "pagedllm.devices"} <= set(calls[0][1])
+    assert any("pagedllm_register_devices" in line for line in traced)
+
+    pm.registry("tool_parsers")
+    assert seen[-1] == ("old-style", True, True)
+    undo_tracing()
+
+
+def test_plugin_file_with_a_misspelled_hook_is_an_error(tmp_path, pm):
+    plugin_file = tmp_path / "typo_parser.py"
+    plugin_file.write_text(
+        "from pagedllm import hookimpl\n"
+        "@hookimpl\n"
+        "def pagedllm_register_tool_parser(registry):\n"
+        "    registry.add('typo', 'pagedllm_dummy_plugin.tool_parser:CallLineToolParser')\n"
+    )
+    with pytest.raises(PluginError, match="unknown hook 'pagedllm_register_tool_parser'"):
+        pm.load_plugin_file(plugin_file)
+    assert "typo" not in pm.registry("tool_parsers")

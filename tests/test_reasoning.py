@@ -131,6 +131,37 @@ def test_prompt_opening_and_reasoning_end():
     assert not r1.is_reasoning_end([ord("A")])
 
 
+# A prompt's end as the template leaves it (Qwen3's "<think>\n\n</think>\n\n" with
+# thinking off): (opened, closed) for each parser's markers.
+def _prompt_ends(cls) -> dict[str, tuple[bool, bool]]:
+    return {
+        "<|im_start|>assistant\n": (False, False),
+        f"<|im_start|>assistant\n{cls.start_markers[0]}\n": (True, False),
+        f"<|im_start|>assistant\n{cls.start_markers[0]}\n\n{cls.end_markers[0]}\n\n": (
+            False,
+            True,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "cls", [DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GraniteReasoningParser]
+)
+def test_empty_output_ends_the_reasoning_iff_the_prompt_closed_it(cls):
+    """The contract of is_reasoning_end([]): True exactly when the prompt closed the
+    reasoning, so guided decoding constrains the answer's first token."""
+    for prompt, (opened, closed) in _prompt_ends(cls).items():
+        parser = cls.for_prompt(CharTokenizer(), prompt)
+        assert (parser.starts_in_reasoning, parser.starts_after_reasoning) == (opened, closed)
+        assert parser.is_reasoning_end([]) is closed, prompt
+        if closed:
+            # The output is all answer, even one that looks like reasoning.
+            text = f"{cls.start_markers[0]}x{cls.end_markers[0]}y"
+            assert parser.is_reasoning_end([ord(c) for c in text])
+            assert parser.extract_reasoning_content(text, None) == (None, text)
+    assert not cls(CharTokenizer()).is_reasoning_end([])
+
+
 # ------------------------------------------------------------------ with the engine
 
 
@@ -176,6 +207,80 @@ def test_constraint_applies_after_the_reasoning(tmp_path_factory):
         # The free part is the model's own (greedy) choice, not digits.
         free = llm.generate("x", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert out.token_ids[:3] == free[0].outputs[0].token_ids
+
+
+# Qwen3's chat template, reduced to what decides the prompt's end: with thinking off
+# it writes an empty, closed reasoning section after the generation prompt.
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_first_token_is_the_answer_or_opens_the_reasoning(tmp_path_factory):
+    """qwen3 + guided decoding, the prompt neither opening nor closing the reasoning:
+    the first token either opens it (``<think>``, one token) or begins the constrained
+    answer; it is never free (it once escaped, and the answer began after it)."""
+    import transformers
+    from tiny_models import make_checkpoint
+
+    directory = make_checkpoint(tmp_path_factory.mktemp("think"), "llama", vocab_size=520)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tokenizer.save_pretrained(directory)
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    llm = LLM(str(directory), reasoning_parser="qwen3", dtype="float32", disable_log_stats=True)
+    prompt = llm.render_chat([{"role": "user", "content": "Pick."}], chat_template=QWEN3_TEMPLATE)
+    assert prompt["prompt"].endswith("assistant\n")
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = free[0].outputs[0].token_ids[0]
+    assert first != think and not "green".startswith(free[0].outputs[0].text)
+    for backend in ("outlines", "xgrammar"):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            guided_decoding=GuidedDecodingParams(choice=["green", "red"], backend=backend),
+        )
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[0] == think or out.text in ("green", "red"), (backend, out.text)
+        # Either way the reasoning parser reads the output as the engine constrained it.
+        if out.token_ids[0] != think:
+            assert out.text in ("green", "red")
+
+
+def test_thinking_off_constrains_the_first_answer_token(tmp_path_factory):
+    """qwen3 + guided decoding with thinking off: the answer starts with the output, so
+    its first token is constrained too (it once escaped: '\ufffdgreen')."""
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        reasoning_parser="qwen3",
+        dtype="float32",
+        disable_log_stats=True,
+    )
+    messages = [{"role": "user", "content": "Pick a color."}]
+    prompt = llm.render_chat(
+        messages, chat_template=QWEN3_TEMPLATE, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert prompt["prompt"].endswith("<think>\n\n</think>\n\n")
+    # Unconstrained, this random model does not begin with a choice.
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert not free[0].outputs[0].text.startswith(("green", "red"))
+    for backend in ("outlines", "xgrammar"):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            guided_decoding=GuidedDecodingParams(choice=["green", "red"], backend=backend),
+        )
+        out = llm.chat(
+            messages,
+            params,
+            use_tqdm=False,
+            chat_template=QWEN3_TEMPLATE,
+            chat_template_kwargs={"enable_thinking": False},
+        )
+        assert out[0].outputs[0].text in ("green", "red"), (backend, out[0].outputs[0].text)
 
 
 # ------------------------------------------------------------------ through the server

@@ -16,7 +16,7 @@ from pagedllm.core.config import SchedulerConfig
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sampling.params import SamplingParams
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 BS = 4  # block size
 EOS = 2
@@ -85,8 +85,10 @@ def step(sched: Scheduler, token=TOK, finished: list | None = None) -> Step:
         assert request.status is RequestStatus.RUNNING and request in sched.running
         assert item.num_new_tokens >= 1
         assert item.num_computed_tokens == request.num_computed_tokens
-        slots = len(sched.kv.get_block_ids(request.request_id)) * BS
-        assert slots >= item.num_computed_tokens + item.num_new_tokens
+        # The block table travels with the scheduled item: the runner never asks the KV
+        # manager.
+        assert item.block_ids == sched.kv.get_block_ids(request.request_id)
+        assert len(item.block_ids) * BS >= item.num_computed_tokens + item.num_new_tokens
     for rid in out.preempted_request_ids:
         request = sched.requests[rid]
         assert request.status is RequestStatus.PREEMPTED and request.num_computed_tokens == 0
@@ -99,7 +101,7 @@ def step(sched: Scheduler, token=TOK, finished: list | None = None) -> Step:
         for item in out.scheduled
         if item.reaches_end
     }
-    updated = sched.update_from_output(out, sampled)
+    updated = sched.update_from_output(out, RunnerOutput(sampled))
     assert {r.request_id for r in updated} == set(sampled)
     if finished is not None:
         finished.extend(r for r in updated if r.is_finished)
@@ -357,7 +359,7 @@ def test_finish_requests_aborts_waiting_and_running_requests():
     # Aborted while its step runs: update_from_output leaves it alone.
     out = sched.schedule()
     sched.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
-    assert sched.update_from_output(out, {"r0": TOK}) == []
+    assert sched.update_from_output(out, RunnerOutput({"r0": TOK})) == []
     assert running[0].output_token_ids == [TOK] and sched.kv.num_free_blocks == 8
     assert not sched.has_unfinished_requests() and sched.schedule().is_empty
 
@@ -391,17 +393,26 @@ def test_delay_factor_holds_new_prompts_back(monkeypatch):
     out = sched.schedule()  # admits "a" at t=100
     assert [s.request.request_id for s in out.scheduled] == ["a"]
     clock[0] = 102.0  # that prompt step took 2 s
-    sched.update_from_output(out, {"a": TOK})
+    sched.update_from_output(out, RunnerOutput({"a": TOK}))
     add(sched, "b", 4)
     out = sched.schedule()  # t=102: 2 s since the prompt step, latency 2 s: hold "b"
     assert [s.request.request_id for s in out.scheduled] == ["a"]
-    sched.update_from_output(out, {"a": TOK})
+    sched.update_from_output(out, RunnerOutput({"a": TOK}))
     clock[0] = 104.5  # more than factor x latency since the last prompt step
     out = sched.schedule()
     assert {s.request.request_id for s in out.scheduled} == {"a", "b"}
 
     no_delay = make_scheduler()
     add(no_delay, "a", 4)
-    no_delay.update_from_output(no_delay.schedule(), {"a": TOK})
+    no_delay.update_from_output(no_delay.schedule(), RunnerOutput({"a": TOK}))
     add(no_delay, "b", 4)
     assert {s.request.request_id for s in no_delay.schedule().scheduled} == {"a", "b"}
+
+
+def test_waiting_queue_is_one_class_per_policy():
+    from pagedllm.core.waiting_queue import FCFSQueue, PriorityQueue, WaitingQueue
+
+    assert type(make_scheduler(policy="fcfs").waiting) is FCFSQueue
+    assert type(make_scheduler(policy="priority").waiting) is PriorityQueue
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'.*fcfs, priority"):
+        WaitingQueue.for_policy("lifo")

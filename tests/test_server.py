@@ -934,6 +934,23 @@ def test_bad_chat_requests(http: httpx.Client) -> None:
         assert_openai_error(http.post("/v1/chat/completions", json=body), 400, needle)
 
 
+def test_invalid_sampling_values_name_their_field(http: httpx.Client) -> None:
+    """SamplingParams checks the values once; the 400 names the field as ``param``."""
+    for extra, param in [
+        ({"temperature": -1}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"seed": 2**64}, "seed"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ]:
+        body = {"prompt": "Hi", "max_tokens": 2, **extra}
+        error = assert_openai_error(http.post("/v1/completions", json=body), 400, param)
+        assert error["param"] == param, error
+    chat = {"messages": USER, "max_tokens": 0}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400, "max_tokens")
+    assert error["param"] == "max_tokens"
+
+
 def test_prompt_too_long_names_the_limit(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match=str(MAX_MODEL_LEN)) as info:
         client.completions.create(model=MODEL, prompt=list(range(6, 6 + MAX_MODEL_LEN)))

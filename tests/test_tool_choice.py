@@ -292,3 +292,95 @@ def test_tool_parser_from_a_plugin_file(servers):
             "get_time",
             {"zone": "UTC"},
         )
+
+
+# ------------------------------------------------ deltas (no server needed)
+
+
+class _RecordingToolParser:
+    """Records the token ids it is given; each delta is plain content."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], list[int], list[int]]] = []
+
+    def extract_tool_calls_streaming(self, previous, current, delta, prev_ids, ids, new_ids, _):
+        from pagedllm.core.interfaces import DeltaMessage
+
+        self.seen.append((list(prev_ids), list(ids), list(new_ids)))
+        return DeltaMessage(content=delta)
+
+    def flush_streaming(self, final_text):
+        return None
+
+
+def test_streaming_parsers_get_the_output_token_ids():
+    from pagedllm.entrypoints.openai.chat_deltas import ChoiceDeltas
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tool_choice import ParsedToolCalls
+
+    request = ChatCompletionRequest(messages=ASK)
+    parser = _RecordingToolParser()
+    deltas = ChoiceDeltas(request, None, ParsedToolCalls(parser, request))
+    sent = ""
+    for text, ids, finish in (("Hel", [5, 6], None), ("lo", [7], None), ("!", [8], "stop")):
+        delta, reason = deltas.step(text, ids, finish, whole=False)
+        sent += delta.get("content", "")
+    assert sent == "Hello!" and reason == "stop"
+    assert parser.seen == [
+        ([], [5, 6], [5, 6]),
+        ([5, 6], [5, 6, 7], [7]),
+        ([5, 6, 7], [5, 6, 7, 8], [8]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "output"),
+    [
+        ({"type": "function", "function": {"name": "get_time"}}, '{"zone": "UTC"}'),
+        ("required", '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'),
+    ],
+    ids=["named", "required"],
+)
+def test_full_reply_adds_up_the_same_deltas_as_the_stream(tool_choice, output):
+    from pagedllm.core.sampling import SamplingParams
+    from pagedllm.entrypoints.openai.chat_deltas import ChoiceDeltas, MessageBuilder
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tool_choice import plan_tool_calls
+
+    request = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice=tool_choice)
+    plan = plan_tool_calls(request, SamplingParams(), None, False, None)
+    assert plan.for_choice is not None
+
+    def reply(pieces: list[str], whole: bool) -> dict:
+        builder = MessageBuilder(0, with_reasoning=False)
+        builder.add({"index": 0, "delta": {"role": "assistant", "content": ""}})
+        deltas = ChoiceDeltas(request, None, plan.for_choice(0))
+        for i, piece in enumerate(pieces):
+            finish = "stop" if i == len(pieces) - 1 else None
+            delta, reason = deltas.step(piece, [i], finish, whole)
+            builder.add({"index": 0, "delta": delta, "finish_reason": reason, "stop_reason": None})
+        return builder.choice()
+
+    full = reply([output], whole=True)
+    streamed = reply([output[:5], output[5:11], output[11:]], whole=False)
+    for choice in (full, streamed):
+        assert choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time" and call["id"].startswith("chatcmpl-tool-")
+        assert json.loads(call["function"]["arguments"]) == {"zone": "UTC"}
+    assert full["finish_reason"] == streamed["finish_reason"]
+    assert full["finish_reason"] == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
+
+
+def test_invalid_request_error_keeps_its_param():
+    from pagedllm.core.errors import InvalidRequestError
+    from pagedllm.core.sampling import SamplingParams
+    from pagedllm.entrypoints.openai.errors import as_openai_error
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(temperature=-1)
+    error = as_openai_error(info.value)
+    assert (error.status, error.param) == (400, "temperature")
+    assert "temperature must be non-negative" in error.message
+    assert as_openai_error(ValueError("plain")).param is None
+    assert as_openai_error(RuntimeError("bug")) is None

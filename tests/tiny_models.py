@@ -149,8 +149,7 @@ def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(directory)
     config = config_cls(
-        **COMMON,
-        **kwargs,
+        **{**COMMON, **kwargs},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -125,7 +125,7 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: Exception) -> None:
         """A step raised before it knew its requests: fail every request, keep serving."""
         logger.error("engine step failed; aborting every request", exc_info=exc)
-        ids = list(self.engine.parents)
+        ids = self.engine.unfinished_request_ids()
         for request_id in ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:

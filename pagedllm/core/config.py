@@ -1,40 +1,56 @@
 """Typed configuration objects built from :class:`~pagedllm.core.engine_args.EngineArgs`.
 
 ``EngineArgs`` is the flat list of options a user sets; :func:`create_engine_config`
-validates them (with messages that name the option and the valid values) and splits them
-into one config object per concern.
+validates them (see :mod:`pagedllm.core.args.validate`) and splits them into one config
+object per concern. Every config field has a default (the option's declared default, or
+what pagedllm picks when the option is unset), so a test or a plugin can build one from
+the fields it cares about.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.argspec import (
-    apply_deprecated_aliases,
-    check_field_types,
-    field_meta,
-    format_value,
-    option_name,
-    refused_fields,
+from pagedllm.core.args.checks import invalid_choices
+from pagedllm.core.args.spec import declared_default, format_value
+from pagedllm.core.args.validate import (
+    DEFAULT_CPU_KVCACHE_SPACE_GIB,
+    DEFAULT_SCHEDULER,
+    ENV_CPU_KVCACHE_SPACE,
+    cpu_kvcache_space_gib,
+    resolve_device,
+    scheduler_class,
+    validate_engine_args,
 )
+from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.interfaces import Device
     from pagedllm.core.plugins import PluginManager
-    from pagedllm.core.scheduler import Scheduler
 
-logger = logging.getLogger("pagedllm.config")
-
-# KV-cache space on the cpu device, in GiB (the cpu has no --gpu-memory-utilization).
-ENV_CPU_KVCACHE_SPACE = "PAGEDLLM_CPU_KVCACHE_SPACE"
-DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
+__all__ = [
+    "DEFAULT_CPU_KVCACHE_SPACE_GIB",
+    "DEFAULT_SCHEDULER",
+    "ENV_CPU_KVCACHE_SPACE",
+    "CacheConfig",
+    "DecodingConfig",
+    "DeviceConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ObservabilityConfig",
+    "PagedLLMConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "UsageContext",
+    "cpu_kvcache_space_gib",
+    "create_engine_config",
+    "resolve_device",
+    "scheduler_class",
+]
 
 
 class UsageContext(enum.Enum):
@@ -43,82 +59,105 @@ class UsageContext(enum.Enum):
     ENGINE_CONTEXT = "engine_context"
 
 
+def _flag(name: str) -> Any:
+    """The declared default of engine option ``name`` (immutable values only)."""
+    return declared_default(EngineArgs, name)
+
+
 @dataclasses.dataclass(slots=True)
 class ModelConfig:
-    model: str
-    tokenizer: str
-    tokenizer_mode: str
-    trust_remote_code: bool
-    revision: str | None
-    tokenizer_revision: str | None
-    dtype: str
-    seed: int | None
-    max_model_len: int | None
-    hf_config_path: str | None
+    model: str = _flag("model")
+    # The model's own tokenizer when empty.
+    tokenizer: str = ""
+    tokenizer_mode: str = _flag("tokenizer_mode")
+    trust_remote_code: bool = _flag("trust_remote_code")
+    revision: str | None = _flag("revision")
+    tokenizer_revision: str | None = _flag("tokenizer_revision")
+    dtype: str = _flag("dtype")
+    seed: int | None = _flag("seed")
+    max_model_len: int | None = _flag("max_model_len")
+    hf_config_path: str | None = _flag("hf_config_path")
     # A dict of config attributes, or (from Python) a callable that edits the config.
-    hf_overrides: dict[str, Any] | Callable[[Any], Any]
-    rope_scaling: dict[str, Any]
-    rope_theta: float | None
-    served_model_name: list[str]
-    task: str
-    skip_tokenizer_init: bool
-    max_logprobs: int
-    disable_sliding_window: bool
-    generation_config: str
-    override_generation_config: dict[str, Any]
-    logits_processor_pattern: str | None
-    config_format: str
-    enforce_eager: bool
-    quantization: str | None
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = dataclasses.field(default_factory=dict)
+    rope_scaling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rope_theta: float | None = _flag("rope_theta")
+    # [model] when empty.
+    served_model_name: list[str] = dataclasses.field(default_factory=list)
+    task: str = _flag("task")
+    skip_tokenizer_init: bool = _flag("skip_tokenizer_init")
+    max_logprobs: int = _flag("max_logprobs")
+    disable_sliding_window: bool = _flag("disable_sliding_window")
+    generation_config: str = _flag("generation_config")
+    override_generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    logits_processor_pattern: str | None = _flag("logits_processor_pattern")
+    config_format: str = _flag("config_format")
+    enforce_eager: bool = _flag("enforce_eager")
+    quantization: str | None = _flag("quantization")
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer:
+            self.tokenizer = self.model
+        if not self.served_model_name:
+            self.served_model_name = [self.model]
 
 
 @dataclasses.dataclass(slots=True)
 class LoadConfig:
-    load_format: str
-    download_dir: str | None
-    ignore_patterns: list[str]
-    model_loader_extra_config: dict[str, Any]
-    use_tqdm_on_load: bool
+    load_format: str = _flag("load_format")
+    download_dir: str | None = _flag("download_dir")
+    # Skipped when --ignore-patterns is unset: the extra copies some repositories ship.
+    ignore_patterns: list[str] = dataclasses.field(default_factory=lambda: ["original/**/*"])
+    model_loader_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    use_tqdm_on_load: bool = _flag("use_tqdm_on_load")
 
 
 @dataclasses.dataclass(slots=True)
 class CacheConfig:
-    block_size: int
-    enable_prefix_caching: bool
-    prefix_caching_hash_algo: str
-    gpu_memory_utilization: float
-    swap_space_gib: float
-    num_gpu_blocks_override: int | None
-    kv_cache_dtype: str
+    # The Device ABC's default_block_size; the engine uses the chosen device's.
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = _flag("prefix_caching_hash_algo")
+    gpu_memory_utilization: float = _flag("gpu_memory_utilization")
+    swap_space_gib: float = _flag("swap_space")
+    num_gpu_blocks_override: int | None = _flag("num_gpu_blocks_override")
+    kv_cache_dtype: str = _flag("kv_cache_dtype")
     # The KV-cache budget on devices without a memory fraction (the cpu).
-    cpu_kvcache_space_gib: float
+    cpu_kvcache_space_gib: float = DEFAULT_CPU_KVCACHE_SPACE_GIB
 
 
 @dataclasses.dataclass(slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    enable_chunked_prefill: bool
-    max_num_partial_prefills: int
-    max_long_partial_prefills: int
-    long_prefill_token_threshold: int
-    policy: str
-    preemption_mode: str
-    delay_factor: float
-    scheduler_cls: str | None
+    # --max-num-batched-tokens depends on the entry point when unset (see
+    # _DEFAULT_MAX_NUM_BATCHED_TOKENS); this is the engine's.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = _flag("max_num_partial_prefills")
+    max_long_partial_prefills: int = _flag("max_long_partial_prefills")
+    long_prefill_token_threshold: int = _flag("long_prefill_token_threshold")
+    policy: str = _flag("scheduling_policy")
+    preemption_mode: str = "recompute"
+    delay_factor: float = _flag("scheduler_delay_factor")
+    # None is the default scheduler.
+    scheduler_cls: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = _flag("tensor_parallel_size")
+    pipeline_parallel_size: int = _flag("pipeline_parallel_size")
+    data_parallel_size: int = _flag("data_parallel_size")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class DeviceConfig:
-    name: str
+    # device.name when empty.
+    name: str = ""
     device: Device
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.device.name
 
     @property
     def torch_device(self) -> Any:
@@ -127,61 +166,38 @@ class DeviceConfig:
 
 @dataclasses.dataclass(slots=True)
 class DecodingConfig:
-    guided_decoding_backend: str
-    disable_fallback: bool
-    disable_any_whitespace: bool
-    disable_additional_properties: bool
-    reasoning_parser: str | None
+    guided_decoding_backend: str = _flag("guided_decoding_backend")
+    disable_fallback: bool = _flag("guided_decoding_disable_fallback")
+    disable_any_whitespace: bool = _flag("guided_decoding_disable_any_whitespace")
+    disable_additional_properties: bool = _flag("guided_decoding_disable_additional_properties")
+    reasoning_parser: str | None = _flag("reasoning_parser")
     # --guided-decoding-compile-*: worker processes, and the bounds of one compile.
-    compile_workers: int = 2
-    compile_timeout: float = 5.0
-    compile_memory_mib: int = 512
-    compile_cache_size: int = 256
-
-    def __post_init__(self) -> None:
-        _require(
-            self.compile_workers >= 0,
-            "--guided-decoding-compile-workers",
-            self.compile_workers,
-            "it must be 0 or more",
-        )
-        _require(
-            self.compile_timeout > 0,
-            "--guided-decoding-compile-timeout",
-            self.compile_timeout,
-            "it must be more than 0 seconds",
-        )
-        _require(
-            self.compile_memory_mib > 0,
-            "--guided-decoding-compile-memory",
-            self.compile_memory_mib,
-            "it must be more than 0 MiB",
-        )
-        _require(
-            self.compile_cache_size >= 1,
-            "--guided-decoding-cache-size",
-            self.compile_cache_size,
-            "it must be at least 1",
-        )
+    compile_workers: int = _flag("guided_decoding_compile_workers")
+    compile_timeout: float = _flag("guided_decoding_compile_timeout")
+    compile_memory_mib: int = _flag("guided_decoding_compile_memory")
+    compile_cache_size: int = _flag("guided_decoding_cache_size")
 
 
 @dataclasses.dataclass(slots=True)
 class ObservabilityConfig:
-    disable_log_stats: bool
+    disable_log_stats: bool = _flag("disable_log_stats")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class PagedLLMConfig:
     """Everything the engine needs, validated."""
 
-    model_config: ModelConfig
-    load_config: LoadConfig
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    parallel_config: ParallelConfig
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    load_config: LoadConfig = dataclasses.field(default_factory=LoadConfig)
+    cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    # The one field without a default: a device is chosen by resolve_device.
     device_config: DeviceConfig
-    decoding_config: DecodingConfig
-    observability_config: ObservabilityConfig
+    decoding_config: DecodingConfig = dataclasses.field(default_factory=DecodingConfig)
+    observability_config: ObservabilityConfig = dataclasses.field(
+        default_factory=ObservabilityConfig
+    )
     # Features pagedllm does not build yet are refused before these could be set.
     lora_config: None = None
     speculative_config: None = None
@@ -192,40 +208,19 @@ class PagedLLMConfig:
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {
     UsageContext.LLM_CLASS: 8192,
     UsageContext.OPENAI_API_SERVER: 2048,
-    UsageContext.ENGINE_CONTEXT: 2048,
+    UsageContext.ENGINE_CONTEXT: declared_default(SchedulerConfig, "max_num_batched_tokens"),
 }
-_DEFAULT_MAX_NUM_SEQS = 256
 
 
-def _check_choices(args: EngineArgs, pm: PluginManager) -> None:
+def _check_choices(args: Any, pm: PluginManager) -> None:
     """Choices checked for values set from Python too (argparse checks only the CLI).
 
     A deprecated alias is checked against the choices of the option it stands for, under
-    its own name (before :func:`apply_deprecated_aliases` copies it).
+    its own name (before its value is copied onto that option).
     """
-    fields = {field.name: field for field in dataclasses.fields(args)}
-    for field in fields.values():
-        meta = field_meta(field)
-        if meta is None:
-            continue
-        value = getattr(args, field.name)
-        if value is None:
-            continue
-        if meta.alias_of in fields and meta.choices is None and meta.registry is None:
-            meta = field_meta(fields[meta.alias_of]) or meta
-        if meta.registry is not None:
-            valid = [*meta.extra_choices, *pm.choices(meta.registry)]
-        elif meta.choices is not None:
-            valid = list(meta.choices)
-        else:
-            continue
-        values = value if isinstance(value, list | tuple) else [value]
-        for item in values:
-            if item not in valid:
-                raise ConfigError(
-                    f"{option_name(field.name)}: invalid choice {item!r} "
-                    f"(choose from {', '.join(map(str, valid))})"
-                )
+    problems = invalid_choices(args, pm.choices)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _require(condition: bool, option: str, value: Any, why: str) -> None:
@@ -233,139 +228,9 @@ def _require(condition: bool, option: str, value: Any, why: str) -> None:
         raise ConfigError(f"{option}={format_value(value)} is invalid: {why}")
 
 
-# vLLM's default --swap-space, in GiB (accepted so that leaving the flag out works).
-_DEFAULT_SWAP_SPACE_GIB = 4
-
-_GUIDED_OPTIONS = (
-    "guided_decoding_disable_fallback",
-    "guided_decoding_disable_any_whitespace",
-    "guided_decoding_disable_additional_properties",
-)
-
-
-def _refuse_unused(args: EngineArgs, device_name: str, guided_backends: list[str]) -> None:
-    """Options that are valid but would have no effect in this configuration are refused
-    rather than silently ignored."""
-    if args.task not in ("auto", "generate"):
-        raise ConfigError(
-            f"--task {args.task}: pagedllm serves text generation only (use auto or generate)"
-        )
-    if args.config_format not in ("auto", "hf"):
-        raise ConfigError(
-            f"--config-format {args.config_format}: only Hugging Face configs are read "
-            f"(use auto or hf)"
-        )
-    if args.logits_processor_pattern is not None:
-        raise ConfigError(
-            "--logits-processor-pattern: requests cannot name logits processors in pagedllm "
-            "yet, so there is nothing to allow"
-        )
-    # 0 says what pagedllm does (it reserves no swap space); the default is accepted too.
-    if args.swap_space not in (0, _DEFAULT_SWAP_SPACE_GIB):
-        raise ConfigError(
-            f"--swap-space={args.swap_space}: pagedllm never swaps: it preempts by "
-            f"recomputation and needs no swap space; use 0 or leave it out"
-        )
-    if device_name == "cpu" and args.gpu_memory_utilization != 0.9:
-        raise ConfigError(
-            "--gpu-memory-utilization does not apply to the cpu device; size the KV cache "
-            f"with {ENV_CPU_KVCACHE_SPACE} (GiB) or --num-gpu-blocks-override"
-        )
-    if not guided_backends:
-        for name in _GUIDED_OPTIONS:
-            if getattr(args, name):
-                raise ConfigError(
-                    f"{option_name(name)}: no guided-decoding backend is installed, so this "
-                    f"option would have no effect"
-                )
-
-
-_PREEMPTION_SWAP_REFUSED = (
-    "--preemption-mode swap is not supported: pagedllm preempts by recomputation "
-    "(on the cpu the KV cache already lives in host memory, so swapping would only "
-    "copy it); leave --preemption-mode unset or use recompute"
-)
-
-
-def _refuse_unsupported(args: EngineArgs) -> None:
-    """Valid choices that pagedllm cannot honour, refused here (before any weight is
-    read) rather than when the engine is built."""
-    if args.preemption_mode == "swap":
-        raise ConfigError(_PREEMPTION_SWAP_REFUSED)
-    if args.tokenizer_mode not in ("auto", "slow"):
-        raise ConfigError(
-            f"--tokenizer-mode {args.tokenizer_mode}: not supported (use auto or slow)"
-        )
-    scheduler_class(args.scheduler_cls)
-
-
-DEFAULT_SCHEDULER = "pagedllm.core.scheduler.Scheduler"
-# vLLM's names for its default scheduler mean ours.
-_SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
-
-
-def scheduler_class(path: str | None) -> type[Scheduler]:
-    """``--scheduler-cls``: a dotted path to a Scheduler subclass."""
-    import importlib
-
-    from pagedllm.core.scheduler import Scheduler
-
-    if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
-        return Scheduler
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise ConfigError(
-            f"--scheduler-cls {path}: not a subclass of pagedllm.core.scheduler.Scheduler"
-        )
-    return cls
-
-
-def resolve_device(name: str, pm: PluginManager) -> Device:
-    """The device for ``--device NAME`` (``auto``: the best available one that runs models)."""
-    registry = pm.registry("devices")
-    if name == "auto":
-        candidates = []
-        for entry in registry:
-            cls = registry.load(entry.name)
-            if cls.runs_models and cls.is_available():
-                candidates.append(cls)
-        if not candidates:
-            raise ConfigError("--device auto: no available device can run models")
-        return max(candidates, key=lambda c: c.priority)()
-    cls = registry.load(name)
-    reason = cls.unavailable_reason()
-    if reason is not None:
-        available = [e.name for e in registry if registry.load(e.name).is_available()]
-        raise ConfigError(
-            f"--device {name}: not available on this machine: {reason}. "
-            f"Available devices: {', '.join(available) or 'none'}"
-        )
-    if not cls.runs_models:
-        raise ConfigError(
-            f"--device {name}: the device is present, but pagedllm has no model runner "
-            f"for it yet; use --device cpu"
-        )
-    return cls()
-
-
-def cpu_kvcache_space_gib(env: dict[str, str] | os._Environ[str] | None = None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get(ENV_CPU_KVCACHE_SPACE)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_CPU_KVCACHE_SPACE_GIB
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(
-            f"{ENV_CPU_KVCACHE_SPACE}={raw!r} is invalid: expected a number of GiB"
-        ) from None
-    if value <= 0:
-        raise ConfigError(f"{ENV_CPU_KVCACHE_SPACE}={raw!r} is invalid: must be positive")
-    return value
+def _unset_or(value: Any, config_cls: type, name: str) -> Any:
+    """``value``, or the config's default for ``name`` when the option is unset."""
+    return declared_default(config_cls, name) if value is None else value
 
 
 def create_engine_config(
@@ -378,86 +243,7 @@ def create_engine_config(
     Raises :class:`ConfigError` for invalid values and for options whose feature pagedllm
     does not have (naming the option), never ignoring them.
     """
-    problems = check_field_types(args)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    # Refusals and choices come before deprecated aliases are copied onto the options
-    # they stand for, so that messages name the flag the user typed.
-    problems = refused_fields(args)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    _check_choices(args, pm)
-    for warning in apply_deprecated_aliases(args):
-        logger.warning("%s", warning)
-    _refuse_unsupported(args)
-
-    device = resolve_device(args.device, pm)
-    # Import the chosen plugins now, so a broken one fails at start-up, by name.
-    pm.load("load_formats", args.load_format)
-    if args.quantization is not None:
-        pm.load("quantization_methods", args.quantization)
-
-    _require(
-        0 < args.gpu_memory_utilization <= 1,
-        "--gpu-memory-utilization",
-        args.gpu_memory_utilization,
-        "must be in (0, 1]",
-    )
-    _require(args.swap_space >= 0, "--swap-space", args.swap_space, "must be >= 0 GiB")
-    if args.num_gpu_blocks_override is not None:
-        _require(
-            args.num_gpu_blocks_override >= 1,
-            "--num-gpu-blocks-override",
-            args.num_gpu_blocks_override,
-            "must be at least 1",
-        )
-    if args.max_model_len is not None:
-        _require(
-            args.max_model_len >= 1, "--max-model-len", args.max_model_len, "must be at least 1"
-        )
-    if args.max_num_seqs is not None:
-        _require(args.max_num_seqs >= 1, "--max-num-seqs", args.max_num_seqs, "must be at least 1")
-    if args.max_num_batched_tokens is not None:
-        _require(
-            args.max_num_batched_tokens >= 1,
-            "--max-num-batched-tokens",
-            args.max_num_batched_tokens,
-            "must be at least 1",
-        )
-    _require(
-        args.max_num_partial_prefills >= 1,
-        "--max-num-partial-prefills",
-        args.max_num_partial_prefills,
-        "must be at least 1",
-    )
-    _require(
-        1 <= args.max_long_partial_prefills <= args.max_num_partial_prefills,
-        "--max-long-partial-prefills",
-        args.max_long_partial_prefills,
-        f"must be between 1 and --max-num-partial-prefills ({args.max_num_partial_prefills})",
-    )
-    _require(
-        args.long_prefill_token_threshold >= 0,
-        "--long-prefill-token-threshold",
-        args.long_prefill_token_threshold,
-        "must be >= 0",
-    )
-    _require(
-        args.max_logprobs >= -1,
-        "--max-logprobs",
-        args.max_logprobs,
-        "must be >= 0, or -1 for no limit",
-    )
-    _require(
-        args.scheduler_delay_factor >= 0,
-        "--scheduler-delay-factor",
-        args.scheduler_delay_factor,
-        "must be >= 0",
-    )
-    if args.seed is not None:
-        _require(-(2**63) <= args.seed < 2**63, "--seed", args.seed, "must fit in 64 bits")
-
-    _refuse_unused(args, device.name, pm.choices("guided_backends"))
+    device = validate_engine_args(args, pm)
 
     served = args.served_model_name
     if served is None:
@@ -474,16 +260,8 @@ def create_engine_config(
     )
 
     ignore = args.ignore_patterns
-    if ignore is None:
-        ignore_patterns = ["original/**/*"]
-    elif isinstance(ignore, str):
-        ignore_patterns = [ignore]
-    else:
-        ignore_patterns = list(ignore)
-
-    enable_chunked_prefill = (
-        True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
-    )
+    if isinstance(ignore, str):
+        ignore = [ignore]
     config = PagedLLMConfig(
         model_config=ModelConfig(
             model=args.model,
@@ -516,14 +294,14 @@ def create_engine_config(
         load_config=LoadConfig(
             load_format=args.load_format,
             download_dir=args.download_dir,
-            ignore_patterns=ignore_patterns,
+            ignore_patterns=list(_unset_or(ignore, LoadConfig, "ignore_patterns")),
             model_loader_extra_config=dict(args.model_loader_extra_config or {}),
             use_tqdm_on_load=args.use_tqdm_on_load,
         ),
         cache_config=CacheConfig(
             block_size=args.block_size or device.default_block_size,
-            enable_prefix_caching=(
-                True if args.enable_prefix_caching is None else args.enable_prefix_caching
+            enable_prefix_caching=_unset_or(
+                args.enable_prefix_caching, CacheConfig, "enable_prefix_caching"
             ),
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -536,13 +314,15 @@ def create_engine_config(
             max_num_batched_tokens=(
                 args.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[usage_context]
             ),
-            max_num_seqs=args.max_num_seqs or _DEFAULT_MAX_NUM_SEQS,
-            enable_chunked_prefill=enable_chunked_prefill,
+            max_num_seqs=_unset_or(args.max_num_seqs, SchedulerConfig, "max_num_seqs"),
+            enable_chunked_prefill=_unset_or(
+                args.enable_chunked_prefill, SchedulerConfig, "enable_chunked_prefill"
+            ),
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_long_partial_prefills=args.max_long_partial_prefills,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
-            preemption_mode=args.preemption_mode or "recompute",
+            preemption_mode=_unset_or(args.preemption_mode, SchedulerConfig, "preemption_mode"),
             delay_factor=args.scheduler_delay_factor,
             scheduler_cls=args.scheduler_cls,
         ),

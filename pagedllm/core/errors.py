@@ -23,3 +23,14 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed while computing this request (the engine itself goes on)."""
+
+
+class InvalidRequestError(PagedLLMError, ValueError):
+    """A request the engine refuses; ``param`` names the offending field (an OpenAI
+    request field or ``SamplingParams`` attribute), or is None when it is the request as
+    a whole. Entry points map it to their own error (the server: a 400 with ``param``)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message

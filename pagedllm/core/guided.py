@@ -2,7 +2,7 @@
 engine loop (cached), one matcher per sequence, and the batch's token mask.
 
 A request whose constraint is still compiling waits in the queue while the others run
-(``Request.pending``); its matcher is made on first use and advanced with each token it
+(``Request.guided_compile``); its matcher is made on first use and advanced with each token it
 samples.
 """
 
@@ -232,6 +232,12 @@ class GuidedDecodingManager:
             tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
             parser = state[REASONER_KEY] = self.reasoning_cls.for_prompt(self.tokenizer, tail)
         output = request.output_token_ids
+        openers = parser.opening_token_ids()
+        if openers is not None and output and output[0] not in openers:
+            # The first token was masked to the constraint or an opening marker, and it
+            # was not a marker: the answer began with it.
+            state[ANSWER_START_KEY] = 0
+            return 0
         # The first output position after which the reasoning is over.
         for end in range(state.get(SCANNED_KEY, 0), len(output) + 1):
             if parser.is_reasoning_end(output[:end]):
@@ -244,11 +250,11 @@ class GuidedDecodingManager:
         """The request's matcher, or None while it is still reasoning."""
         state = request.sampler_state
         matcher = state.get(MATCHER_KEY)
-        if matcher is None and request.pending is not None:
+        if matcher is None and request.guided_compile is not None:
             start = self._answer_start(request)
             if start is None:
                 return None
-            matcher = request.pending.result().matcher()
+            matcher = request.guided_compile.result().matcher()
             # A recomputed (preempted) request keeps its output: replay its answer.
             answer = request.output_token_ids[start:]
             if answer and not matcher.accept_tokens(answer):
@@ -256,19 +262,31 @@ class GuidedDecodingManager:
             state[MATCHER_KEY] = matcher
         return matcher
 
-    def token_mask(self, requests: list[Request], vocab_size: int) -> torch.Tensor | None:
+    def token_mask(self, requests: list[Request]) -> torch.Tensor | None:
         """Bool ``[len(requests), vocab_size]`` (True = allowed), or None when no request
         is guided. Every matcher writes its row of one shared bitmask."""
-        rows = [(i, self.matcher(r)) for i, r in enumerate(requests) if r.pending is not None]
+        rows = [(i, r, self.matcher(r)) for i, r in enumerate(requests) if r.is_guided]
         if not rows:
             return None
+        vocab_size = self.vocab_size
         words = (vocab_size + 31) // 32
         bitmask = torch.full((len(requests), words), -1, dtype=torch.int32)
-        for index, matcher in rows:
+        openers: dict[int, frozenset[int]] = {}
+        for index, request, matcher in rows:
+            if matcher is None and not request.output_token_ids:
+                # Reasoning may open now, or the answer begin (see _answer_start).
+                parser = request.sampler_state[REASONER_KEY]
+                opening = parser.opening_token_ids()
+                if opening is not None:
+                    matcher = request.guided_compile.result().matcher()
+                    openers[index] = opening
             if matcher is not None:
                 bitmask[index].zero_()
                 matcher.fill_bitmask(bitmask, index)
-        return unpack_bitmask(bitmask, vocab_size)
+        mask = unpack_bitmask(bitmask, vocab_size)
+        for index, opening in openers.items():
+            mask[index, [t for t in opening if t < vocab_size]] = True
+        return mask
 
     def accept(self, request: Request, token: int) -> bool:
         """Advance the request's matcher with its new token (the last of its output)."""

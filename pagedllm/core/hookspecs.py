@@ -13,6 +13,12 @@ Registration hooks receive a typed :class:`~pagedllm.core.plugins.Registry` and 
 ``registry.add(name, target)``; ``target`` is a class or a lazy ``"module:Class"``
 string, imported only when that entry is used. Lifecycle hooks are called a few times
 per process, never per token or per layer.
+
+Every hook is called through pluggy's hook callers (a registration hook once per
+registry), so ``@hookimpl(wrapper=True)`` wrappers, ``tryfirst``/``trylast`` and pluggy's
+hook-call monitoring and tracing apply. A plugin that implements a hook not defined
+here (a misspelled name) or defines a hook function without ``@hookimpl`` fails to load,
+with an error naming the hook.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ class RegistrationSpecs:
 
     @hookspec
     def pagedllm_register_cli_subcommands(self, registry: Registry) -> None:
-        """Add :class:`~pagedllm.entrypoints.cli.types.CLISubcommand` classes."""
+        """Add :class:`~pagedllm.core.interfaces.CLISubcommand` classes."""
 
     @hookspec
     def pagedllm_register_stat_loggers(self, registry: Registry) -> None:

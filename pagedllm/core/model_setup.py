@@ -221,8 +221,8 @@ def _eos_ids(tokenizer: Any, hf_config: Any, generation: dict[str, Any]) -> tupl
 
 
 def _return_freed_memory() -> None:
-    """Hand the heap pages freed while loading (checkpoint copies, tensors replaced by
-    fused ones) back to the OS, so resident memory shows what the model keeps."""
+    """Hand the heap pages freed while loading (checkpoint copies) back to the OS, so
+    resident memory shows what the model keeps."""
     try:
         import ctypes
 
@@ -261,15 +261,20 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.
     tokenizer = load_tokenizer(config, loader)
     model_cls = registry.load(architecture)
+    device = config.device_config.device
+    torch.set_num_threads(device.num_threads())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = model_cls(
-            hf_config,
-            quant,
-            max_positions=max_model_len,
-            disable_sliding_window=mc.disable_sliding_window,
-        )
+        # Built where it runs: fused layers share storage with the layers loaded by name
+        # (views), which moving the model afterwards would split into copies.
+        with torch.device(config.device_config.torch_device):
+            model = model_cls(
+                hf_config,
+                quant,
+                max_positions=max_model_len,
+                disable_sliding_window=mc.disable_sliding_window,
+            )
     finally:
         torch.set_default_dtype(previous)
     loader.load_weights(model, mc)
@@ -278,8 +283,7 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
         if method is not None:
             method.process_weights_after_loading(module)
     model = model.to(config.device_config.torch_device).eval()
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
+    model.process_weights_after_loading()
     _return_freed_memory()
     defaults, generation = generation_defaults(config, hf_config)
     seconds = time.perf_counter() - start
@@ -312,14 +316,7 @@ def num_kv_blocks(config: PagedLLMConfig, bytes_per_block: int, max_model_len: i
     cache = config.cache_config
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    device = config.device_config.device
-    if config.device_config.name == "cpu":
-        budget = cache.cpu_kvcache_space_gib * 2**30
-        source = f"PAGEDLLM_CPU_KVCACHE_SPACE={cache.cpu_kvcache_space_gib:g} GiB"
-    else:
-        free, total = device.memory_info()
-        budget = min(free, total * cache.gpu_memory_utilization)
-        source = f"--gpu-memory-utilization={cache.gpu_memory_utilization}"
+    budget, source = config.device_config.device.kv_cache_memory(cache)
     blocks = int(budget // bytes_per_block)
     needed = -(-max_model_len // cache.block_size)
     # More blocks than max_num_seqs full-length requests can hold would only keep extra

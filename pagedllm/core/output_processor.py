@@ -1,9 +1,11 @@
-"""Turns sampled tokens into ``RequestOutput``s: detokenization, stop strings, logprobs,
-and the fan-in of a request's ``n`` sequences."""
+"""Turns a step's results into ``RequestOutput``s: detokenization, stop strings,
+logprobs and prompt logprobs, request metrics, and the fan-in of a request's ``n``
+sequences. It holds the one map of live requests (by the user's request id)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +19,13 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.sampling import RequestOutputKind
 
 if TYPE_CHECKING:
+    from pagedllm.core.plugins import PluginManager
     from pagedllm.core.request import Request
     from pagedllm.core.sampling import SamplingParams
+    from pagedllm.core.stats import StatLogger
+    from pagedllm.core.step_data import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagedllm.engine")
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,10 +63,184 @@ class ParentRequest:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
+    @property
+    def sequence_ids(self) -> list[str]:
+        return [seq.request.request_id for seq in self.sequences]
+
+
+@dataclasses.dataclass(slots=True)
+class ProcessedStep:
+    """What a step produced for the caller, and what the scheduler must finish."""
+
+    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    # Sequences that hit a stop string.
+    stopped: list[str] = dataclasses.field(default_factory=list)
+    # Sequences whose request failed or was aborted (siblings of the failed one).
+    aborted: list[str] = dataclasses.field(default_factory=list)
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        pm: PluginManager | None = None,
+        stat_logger: StatLogger | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.pm = pm
+        self.stat_logger = stat_logger
+        # The live requests: user request id -> its state (sequences included).
+        self.requests: dict[str, ParentRequest] = {}
+        # Requests that failed since the caller last took them: request id -> error.
+        self.failed: dict[str, BaseException] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, parent: ParentRequest) -> None:
+        self.requests[parent.request_id] = parent
+
+    def pop(self, request_id: str) -> ParentRequest | None:
+        return self.requests.pop(request_id, None)
+
+    def take_failures(self) -> dict[str, BaseException]:
+        failed, self.failed = self.failed, {}
+        return failed
+
+    # ---------------------------------------------------------------------- step
+
+    def process(
+        self, scheduled: SchedulerOutput, updated: list[Request], result: RunnerOutput
+    ) -> ProcessedStep:
+        """The step's outputs: ``updated`` are the requests the scheduler's update
+        touched (a new token, or failed)."""
+        step = ProcessedStep()
+        for request, error in scheduled.aborted:
+            self._abort_uncompiled(request, error, step)
+        for item in scheduled.scheduled:
+            parent = self.requests.get(item.request.parent_id)
+            if parent is None:
+                continue
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = scheduled.scheduled_time
+            rows = result.prompt_logprobs.get(item.request.request_id)
+            if rows:
+                self._record_prompt_logprobs(parent, item.num_computed_tokens + 1, rows)
+        touched: dict[str, ParentRequest] = {}
+        failures: dict[int, tuple[BaseException, list[str]]] = {}
+        now = time.monotonic()
+        num_sampled = 0
+        for request in updated:
+            parent = self.requests.get(request.parent_id)
+            if parent is None:  # a sibling sequence failed earlier in this step
+                continue
+            error = request.failure
+            if error is None:
+                num_sampled += 1
+                try:
+                    self._on_new_token(request, parent, result, now, step)
+                except Exception as exc:
+                    error = exc
+            if error is not None:
+                touched.pop(parent.request_id, None)
+                self._fail(parent, error, step, failures)
+                continue
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            try:
+                output = self._make_output(parent)
+            except Exception as exc:
+                self._fail(parent, exc, step, failures)
+                continue
+            if output is not None:
+                step.outputs.append(output)
+        for exc, request_ids in failures.values():
+            logger.error(
+                "engine failure on request(s) %s; aborting them",
+                ", ".join(request_ids),
+                exc_info=exc,
+            )
+        if self.stat_logger is not None and not scheduled.is_empty:
+            try:
+                self.stat_logger.on_step(scheduled, num_sampled)
+            except Exception:  # statistics must never cost a request
+                logger.exception("the stat logger failed")
+        return step
+
+    def _on_new_token(
+        self,
+        request: Request,
+        parent: ParentRequest,
+        result: RunnerOutput,
+        now: float,
+        step: ProcessedStep,
+    ) -> None:
+        seq = parent.sequences[request.sequence_index]
+        token = request.output_token_ids[-1]
+        stop = self.on_token(seq, token, result.logprobs.get(request.request_id))
+        metrics = parent.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            parent.num_cached_tokens = max(request.num_cached_tokens, 0)
+        metrics.last_token_time = now
+        metrics.num_generation_tokens = max(
+            metrics.num_generation_tokens, request.num_output_tokens
+        )
+        if stop is not None:
+            self.finish(seq, "stop", stop)
+            step.stopped.append(request.request_id)
+        elif request.is_finished:
+            self.finish(seq, request.status.finish_reason, request.stop_reason)
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
+        parent.metrics.num_preemptions = sum(s.request.num_preemptions for s in parent.sequences)
+        output = self.make_output(parent)
+        if parent.finished:
+            self.requests.pop(parent.request_id, None)
+            if self.pm is not None:
+                try:
+                    self.pm.hook.pagedllm_request_finished(request_output=output)
+                except Exception:  # a plugin's bug must not cost the request its output
+                    logger.exception("a pagedllm_request_finished hook failed")
+        return output
+
+    def _fail(
+        self,
+        parent: ParentRequest,
+        exc: BaseException,
+        step: ProcessedStep,
+        failures: dict[int, tuple[BaseException, list[str]]],
+    ) -> None:
+        """Give up on ``parent`` after an unexpected error; the caller takes the error
+        with :meth:`take_failures`, the scheduler aborts its sequences."""
+        self.requests.pop(parent.request_id, None)
+        self.failed[parent.request_id] = exc
+        step.aborted.extend(parent.sequence_ids)
+        failures.setdefault(id(exc), (exc, []))[1].append(parent.request_id)
+
+    def _abort_uncompiled(
+        self, request: Request, error: BaseException, step: ProcessedStep
+    ) -> None:
+        """The request's constraint failed to compile: it ends as aborted."""
+        parent = self.requests.pop(request.parent_id, None)
+        if parent is None:
+            return
+        logger.error("request %s: guided decoding failed: %s", parent.request_id, error)
+        step.aborted.extend(parent.sequence_ids)
+        for seq in parent.sequences:
+            self.finish(seq, "abort", None)
+        output = self.make_output(parent)
+        if output is not None:
+            step.outputs.append(output)
+
+    def _record_prompt_logprobs(self, parent: ParentRequest, first: int, rows: list[Any]) -> None:
+        """Rows for prompt positions ``first, first + 1, ...``; positions already recorded
+        (a preempted request recomputes its prompt) are skipped."""
+        recorded = parent.prompt_logprobs
+        for position, row in enumerate(rows, start=first):
+            if position == len(recorded):
+                recorded.append(self.position_logprobs(row))
+
+    # ------------------------------------------------------------ one sequence
 
     def new_sequence(self, request: Request, index: int) -> SequenceState:
         params = request.sampling_params

@@ -15,22 +15,42 @@ Environment:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
-import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import CodeType, TracebackType
 from typing import Any
 
 import pluggy
 
 from pagedllm.core import hookspecs
 from pagedllm.core.errors import PluginError
+from pagedllm.core.registry import (
+    ENV_DISABLE,
+    REGISTRY_BASES,
+    Registry,
+    RegistryEntry,
+)
+
+__all__ = [
+    "ENV_ALLOW",
+    "ENV_DISABLE",
+    "ENV_STRICT",
+    "PluginInfo",
+    "PluginManager",
+    "PluginStatus",
+    "Registry",
+    "RegistryEntry",
+    "make_plugin_manager",
+]
 
 logger = logging.getLogger("pagedllm.plugins")
 
@@ -38,7 +58,6 @@ ENTRY_POINT_GROUP = "pagedllm"
 BUILTIN_DISTRIBUTION = "pagedllm"
 
 ENV_ALLOW = "PAGEDLLM_PLUGINS"
-ENV_DISABLE = "PAGEDLLM_DISABLED_PLUGINS"
 ENV_STRICT = "PAGEDLLM_STRICT_PLUGINS"
 
 
@@ -61,145 +80,6 @@ class PluginInfo:
     @property
     def builtin(self) -> bool:
         return self.distribution == BUILTIN_DISTRIBUTION
-
-
-@dataclasses.dataclass(slots=True)
-class RegistryEntry:
-    name: str
-    target: type | str
-    source: str
-    override: bool = False
-    # Plugins whose registration of the same name this entry replaced.
-    replaced: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def target_path(self) -> str:
-        if isinstance(self.target, str):
-            return self.target
-        return f"{self.target.__module__}:{self.target.__qualname__}"
-
-
-def _import_target(path: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:Attribute', got {path!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class Registry:
-    """Names of one kind (devices, load formats, ...) mapped to their implementations.
-
-    ``base`` is the ABC every target must subclass, given as a class or as a lazy
-    ``"module:Class"`` path.
-    """
-
-    def __init__(self, kind: str, base: type | str | None = None) -> None:
-        self.kind = kind
-        self._base = base
-        self._entries: dict[str, RegistryEntry] = {}
-        self._loaded: dict[str, Any] = {}
-        # The plugin whose hook is running; set by the plugin manager.
-        self.current_source = "<direct>"
-
-    def add(self, name: str, target: type | str, *, override: bool = False) -> None:
-        """Register ``target`` under ``name``.
-
-        A name registered twice is an error unless exactly one of the two registrations
-        says ``override=True``; that one wins whatever the loading order.
-        """
-        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
-            raise PluginError(
-                f"plugin {self.current_source!r} registered an invalid {self.kind} name "
-                f"{name!r}: names are non-empty strings without spaces"
-            )
-        if not isinstance(target, str | type):
-            raise PluginError(
-                f"plugin {self.current_source!r} registered {self.kind} {name!r} with "
-                f"{target!r}: a target is a class or a 'module:Class' string"
-            )
-        new = RegistryEntry(name, target, self.current_source, override)
-        old = self._entries.get(name)
-        if old is None:
-            self._entries[name] = new
-        elif new.override and not old.override:
-            new.replaced.append(old.source)
-            self._entries[name] = new
-        elif old.override and not new.override:
-            old.replaced.append(new.source)
-        else:
-            raise PluginError(
-                f"{self.kind} name {name!r} is registered by both plugin {old.source!r} "
-                f"and plugin {new.source!r}; uninstall or disable one "
-                f"({ENV_DISABLE}=name), or register with override=True to replace it"
-            )
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[RegistryEntry]:
-        return iter(sorted(self._entries.values(), key=lambda e: e.name))
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def entry(self, name: str) -> RegistryEntry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise KeyError(
-                f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}"
-            ) from None
-
-    def base(self) -> type | None:
-        if isinstance(self._base, str):
-            self._base = _import_target(self._base)
-        return self._base
-
-    def load(self, name: str) -> Any:
-        """The implementation registered under ``name``, imported on first use."""
-        if name in self._loaded:
-            return self._loaded[name]
-        entry = self.entry(name)
-        target = entry.target
-        if isinstance(target, str):
-            try:
-                target = _import_target(target)
-            except Exception as exc:
-                raise PluginError(
-                    f"{self.kind} {name!r} from plugin {entry.source!r} points at "
-                    f"{entry.target!r}, which cannot be imported: {exc}"
-                ) from exc
-        base = self.base()
-        if base is not None and not (isinstance(target, type) and issubclass(target, base)):
-            raise PluginError(
-                f"{self.kind} {name!r} from plugin {entry.source!r} is {target!r}, which is "
-                f"not a subclass of {base.__module__}.{base.__qualname__}"
-            )
-        self._loaded[name] = target
-        return target
-
-
-# Registry kind -> the ABC its entries implement.
-REGISTRY_BASES: dict[str, str | None] = {
-    "devices": "pagedllm.core.interfaces.device:Device",
-    "load_formats": "pagedllm.core.interfaces.loader:ModelLoader",
-    "quantization_methods": "pagedllm.core.interfaces.quantization:QuantizationConfig",
-    "models": "pagedllm.core.interfaces.model:ModelArchitecture",
-    "tool_parsers": "pagedllm.core.interfaces.parsers:ToolParser",
-    "reasoning_parsers": "pagedllm.core.interfaces.parsers:ReasoningParser",
-    "guided_backends": "pagedllm.core.interfaces.guided:GuidedBackend",
-    "attention_backends": "pagedllm.core.interfaces.attention:AttentionBackend",
-    "cli_subcommands": "pagedllm.entrypoints.cli.types:CLISubcommand",
-    "stat_loggers": None,
-    "logits_processors": None,
-}
-assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()
 
 
 def _env_names(env: Mapping[str, str], key: str) -> set[str] | None:
@@ -260,8 +140,49 @@ class PluginManager:
             self.pm.register(plugin, name=name)
         except Exception:
             self._fail(info, "does not implement the pagedllm hooks correctly")
+        else:
+            try:
+                self._check_hooks(plugin)
+            except PluginError as exc:
+                self.pm.unregister(plugin)
+                self._fail(info, str(exc))
         self._registries.clear()
         return info
+
+    def _check_hooks(self, plugin: object) -> None:
+        """Refuse a plugin whose hooks pluggy would never call: an implementation of a
+        hook pagedllm does not define (pluggy's ``check_pending``; a misspelled name)
+        or a hook function not marked with ``@hookimpl``."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            unknown = sorted(
+                caller.name
+                for caller in self.pm.get_hookcallers(plugin) or ()
+                if not caller.has_spec()
+            )
+            raise PluginError(
+                f"implements {_describe_unknown(unknown, self.hook_names())}"
+            ) from None
+        implemented = {caller.name for caller in self.pm.get_hookcallers(plugin) or ()}
+        unmarked = sorted(
+            attr
+            for attr in self.hook_names() - implemented
+            if inspect.isroutine(getattr(plugin, attr, None))
+        )
+        if unmarked:
+            raise PluginError(
+                f"defines {', '.join(map(repr, unmarked))} without marking it with "
+                f"@hookimpl (from pagedllm import hookimpl), so it would never be called"
+            )
+
+    def hook_names(self) -> set[str]:
+        """Every hook pagedllm defines (those with a spec)."""
+        return {
+            name
+            for name, caller in vars(self.pm.hook).items()
+            if not name.startswith("_") and caller.has_spec()
+        }
 
     def load_entry_points(self, env: Mapping[str, str]) -> None:
         allow = _env_names(env, ENV_ALLOW)
@@ -304,7 +225,8 @@ class PluginManager:
                 )
 
     def load_plugin_file(self, path: str | os.PathLike[str]) -> PluginInfo:
-        """Import a Python file as a plugin (used by ``--tool-parser-plugin``)."""
+        """Import a Python file as a plugin (used by ``--tool-parser-plugin``); a file
+        that fails to import or implements its hooks wrongly is a :class:`PluginError`."""
         file = Path(path)
         if not file.is_file():
             raise PluginError(f"plugin file {str(file)!r} does not exist")
@@ -320,36 +242,56 @@ class PluginManager:
             raise PluginError(
                 f"plugin file {str(file)!r} failed to import:\n{traceback.format_exc()}"
             ) from exc
-        return self.register(module, f"file:{file}", value=str(file))
+        info = self.register(module, f"file:{file}", value=str(file))
+        if info.status is PluginStatus.FAILED:
+            # Named on the command line: a broken one stops the start, not just warns.
+            raise PluginError(f"plugin file {str(file)!r} is broken:\n{info.error}")
+        return info
 
     # --------------------------------------------------------------- registries
 
     def registry(self, kind: str) -> Registry:
-        """The registry of ``kind``, filled by every loaded plugin's hook on first use."""
+        """The registry of ``kind``, filled on first use by one call of its registration
+        hook through pluggy (so hook wrappers and hook-call monitoring see it). A plugin
+        whose implementation raises is reported as failed and unregistered (what it
+        provides is unavailable, in every registry), and the hook is called again."""
         registry = self._registries.get(kind)
         if registry is not None:
             return registry
         if kind not in hookspecs.REGISTRATION_HOOKS:
             raise KeyError(f"unknown registry kind {kind!r}")
-        registry = Registry(kind, REGISTRY_BASES[kind])
         caller = getattr(self.pm.hook, hookspecs.REGISTRATION_HOOKS[kind])
-        by_plugin = {id(p): n for n, p in self.pm.list_name_plugin()}
-        # pluggy returns implementations in registration order; call them in that order.
-        for impl in caller.get_hookimpls():
-            source = by_plugin.get(id(impl.plugin), impl.plugin_name)
-            registry.current_source = source
+        while True:
+            registry = Registry(kind, REGISTRY_BASES[kind])
+            registry.hook_sources = self._impl_sources(caller.get_hookimpls())
             try:
-                impl.function(**{a: registry for a in impl.argnames})
+                caller(registry=registry)
             except PluginError:
                 raise
-            except Exception:
-                info = self.info(source)
+            except Exception as exc:
+                source = _failing_source(exc.__traceback__, registry.hook_sources)
+                info = self.info(source) if source is not None else None
                 if info is None:
                     raise
                 self._fail(info, f"raised while registering {kind}")
-        registry.current_source = "<direct>"
+                self.pm.unregister(name=source)
+                self._registries.clear()
+                continue
+            break
+        registry.hook_sources = {}
         self._registries[kind] = registry
         return registry
+
+    def _impl_sources(self, impls: Iterable[Any]) -> dict[CodeType, str]:
+        """The code of each hook implementation -> the name its plugin was loaded under."""
+        names = {id(plugin): name for name, plugin in self.pm.list_name_plugin()}
+        sources = {}
+        for impl in impls:
+            function = getattr(impl.function, "__func__", impl.function)
+            code = getattr(inspect.unwrap(function), "__code__", None)
+            if code is not None:
+                sources[code] = names.get(id(impl.plugin), impl.plugin_name)
+        return sources
 
     def choices(self, kind: str) -> list[str]:
         return self.registry(kind).names()
@@ -365,6 +307,28 @@ class PluginManager:
 
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if p.status is PluginStatus.FAILED]
+
+
+def _describe_unknown(names: list[str], hook_names: set[str]) -> str:
+    """``unknown hook 'pagedllm_register_device' (did you mean ...?)``"""
+    hooks = sorted(hook_names)
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, hooks, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    described = f"unknown hook{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+    if "did you mean" in described:
+        return described
+    return f"{described}; pagedllm's hooks are {', '.join(hooks)}"
+
+
+def _failing_source(tb: TracebackType | None, sources: Mapping[CodeType, str]) -> str | None:
+    """The plugin whose hook implementation raised: the innermost one in the traceback."""
+    found = None
+    while tb is not None:
+        found = sources.get(tb.tb_frame.f_code, found)
+        tb = tb.tb_next
+    return found
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:

@@ -8,6 +8,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pagedllm.core.sampling.params import SamplingParams
 
 
@@ -67,15 +69,23 @@ class Request:
     block_hashes: list[Any] = dataclasses.field(default_factory=list)
     # Per-request state of the sampler (seeded generator, guided-decoding matcher, ...).
     sampler_state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Work the request waits for before it can be scheduled (a future: a guided-decoding
-    # constraint compiling); None when there is none.
-    pending: Any = None
+    # The user's request this is one sequence of (its id; ``n`` > 1 gives several), and
+    # this sequence's index among them.
+    parent_id: str = ""
+    sequence_index: int = 0
+    # The future of the request's compiled guided-decoding constraint (compiling off the
+    # engine loop; the request waits until it is done); None when unconstrained.
+    guided_compile: Future[Any] | None = None
+    # The error that made the engine give up on this request (it is then aborted).
+    failure: BaseException | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt has no tokens")
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if not self.parent_id:
+            self.parent_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,6 +102,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_guided(self) -> bool:
+        return self.guided_compile is not None
+
+    @property
+    def is_compiling(self) -> bool:
+        """Its constraint is still compiling: it cannot be scheduled yet."""
+        return self.guided_compile is not None and not self.guided_compile.done()
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

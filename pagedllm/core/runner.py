@@ -15,20 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.core.step_data import RunnerOutput
 
 if TYPE_CHECKING:
-    from pagedllm.core.kv_cache import KVCacheManager
-    from pagedllm.core.scheduler import SchedulerOutput
-
-
-@dataclasses.dataclass(slots=True)
-class RunnerOutput:
-    # request id -> sampled token
-    sampled_token_ids: dict[str, int]
-    # request id -> the sampler's logprobs row for that token (None when not asked)
-    logprobs: dict[str, Any]
-    # request id -> prompt logprobs computed this step, in prompt order
-    prompt_logprobs: dict[str, list[Any]]
+    from pagedllm.core.step_data import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,11 +63,14 @@ class ModelRunner:
             torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
-        # The engine's GuidedDecodingManager (None without a tokenizer).
-        self.guided: Any = None
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, kv_manager: KVCacheManager) -> RunnerOutput:
+    def execute(
+        self, output: SchedulerOutput, token_mask: torch.Tensor | None = None
+    ) -> RunnerOutput:
+        """Compute the scheduled tokens and sample for the requests whose step reaches
+        their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
+        in the order of ``output.sampling_requests``) constrains guided requests."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -95,7 +88,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
-            block_tables.append(kv_manager.get_block_ids(request.request_id))
+            block_tables.append(item.block_ids)
             if item.reaches_end:
                 sample_rows.append(offset + item.num_new_tokens - 1)
                 sampling_requests.append(request)
@@ -114,15 +107,14 @@ class ModelRunner:
         input_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, input_positions, metadata)
 
-        result = RunnerOutput({}, {}, {})
+        result = RunnerOutput()
         if sampling_requests:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
             )
-            if self.guided is not None:
-                sampling.token_mask = self.guided.token_mask(sampling_requests, logits.shape[-1])
+            sampling.token_mask = token_mask
             sampled = self.sampler(logits, sampling)
             for i, request in enumerate(sampling_requests):
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]

@@ -9,94 +9,40 @@ its blocks are freed and it goes back to the front of the queue, to be recompute
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
-import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.core.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
+    from pagedllm.core.guided import GuidedDecodingManager
     from pagedllm.core.kv_cache import KVCacheManager
 
+__all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
 
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # num_computed_tokens when the step starts (cached prefix included).
-    num_computed_tokens: int
-
-    @property
-    def reaches_end(self) -> bool:
-        """Whether this step computes the request's last known token, so it samples."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclasses.dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
-    preempted_request_ids: list[str]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class WaitingQueue:
-    """FCFS: arrival order, preempted requests back at the front. Priority: lowest
-    ``priority`` value first, then arrival."""
-
-    def __init__(self, policy: str) -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {policy!r}")
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, request: Request, *, front: bool = False) -> None:
-        if self.policy == "fcfs":
-            (self._fifo.appendleft if front else self._fifo.append)(request)
-        else:
-            key = (request.priority, request.arrival_time, next(self._counter), request)
-            heapq.heappush(self._heap, key)
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][3]
-
-    def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
-
-    def remove(self, requests: set[Request]) -> None:
-        if self.policy == "fcfs":
-            self._fifo = deque(r for r in self._fifo if r not in requests)
-        else:
-            self._heap = [e for e in self._heap if e[3] not in requests]
-            heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def __iter__(self):
-        if self.policy == "fcfs":
-            return iter(self._fifo)
-        return iter(e[3] for e in sorted(self._heap))
+logger = logging.getLogger("pagedllm.scheduler")
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        guided: GuidedDecodingManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue(config.policy)
+        # Guided decoding: the token mask before a step, each new token's acceptance after.
+        self.guided = guided
+        self.waiting = WaitingQueue.for_policy(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -104,6 +50,9 @@ class Scheduler:
         self._prompt_step_time: float | None = None
         self._last_prompt_latency = 0.0
         self._admitted_last_step = False
+        # Waiting requests whose constraint failed to compile (appended by the compile
+        # future's callback, on whichever thread finished it; drained by schedule()).
+        self._compile_failures: deque[Request] = deque()
 
     # ------------------------------------------------------------------ requests
 
@@ -112,6 +61,14 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.guided_compile is not None:
+            request.guided_compile.add_done_callback(
+                lambda future: (
+                    self._compile_failures.append(request)
+                    if future.cancelled() or future.exception() is not None
+                    else None
+                )
+            )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop on a stop string) requests; frees their KV blocks."""
@@ -175,6 +132,7 @@ class Scheduler:
         return now - self._prompt_step_time <= factor * self._last_prompt_latency
 
     def schedule(self) -> SchedulerOutput:
+        aborted = self._abort_uncompiled()
         budget = self.config.max_num_batched_tokens
         delay_prompts = self._delay_new_prompts()
         scheduled: dict[Request, ScheduledRequest] = {}
@@ -215,7 +173,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if request.pending is not None and not request.pending.done():
+            if request.is_compiling:
                 # Still compiling its constraint: the requests behind it go first.
                 skipped.append(self.waiting.pop())
                 continue
@@ -255,11 +213,41 @@ class Scheduler:
         if admitted:
             self._prompt_step_time = time.monotonic()
         items = list(scheduled.values())
+        for item in items:
+            item.block_ids = self.kv.get_block_ids(item.request.request_id)
         return SchedulerOutput(
             scheduled=items,
             num_scheduled_tokens=sum(s.num_new_tokens for s in items),
             preempted_request_ids=preempted,
+            aborted=aborted,
         )
+
+    def _abort_uncompiled(self) -> list[tuple[Request, BaseException]]:
+        """Finish (as aborted) the waiting requests whose constraint failed to compile."""
+        aborted = []
+        while self._compile_failures:
+            request = self._compile_failures.popleft()
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished or aborted meanwhile
+            future = request.guided_compile
+            assert future is not None
+            error = (
+                RuntimeError("compiling its constraint was stopped")
+                if future.cancelled()
+                else future.exception()
+            )
+            assert error is not None
+            request.failure = error
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            aborted.append((request, error))
+        return aborted
+
+    def guided_token_mask(self, output: SchedulerOutput) -> Any:
+        """The guided-decoding token mask for the step's sampling requests (bool
+        ``[rows, vocab]``, True = allowed), or None when none of them is guided."""
+        if self.guided is None:
+            return None
+        return self.guided.token_mask(output.sampling_requests)
 
     def _partial_prefill_counts(
         self, scheduled: dict[Request, ScheduledRequest]
@@ -274,23 +262,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply the stop conditions that
-        need no text (EOS, stop token ids, max_tokens, the model length). Returns the
-        requests that got a new token, finished ones included."""
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, advance guided-decoding
+        matchers, and apply the stop conditions that need no text (EOS, stop token ids,
+        max_tokens, the model length, a token that breaks its constraint). Returns the
+        requests that got a new token, finished ones included, and those the step failed
+        on (aborted, with ``failure`` set)."""
+        if result.error is not None:
+            return self._fail_scheduled(output, result.error)
         updated = []
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            token = sampled_token_ids.get(request.request_id)
+            token = result.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
             request.append_output_token_ids([token])
-            status = self._check_stop(request, token)
+            try:
+                status = self._check_stop(request, token)
+            except Exception as exc:  # a matcher's error fails its request only
+                self._fail(request, exc)
+                updated.append(request)
+                continue
             if status is not None:
                 self.running.remove(request)
                 self.requests.pop(request.request_id, None)
@@ -298,6 +293,16 @@ class Scheduler:
                 self.kv.free(request)
             updated.append(request)
         return updated
+
+    def _fail_scheduled(self, output: SchedulerOutput, error: Exception) -> list[Request]:
+        failed = [item.request for item in output.scheduled if not item.request.is_finished]
+        for request in failed:
+            self._fail(request, error)
+        return failed
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        request.failure = error
+        self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -310,4 +315,14 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.guided is not None and not self.guided.accept(request, token):
+            # Only when a ban overrode the mask (e.g. min_tokens against a finished
+            # constraint): end the output rather than leave the constraint.
+            logger.warning(
+                "request %s: token %d breaks its guided-decoding constraint; stopping it",
+                request.request_id,
+                token,
+            )
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
         return None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.core.config import UsageContext
 from pagedllm.core.engine import LLMEngine
 from pagedllm.core.engine_args import EngineArgs
-from pagedllm.core.errors import ConfigError, RequestFailedError
+from pagedllm.core.errors import ConfigError, EngineDeadError, RequestFailedError
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.plugins import PluginManager, make_plugin_manager
 from pagedllm.core.sampling import SamplingParams
@@ -22,6 +23,9 @@ class LLM:
     """An LLM for generating texts from prompts: a tokenizer, a model and a paged KV
     cache, with continuous batching. Keyword arguments are engine arguments
     (``EngineArgs`` fields: ``dtype``, ``max_model_len``, ``enable_prefix_caching``, ...).
+
+    :meth:`shutdown` releases the engine; ``with LLM(...) as llm:`` calls it on leaving
+    the block.
     """
 
     def __init__(self, model: str, *, plugin_manager: PluginManager | None = None, **kwargs: Any):
@@ -31,8 +35,34 @@ class LLM:
         self.plugin_manager = plugin_manager or make_plugin_manager()
         engine_args = EngineArgs(model=model, **kwargs)
         config = engine_args.create_engine_config(self.plugin_manager, UsageContext.LLM_CLASS)
-        self.llm_engine = LLMEngine(config, self.plugin_manager)
+        self._engine: LLMEngine | None = LLMEngine(config, self.plugin_manager)
         self._counter = 0
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineDeadError("this LLM was shut down; create a new one to generate")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Release the engine: its guided-decoding compiles stop and their worker
+        processes and threads exit, and the model and the KV cache are freed (once
+        nothing else refers to the engine). Calling it again does nothing; afterwards
+        the LLM refuses to generate (:class:`EngineDeadError`)."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine
+        # The engine's parts refer to each other (the stat logger to the engine): collect
+        # the cycle now so the KV cache and weights go back to the allocator here.
+        gc.collect()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

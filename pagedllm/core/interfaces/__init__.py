@@ -1,7 +1,8 @@
 """The extension-point ABCs that plugins implement."""
 
 from pagedllm.core.interfaces.attention import AttentionBackend
-from pagedllm.core.interfaces.device import Device
+from pagedllm.core.interfaces.cli import CLISubcommand
+from pagedllm.core.interfaces.device import Device, KVCacheMemory
 from pagedllm.core.interfaces.guided import (
     CompiledConstraint,
     Grammar,
@@ -28,6 +29,7 @@ from pagedllm.core.interfaces.quantization import (
 
 __all__ = [
     "AttentionBackend",
+    "CLISubcommand",
     "CompiledConstraint",
     "DeltaMessage",
     "DeltaToolCall",
@@ -38,6 +40,7 @@ __all__ = [
     "GuidedBackend",
     "GuidedConstraint",
     "GuidedOptions",
+    "KVCacheMemory",
     "LinearMethod",
     "ModelArchitecture",
     "ModelLoader",

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedllm.core.config import CacheConfig
+
+
+class KVCacheMemory(NamedTuple):
+    """The memory a device gives the KV cache, and the setting that decided it."""
+
+    num_bytes: int
+    # The setting as an error message names it, e.g. "--gpu-memory-utilization=0.9".
+    source: str
 
 
 class Device(ABC):
@@ -18,6 +28,11 @@ class Device(ABC):
     - ``--device auto`` picks the available device with the highest ``priority``.
     - ``runs_models`` says whether pagedllm has a model runner for this device; a device
       can be detected (and listed by ``collect-env``) before it can run a model.
+    - :meth:`kv_cache_memory` says how much memory the KV cache gets (unless
+      ``--num-gpu-blocks-override`` fixes the block count); ``uses_gpu_memory_utilization``
+      says whether ``--gpu-memory-utilization`` takes part (if not, setting it is refused).
+    - :meth:`num_threads` is the number of CPU threads the model computes with; the
+      engine sets torch's intra-op thread count to it when it loads a model.
     """
 
     name: ClassVar[str]
@@ -27,6 +42,8 @@ class Device(ABC):
     default_block_size: ClassVar[int] = 16
     # The registered attention backend this device runs models with.
     attention_backend: ClassVar[str] = "torch_sdpa"
+    # Whether kv_cache_memory reads --gpu-memory-utilization.
+    uses_gpu_memory_utilization: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod
@@ -44,6 +61,24 @@ class Device(ABC):
     @abstractmethod
     def memory_info(self) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of the memory the KV cache would live in."""
+
+    def kv_cache_memory(self, cache_config: CacheConfig) -> KVCacheMemory:
+        """The bytes the KV cache may take. The default, for accelerators with their own
+        memory: ``--gpu-memory-utilization`` of the total, at most what is free now
+        (after the weights were loaded)."""
+        free, total = self.memory_info()
+        fraction = cache_config.gpu_memory_utilization
+        return KVCacheMemory(
+            int(min(free, total * fraction)), f"--gpu-memory-utilization={fraction}"
+        )
+
+    def num_threads(self) -> int:
+        """CPU threads the model computes with. The default keeps torch's own choice
+        (``OMP_NUM_THREADS``, else one per physical core): on an accelerator the host
+        threads only feed it."""
+        import torch
+
+        return torch.get_num_threads()
 
     def describe(self) -> dict[str, Any]:
         """Facts for ``pagedllm collect-env`` (name, count, versions, ...)."""

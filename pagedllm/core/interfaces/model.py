@@ -45,4 +45,6 @@ class ModelArchitecture(ABC):
         """Copy checkpoint tensors into parameters; return the names filled."""
 
     def process_weights_after_loading(self) -> None:  # noqa: B027 - optional hook
-        """Called once after the weights are loaded (fuse or repack them); optional."""
+        """Called once after the weights are loaded and the model moved to its device
+        (repack them); optional. Layers computed together (Q/K/V, gate/up) are fused
+        when the model is built (``LinearGroup``), not here."""

@@ -92,25 +92,35 @@ class ReasoningParser(ABC):
 
     Contract: never raises on model output; an output whose reasoning never closes is all
     reasoning. :meth:`is_reasoning_end` lets guided decoding start its constraint only
-    after the reasoning ends.
+    after the reasoning ends. One instance serves one output: :meth:`for_prompt` tells it
+    what the prompt's end already did (opened the reasoning, or closed it).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         # The output begins inside the reasoning (the prompt opened it).
         self.starts_in_reasoning = False
+        # The output begins after the reasoning (the prompt closed it: a chat template
+        # with thinking turned off writes an empty section, e.g. "<think>\n\n</think>").
+        self.starts_after_reasoning = False
 
     @classmethod
     def for_prompt(cls, tokenizer: Any, prompt: str | None) -> ReasoningParser:
-        """A parser for one output of ``prompt`` (told whether the prompt opened the
-        reasoning)."""
+        """A parser for one output of ``prompt`` (told whether the prompt's end opened
+        or closed the reasoning)."""
         parser = cls(tokenizer)
         if prompt is not None:
             parser.starts_in_reasoning = parser.prompt_opens_reasoning(prompt)
+            parser.starts_after_reasoning = parser.prompt_closes_reasoning(prompt)
         return parser
 
     def prompt_opens_reasoning(self, prompt: str) -> bool:
         """Whether ``prompt`` ends inside an opened reasoning section (optional)."""
+        return False
+
+    def prompt_closes_reasoning(self, prompt: str) -> bool:
+        """Whether ``prompt`` ends just after a closed reasoning section, so the output
+        is all answer (optional)."""
         return False
 
     def flush_streaming(self, final_text: str) -> DeltaMessage | None:
@@ -119,7 +129,28 @@ class ReasoningParser(ABC):
 
     @abstractmethod
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
-        """Whether the reasoning section is over in ``token_ids``."""
+        """Whether the reasoning is over after the output tokens ``token_ids``: guided
+        decoding constrains what follows the shortest output for which this is True.
+
+        Contract: once True for an output, True for every longer one. For an empty
+        output it is True exactly when this output holds no reasoning: the prompt closed
+        it (``starts_after_reasoning``), or the parser's models reason only when the
+        prompt opens it; then the answer's very first token is constrained. It is False
+        while the output reasons (``starts_in_reasoning``) or may still open its
+        reasoning itself; then see :meth:`opening_token_ids`.
+        """
+
+    def opening_token_ids(self) -> frozenset[int] | None:
+        """The tokens that open a reasoning section as the first output token, when the
+        prompt neither opened nor closed it; None when that cannot be told by one token
+        (the default), or when the first token's role is already known.
+
+        Guided decoding then lets the first token be one of these (the model reasons,
+        unconstrained until :meth:`is_reasoning_end`) or a token the constraint allows
+        (the answer starts at the first token). With None the first token is not
+        constrained, and the answer starts where :meth:`is_reasoning_end` first holds.
+        """
+        return None
 
     @abstractmethod
     def extract_reasoning_content(

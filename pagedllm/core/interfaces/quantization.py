@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -14,7 +15,8 @@ class LinearMethod(ABC):
 
     Contract: :meth:`create_weights` registers parameters on ``layer`` (their names are
     what the loader fills); :meth:`process_weights_after_loading` may repack them once;
-    :meth:`apply` must be numerically a linear map of ``x``.
+    :meth:`apply` must be numerically a linear map of ``x``; :meth:`fuse` says whether
+    layers that read the same input (Q/K/V, gate/up) can be computed as one.
     """
 
     @abstractmethod
@@ -31,6 +33,22 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:  # noqa: B027
         """Repack loaded weights (optional)."""
+
+    def fuse(self, layers: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
+        """One module computing ``layers`` together, or ``None`` (the default) when this
+        method cannot fuse them: they are then computed one by one.
+
+        ``layers`` are consecutive layers of a group that read the same input, each built
+        with a method of this class, before any weight is loaded (the model builds its
+        groups at construction). The module's ``forward(x)`` returns the list of their
+        outputs, in order; typically it is one product whose output dims are theirs
+        concatenated, split. The layers' parameters must become views of the tensors it
+        computes with (row slices of a fused weight), because the loader then fills the
+        layers by their checkpoint names; it keeps those tensors as non-persistent
+        buffers. A method whose :meth:`process_weights_after_loading` replaces parameters
+        must not fuse.
+        """
+        return None
 
 
 class EmbeddingMethod(LinearMethod):

@@ -1,7 +1,10 @@
-"""A linear layer whose storage and matmul a quantization method may take over."""
+"""Linear layers whose storage and matmul a quantization method may take over, and groups
+of them reading the same input (Q/K/V, gate/up) computed with as few products as their
+methods allow."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,26 +48,81 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class FusedLinear(nn.Module):
-    """Several unquantized ``Linear`` layers reading the same input, computed as one GEMM
-    (fewer, larger matmuls are much faster on CPUs). The original parameters become views
-    into the fused weight, so no memory is duplicated and loading by name still works."""
+class LinearGroup(nn.Module):
+    """Linear layers that read the same input, computed as one: ``forward(x)`` returns
+    their outputs, in order.
 
-    def __init__(self, linears: list[Linear]) -> None:
+    Built with the model, before any weight is loaded. Each run of consecutive layers
+    that can be fused (all unquantized, or a quantization method's ``fuse`` accepts
+    them) is one product over a fused weight whose row slices *are* the layers'
+    parameters, so loading the layers by their checkpoint names fills it and nothing is
+    stored twice; a layer that fuses with no neighbour is computed on its own. The layers
+    stay registered where the model put them (their names are the checkpoint's): the
+    group holds only the fused tensors, as non-persistent buffers.
+    """
+
+    def __init__(self, layers: Sequence[Linear]) -> None:
         super().__init__()
-        self.sizes = [layer.output_size for layer in linears]
-        weight = torch.cat([layer.weight.data for layer in linears])
-        has_bias = [layer.bias is not None for layer in linears]
+        assert layers and len({layer.input_size for layer in layers}) == 1
+        runs: list[nn.Module] = []
+        start = 0
+        while start < len(layers):
+            # The longest run from ``start`` that fuses; a single layer always "fuses".
+            for end in range(len(layers), start, -1):
+                run = _fuse(layers[start:end])
+                if run is not None:
+                    break
+            runs.append(run)
+            start = end
+        self.runs = nn.ModuleList(runs)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [out for run in self.runs for out in run(x)]
+
+
+def _fuse(layers: Sequence[Linear]) -> nn.Module | None:
+    """``layers`` computed as one module returning their outputs, or None."""
+    if len(layers) == 1:
+        return _Single(layers[0])
+    methods = [layer.method for layer in layers]
+    if all(method is None for method in methods):
+        return FusedLinear(layers)
+    first = methods[0]
+    if first is None or any(type(method) is not type(first) for method in methods):
+        return None
+    return first.fuse(layers)
+
+
+class _Single(nn.Module):
+    """One layer of a group, computed on its own."""
+
+    def __init__(self, layer: Linear) -> None:
+        super().__init__()
+        # A tuple, so the layer is not registered twice (it is named where it lives).
+        self.layer = (layer,)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [self.layer[0](x)]
+
+    def extra_repr(self) -> str:
+        return self.layer[0].prefix
+
+
+class FusedLinear(nn.Module):
+    """Unquantized layers reading the same input as one GEMM (fewer, larger matmuls are
+    much faster on CPUs). Their parameters become row slices of the fused weight and
+    bias (zeros for a layer without one)."""
+
+    def __init__(self, layers: Sequence[Linear]) -> None:
+        super().__init__()
+        self.sizes = [layer.output_size for layer in layers]
+        first = layers[0].weight
+        weight = first.new_empty((sum(self.sizes), layers[0].input_size))
         bias = None
-        if any(has_bias):
-            bias = torch.cat(
-                [
-                    layer.bias.data if layer.bias is not None else weight.new_zeros(size)
-                    for layer, size in zip(linears, self.sizes, strict=True)
-                ]
-            )
+        if any(layer.bias is not None for layer in layers):
+            bias = first.new_zeros(sum(self.sizes))
         offset = 0
-        for layer, size in zip(linears, self.sizes, strict=True):
+        for layer, size in zip(layers, self.sizes, strict=True):
             layer.weight.data = weight[offset : offset + size]
             if layer.bias is not None:
                 layer.bias.data = bias[offset : offset + size]
@@ -72,17 +130,8 @@ class FusedLinear(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
-    @classmethod
-    def of(cls, linears: list[Linear]) -> nn.Module | None:
-        """The fused layer, or None when they cannot be fused. Layers a quantization
-        method owns are fused by that method (``fuse``), when it can."""
-        methods = [layer.method for layer in linears]
-        if all(method is None for method in methods):
-            return cls(linears)
-        fuse = getattr(methods[0], "fuse", None)
-        if fuse is None or any(type(m) is not type(methods[0]) for m in methods):
-            return None
-        return fuse(linears)
-
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}"

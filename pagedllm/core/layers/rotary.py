@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim, layer_type)
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rotary_dim = emb.shape[-1]

@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from pagedllm.core.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
@@ -54,7 +56,8 @@ class SamplingParams:
       neutral; a temperature in (0, 0.01) is raised to 0.01 with a warning.
     - ``n`` is left as asked; the engine generates ``best_of or n`` sequences.
 
-    Invalid values raise ``ValueError`` naming the field and the value.
+    Invalid values raise :class:`InvalidRequestError` (a ``ValueError``) whose ``param``
+    is the field and whose message names the field and the value.
     The engine calls :meth:`update_from_tokenizer` once per request before scheduling.
     """
 
@@ -96,11 +99,13 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
             if self.best_of is not None and self.best_of > 1:
-                raise ValueError(
-                    f"best_of must be 1 when using greedy sampling, got {self.best_of}."
+                raise InvalidRequestError(
+                    "best_of", f"best_of must be 1 when using greedy sampling, got {self.best_of}."
                 )
             if self.n > 1:
-                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+                raise InvalidRequestError(
+                    "n", f"n must be 1 when using greedy sampling, got {self.n}."
+                )
         elif self.temperature < MIN_TEMPERATURE:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors (nan or "
@@ -140,90 +145,116 @@ class SamplingParams:
     def _verify_args(self) -> None:
         _check_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise InvalidRequestError("n", f"n must be at least 1, got {self.n}.")
         if self.best_of is not None:
             _check_int("best_of", self.best_of)
             if self.best_of < self.n:
-                raise ValueError(
+                raise InvalidRequestError(
+                    "best_of",
                     "best_of must be greater than or equal to n, "
-                    f"got n={self.n} and best_of={self.best_of}."
+                    f"got n={self.n} and best_of={self.best_of}.",
                 )
             if self.best_of != self.n and self.output_kind == RequestOutputKind.DELTA:
-                raise ValueError("best_of must equal n to use output_kind=DELTA")
+                raise InvalidRequestError(
+                    "best_of", "best_of must equal n to use output_kind=DELTA"
+                )
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}.")
+                raise InvalidRequestError(name, f"{name} must be a finite number, got {value}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+                raise InvalidRequestError(name, f"{name} must be in [-2, 2], got {value}.")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            raise InvalidRequestError(
+                "repetition_penalty",
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
             )
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise InvalidRequestError(
+                "temperature", f"temperature must be non-negative, got {self.temperature}."
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidRequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k)
         if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+            raise InvalidRequestError(
+                "top_k", f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}."
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InvalidRequestError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not _INT64_MIN <= self.seed <= _INT64_MAX:
-                raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}.")
+                raise InvalidRequestError(
+                    "seed", f"seed must fit in a signed 64-bit integer, got {self.seed}."
+                )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise InvalidRequestError(
+                    "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."
+                )
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            raise InvalidRequestError(
+                "min_tokens",
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
             )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidRequestError(
+                "min_tokens",
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
+                f"got {self.min_tokens}.",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value)
                 if value < -1:
-                    raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+                    raise InvalidRequestError(
+                        name, f"{name} must be non-negative or -1, got {value}."
+                    )
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
             if self.truncate_prompt_tokens < 1:
-                raise ValueError(
-                    f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}."
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}.",
                 )
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(
+            raise InvalidRequestError(
+                "stop_token_ids",
                 f"stop_token_ids must contain only non-negative integers, "
-                f"got {self.stop_token_ids}."
+                f"got {self.stop_token_ids}.",
             )
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop}.")
+            raise InvalidRequestError(
+                "stop", f"stop must be a string or a list of strings, got {self.stop}."
+            )
         if any(not s for s in self.stop):
-            raise ValueError("stop cannot contain an empty string.")
+            raise InvalidRequestError("stop", "stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
-            raise ValueError(
+            raise InvalidRequestError(
+                "stop",
                 "stop strings are only supported when detokenize is True. "
-                "Set detokenize=True to use stop."
+                "Set detokenize=True to use stop.",
             )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty when given.")
+                raise InvalidRequestError(
+                    "allowed_token_ids", "allowed_token_ids must not be empty when given."
+                )
             if not all(isinstance(t, int) for t in self.allowed_token_ids):
-                raise ValueError(
-                    f"allowed_token_ids must contain only integers, got {self.allowed_token_ids}."
+                raise InvalidRequestError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids must contain only integers, got {self.allowed_token_ids}.",
                 )
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+            raise InvalidRequestError(
+                "output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}."
+            )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -261,7 +292,7 @@ class SamplingParams:
         ``all_stop_token_ids`` unless ``ignore_eos``. ``tokenizer`` needs
         ``encode(text, add_special_tokens=False)`` and is required only when ``bad_words``
         is set. With ``vocab_size``, out-of-vocabulary ids in ``allowed_token_ids``,
-        ``logit_bias`` and the bad words raise ``ValueError``. Idempotent.
+        ``logit_bias`` and the bad words raise :class:`InvalidRequestError`. Idempotent.
         """
         if eos_token_id is None:
             self.eos_token_ids = ()
@@ -273,7 +304,9 @@ class SamplingParams:
         self.bad_words_token_ids = []
         if self.bad_words:
             if tokenizer is None:
-                raise ValueError("bad_words needs a tokenizer; this model has none.")
+                raise InvalidRequestError(
+                    "bad_words", "bad_words needs a tokenizer; this model has none."
+                )
             self.bad_words_token_ids = _encode_bad_words(self.bad_words, tokenizer)
         if vocab_size is not None:
             self._check_vocab(vocab_size)
@@ -293,15 +326,16 @@ class SamplingParams:
         for name, ids in groups.items():
             bad = sorted({t for t in ids if not 0 <= t < vocab_size})
             if bad:
-                raise ValueError(
+                raise InvalidRequestError(
+                    name,
                     f"{name} contains out-of-vocabulary token id(s) {bad[:10]}; "
-                    f"token ids must be in [0, {vocab_size})."
+                    f"token ids must be in [0, {vocab_size}).",
                 )
 
 
 def _check_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
+        raise InvalidRequestError(name, f"{name} must be an integer, got {value!r}.")
 
 
 def _int_keyed(logit_bias: dict[Any, Any]) -> dict[int, float]:
@@ -311,11 +345,13 @@ def _int_keyed(logit_bias: dict[Any, Any]) -> dict[int, float]:
             token_id = int(key)
             bias = float(value)
         except (TypeError, ValueError):
-            raise ValueError(
-                f"logit_bias must map token ids to numbers, got {key!r}: {value!r}."
+            raise InvalidRequestError(
+                "logit_bias", f"logit_bias must map token ids to numbers, got {key!r}: {value!r}."
             ) from None
         if not math.isfinite(bias):
-            raise ValueError(f"logit_bias values must be finite numbers, got {key!r}: {value!r}.")
+            raise InvalidRequestError(
+                "logit_bias", f"logit_bias values must be finite numbers, got {key!r}: {value!r}."
+            )
         result[token_id] = bias
     return result
 
@@ -326,8 +362,9 @@ def _encode_bad_words(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
     result: list[list[int]] = []
     for position, word in enumerate(bad_words):
         if not isinstance(word, str) or not word.strip():
-            raise ValueError(
-                f"bad_words[{position}] is {word!r}: a bad word must be a non-empty string."
+            raise InvalidRequestError(
+                "bad_words",
+                f"bad_words[{position}] is {word!r}: a bad word must be a non-empty string.",
             )
         plain: list[int] | None = None
         for prefix in ("", " "):
@@ -340,7 +377,8 @@ def _encode_bad_words(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
             elif ids[0] != plain[0] and len(ids) == len(plain):
                 result.append(ids)
         if plain is None:
-            raise ValueError(
-                f"bad_words[{position}] {word!r} has no tokens, so it could never match."
+            raise InvalidRequestError(
+                "bad_words",
+                f"bad_words[{position}] {word!r} has no tokens, so it could never match.",
             )
     return result

@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from pagedllm.core.async_engine import EngineDeadError, RequestFailedError
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, format_validation_errors
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    as_openai_error,
+    error_body,
+    format_validation_errors,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -135,17 +139,12 @@ async def run_line(line: BatchLine, serving: OpenAIServing, log: RequestLog) -> 
     handler = getattr(serving, line.endpoint.handler)
     try:
         result = await handler(line.request, request_id)
-    except OpenAIError as exc:
-        return error_record(line, exc, request_id)
-    except ValueError as exc:
-        return error_record(line, OpenAIError(400, str(exc)), request_id)
-    except RequestFailedError as exc:
-        return error_record(line, OpenAIError(500, str(exc)), request_id)
-    except EngineDeadError as exc:
-        return error_record(line, OpenAIError(503, str(exc)), request_id)
-    except Exception as exc:  # a bug must not sink the whole batch
-        logger.exception("request %s failed", request_id)
-        return error_record(line, OpenAIError(500, f"internal error: {exc}"), request_id)
+    except Exception as exc:
+        error = as_openai_error(exc)
+        if error is None:  # a bug must not sink the whole batch
+            logger.exception("request %s failed", request_id)
+            error = OpenAIError(500, f"internal error: {exc}")
+        return error_record(line, error, request_id)
     return make_record(line.custom_id, request_id, 200, result)
 
 

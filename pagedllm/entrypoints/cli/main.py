@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pagedllm import __version__
 from pagedllm.core.argparser import FlexibleArgumentParser
 from pagedllm.core.errors import PagedLLMError
+from pagedllm.core.interfaces import CLISubcommand
 from pagedllm.core.plugins import PluginManager, make_plugin_manager
-from pagedllm.entrypoints.cli.types import CLISubcommand
 
 # The order of the vLLM command line; subcommands added by plugins follow.
 _BUILTIN_ORDER = ["chat", "complete", "serve", "bench", "collect-env", "run-batch", "plugins"]

@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.hookspecs import REGISTRATION_HOOKS
-from pagedllm.entrypoints.cli.types import CLISubcommand
+from pagedllm.core.interfaces import CLISubcommand
 
 if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager

@@ -91,14 +91,10 @@ def run_batch_file(
     pm: PluginManager,
 ) -> int:
     from pagedllm.entrypoints.cli.batch_runner import parse_line
-    from pagedllm.entrypoints.openai.serving_setup import ServingOptions, build_serving
+    from pagedllm.entrypoints.openai.serving_setup import build_serving
 
     lines = [parse_line(text, number) for number, text in texts]
-    options = ServingOptions(
-        response_role=batch_args.response_role,
-        enable_prompt_tokens_details=batch_args.enable_prompt_tokens_details,
-    )
-    stack = build_serving(engine_args, options, pm)
+    stack = build_serving(engine_args, batch_args.serving_options(), pm)
     try:
         with metrics_server(batch_args, stack.metrics.registry):
             records = _run(lines, stack.serving, batch_args)
@@ -123,11 +119,7 @@ def _run(lines: list[Any], serving: Any, batch_args: RunBatchArgs) -> list[dict[
     from pagedllm.entrypoints.cli.batch_runner import run_batch
     from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
-    log = RequestLog(
-        not batch_args.disable_log_requests,
-        batch_args.max_log_len,
-        logging.getLogger("pagedllm.run_batch"),
-    )
+    log = RequestLog.for_options(batch_args.serving_options(), logger)
     with (
         logging_redirect_tqdm(),
         tqdm(total=len(lines), desc="Running batch", unit="req", file=sys.stderr) as bar,

@@ -1,12 +1,35 @@
 """Options of ``pagedllm run-batch`` that are not engine arguments.
 
 Each field is one ``--flag`` (see :mod:`pagedllm.core.argspec`) in the group "RunBatch";
-the engine's own options come from :class:`pagedllm.core.engine_args.EngineArgs`.
+the engine's own options come from :class:`pagedllm.core.engine_args.EngineArgs`. The
+options that shape responses are the server's own (:class:`FrontendArgs`), declared once
+there and listed here under "RunBatch".
 """
 
 import dataclasses
+from typing import Any
 
-from pagedllm.core.argspec import arg
+from pagedllm.core.argspec import META_KEY, arg, field_meta
+from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
+# The server options that run-batch offers too.
+SERVER_OPTIONS = (
+    "response_role",
+    "max_log_len",
+    "enable_prompt_tokens_details",
+    "disable_log_requests",
+)
+
+
+def _server_option(name: str) -> Any:
+    """The :class:`FrontendArgs` field ``name`` (its flag, default and help), in the
+    group "RunBatch"."""
+    field = FrontendArgs.__dataclass_fields__[name]
+    meta = field_meta(field)
+    assert meta is not None and name in SERVER_OPTIONS
+    return dataclasses.field(
+        default=field.default, metadata={META_KEY: dataclasses.replace(meta, group="RunBatch")}
+    )
 
 
 @dataclasses.dataclass
@@ -30,11 +53,7 @@ class RunBatchArgs:
         group="RunBatch",
         help="Directory where the output file is written before it is uploaded to the output URL.",
     )
-    response_role: str = arg(
-        "assistant",
-        group="RunBatch",
-        help="Role name returned when a request sets add_generation_prompt=true.",
-    )
+    response_role: str = _server_option("response_role")
     enable_metrics: bool = arg(
         False,
         group="RunBatch",
@@ -51,21 +70,10 @@ class RunBatchArgs:
         group="RunBatch",
         help="Port of the Prometheus metrics server; used with --enable-metrics.",
     )
-    max_log_len: int | None = arg(
-        None,
-        group="RunBatch",
-        help="Largest number of prompt characters or token ids written to the log. Unlimited "
-        "by default.",
-    )
-    enable_prompt_tokens_details: bool = arg(
-        False,
-        group="RunBatch",
-        bool_style="store_true",
-        help="Report prompt_tokens_details in the usage part of responses.",
-    )
-    disable_log_requests: bool = arg(
-        False,
-        group="RunBatch",
-        bool_style="store_true",
-        help="Do not log incoming requests.",
-    )
+    max_log_len: int | None = _server_option("max_log_len")
+    enable_prompt_tokens_details: bool = _server_option("enable_prompt_tokens_details")
+    disable_log_requests: bool = _server_option("disable_log_requests")
+
+    def serving_options(self) -> FrontendArgs:
+        """The server options the batch's requests are served with."""
+        return FrontendArgs(**{name: getattr(self, name) for name in SERVER_OPTIONS})

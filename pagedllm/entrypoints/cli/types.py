@@ -1,32 +1,6 @@
-"""The CLI-subcommand extension point: ``pagedllm NAME ...``."""
+"""Kept for plugins written against its old home: ``CLISubcommand`` is an extension-point
+ABC like the others, in :mod:`pagedllm.core.interfaces`."""
 
-from __future__ import annotations
+from pagedllm.core.interfaces.cli import CLISubcommand
 
-import argparse
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
-
-if TYPE_CHECKING:
-    from pagedllm.core.plugins import PluginManager
-
-
-class CLISubcommand(ABC):
-    """One ``pagedllm`` subcommand.
-
-    Contract: :meth:`add_parser` adds this command's parser to ``subparsers`` (calling the
-    ``pagedllm_add_cli_args`` hook so plugins can add options) and returns it; :meth:`run`
-    executes the parsed command and returns the process exit code.
-    """
-
-    name: ClassVar[str]
-    help: ClassVar[str]
-
-    @abstractmethod
-    def add_parser(
-        self, subparsers: argparse._SubParsersAction, pm: PluginManager
-    ) -> argparse.ArgumentParser:
-        """Add and return this subcommand's parser."""
-
-    @abstractmethod
-    def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
-        """Run the command; the return value is the exit code."""
+__all__ = ["CLISubcommand"]

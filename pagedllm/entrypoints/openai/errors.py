@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 _TYPES = {
     400: "BadRequestError",
@@ -28,6 +34,23 @@ class OpenAIError(Exception):
         self.message = message
         self.type = type or _TYPES.get(status, "BadRequestError")
         self.param = param
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError | None:
+    """The OpenAI error a request's failure is answered with (None: an unexpected one).
+    The engine's :class:`InvalidRequestError` keeps its ``param``; any other
+    ``ValueError`` is a 400 as well."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return OpenAIError(400, exc.message, param=exc.param)
+    if isinstance(exc, ValueError):
+        return OpenAIError(400, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc))
+    return None
 
 
 def error_body(
@@ -53,6 +76,46 @@ def error_response(
     return JSONResponse(
         error_body(status, message, type, param), status_code=status, headers=headers
     )
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Every error the app raises is answered with an OpenAI error body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, format_validation_errors(exc.errors()) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def request_error(_: Request, exc: Exception) -> JSONResponse:
+        error = as_openai_error(exc)
+        assert error is not None
+        return error_response(error.status, error.message, error.type, error.param)
+
+    for kind in (OpenAIError, ValueError, RequestFailedError, EngineDeadError):
+        app.add_exception_handler(kind, request_error)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        # Errors outside the InternalErrors middleware still get a JSON body.
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+async def stream_errors(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors after a stream started become an error event (the status is already
+    sent)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as exc:
+        error = as_openai_error(exc)
+        if error is None:
+            raise
+        body = {"message": error.message, "code": error.status}
+        yield "data: " + json.dumps({"error": body}) + "\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def format_validation_errors(errors: Iterable[Mapping[str, Any]], root: str | None = None) -> str:

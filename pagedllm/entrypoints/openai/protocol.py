@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API with vLLM's extra sampling fields.
 
-Unknown fields are refused (a 400 naming them) rather than ignored. Fields that belong to
+These models check the shape of a body; the sampling fields' values are checked once, by
+:class:`SamplingParams` (its :class:`InvalidRequestError` names the field). Unknown fields
+are refused (a 400 naming them) rather than ignored. Fields that belong to
 capabilities pagedllm does not have yet are accepted only at their neutral values and
 refused otherwise, by name.
 """
@@ -16,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-INT64_MAX = 2**63 - 1
 # Far above any sensible request; a bound keeps absurd values from being attempted.
 MAX_N = 128
 
@@ -95,8 +96,8 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    n: int = Field(1, le=MAX_N)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -104,17 +105,17 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = None
     user: str | None = None
     # vLLM's extras
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, le=MAX_N)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -252,7 +253,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     # 0 only with echo: the prompt is scored and nothing is generated.
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
@@ -276,7 +277,7 @@ class CompletionRequest(SamplingFields):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)

@@ -17,22 +17,9 @@ if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.metrics import Metrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing
-
-
-@dataclasses.dataclass(slots=True)
-class ServingOptions:
-    """The frontend options that shape responses (a subset of ``FrontendArgs``)."""
-
-    response_role: str = "assistant"
-    chat_template: str | None = None
-    chat_template_content_format: str = "auto"
-    return_tokens_as_token_ids: bool = False
-    enable_prompt_tokens_details: bool = False
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
-    max_sequences_per_request: int = 256
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,19 +31,20 @@ class ServingStack:
 
     @property
     def model_names(self) -> list[str]:
-        return list(self.serving.settings.served_model_names)
+        return list(self.serving.model_names)
 
 
 def build_serving(
-    engine_args: EngineArgs, options: ServingOptions, pm: PluginManager
+    engine_args: EngineArgs, options: FrontendArgs, pm: PluginManager
 ) -> ServingStack:
-    """Load the model and start the engine loop; the caller calls ``engine.shutdown()``."""
+    """Load the model and start the engine loop; the caller calls ``engine.shutdown()``.
+    The options are checked (and the chat template read) before the model loads."""
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import UsageContext
     from pagedllm.core.errors import ConfigError
     from pagedllm.entrypoints.openai.chat_utils import load_chat_template
     from pagedllm.entrypoints.openai.metrics import Metrics
-    from pagedllm.entrypoints.openai.serving import OpenAIServing, ServingSettings
+    from pagedllm.entrypoints.openai.serving import OpenAIServing
 
     if options.max_sequences_per_request < 1:
         raise ConfigError(
@@ -66,28 +54,22 @@ def build_serving(
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     engine = AsyncLLMEngine(config, pm)
     names = config.model_config.served_model_name
-    settings = ServingSettings(
-        served_model_names=names,
-        response_role=options.response_role,
+    reasoning_parser = config.decoding_config.reasoning_parser
+    serving = OpenAIServing(
+        engine,
+        options,
+        model_names=names,
         chat_template=chat_template,
-        chat_template_content_format=options.chat_template_content_format,
-        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
-        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
-        max_logprobs=config.model_config.max_logprobs,
         tool_parser=(
             pm.load("tool_parsers", options.tool_call_parser) if options.tool_call_parser else None
         ),
-        enable_auto_tool_choice=options.enable_auto_tool_choice,
-        max_sequences_per_request=options.max_sequences_per_request,
         reasoning_parser=(
-            pm.load("reasoning_parsers", config.decoding_config.reasoning_parser)
-            if config.decoding_config.reasoning_parser
-            else None
+            pm.load("reasoning_parsers", reasoning_parser) if reasoning_parser else None
         ),
     )
     metrics = Metrics(metrics_label(names[0]))
     engine.step_listeners.append(metrics.on_step)
-    return ServingStack(config, engine, OpenAIServing(engine, settings), metrics)
+    return ServingStack(config, engine, serving, metrics)
 
 
 def metrics_label(name: str) -> str:
@@ -107,6 +89,10 @@ class RequestLog:
     logger: logging.Logger = dataclasses.field(
         default_factory=lambda: logging.getLogger("pagedllm.server")
     )
+
+    @classmethod
+    def for_options(cls, options: FrontendArgs, logger: logging.Logger) -> RequestLog:
+        return cls(not options.disable_log_requests, options.max_log_len, logger)
 
     def __call__(self, request_id: str, request: Any) -> None:
         if not self.enabled:

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.interfaces import Device
+from pagedllm.core.interfaces import Device, KVCacheMemory
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import CacheConfig
 
 
 class CpuDevice(Device):
+    """The host CPU. The KV cache lives in host memory beside everything else, so it gets
+    a fixed size (``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB) rather than a fraction of memory."""
+
     name = "cpu"
     priority = 0
     runs_models = True
     default_block_size = 16
+    uses_gpu_memory_utilization = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -29,6 +36,24 @@ class CpuDevice(Device):
 
         memory = psutil.virtual_memory()
         return memory.available, memory.total
+
+    def kv_cache_memory(self, cache_config: CacheConfig) -> KVCacheMemory:
+        from pagedllm.core.config import ENV_CPU_KVCACHE_SPACE
+
+        space = cache_config.cpu_kvcache_space_gib
+        return KVCacheMemory(int(space * 2**30), f"{ENV_CPU_KVCACHE_SPACE}={space:g} GiB")
+
+    def num_threads(self) -> int:
+        """Torch's choice (``OMP_NUM_THREADS``, else one per physical core), but never
+        more than the CPUs this process may run on (``taskset``, a container's cpuset):
+        more threads than that only take turns on the same cores."""
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            return max(1, min(threads, len(os.sched_getaffinity(0))))
+        except AttributeError:  # no sched_getaffinity (macOS)
+            return threads
 
     def describe(self) -> dict[str, Any]:
         import torch

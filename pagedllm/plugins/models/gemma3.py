@@ -14,7 +14,7 @@ from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
-from pagedllm.core.layers.linear import FusedLinear, Linear
+from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.models.common import CausalLM, RMSNorm, layer_sliding_windows
 from pagedllm.plugins.models.llama import LlamaMLP
@@ -37,20 +37,17 @@ class Gemma3Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.k_proj")
         self.v_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.v_proj")
         self.o_proj = Linear(q_size, hidden, bias, quant, f"{prefix}.o_proj")
+        self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = _norm(self.head_dim, config)
         self.k_norm = _norm(self.head_dim, config)
         scale = config.query_pre_attn_scalar**-0.5
         self.attn = Attention(
             self.num_heads, self.head_dim, scale, self.num_kv_heads, layer, window
         )
-        self.qkv: FusedLinear | None = None
 
     def forward(self, positions, hidden, rotary: RotaryEmbedding, metadata) -> torch.Tensor:
         tokens = hidden.shape[0]
-        if self.qkv is not None:
-            q, k, v = self.qkv(hidden)
-        else:
-            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = self.qkv(hidden)
         q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
         q, k = rotary(positions, q, k)
@@ -138,10 +135,3 @@ class Gemma3ForCausalLM(CausalLM):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-    def process_weights_after_loading(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.qkv = FusedLinear.of(
-                [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-            )
-            layer.mlp.fuse()

@@ -1,13 +1,14 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral, Qwen2 and Qwen3.
 
-One implementation; the members differ in biases, q/k norms and sliding windows, all read
-from the Hugging Face config. Module names mirror Hugging Face's so checkpoints load by
-name.
+One implementation; the members differ in biases and q/k norms (class attributes of
+their attention) and sliding windows (read from the Hugging Face config). Module names
+mirror Hugging Face's so checkpoints load by name; Q/K/V and gate/up are computed as
+``LinearGroup``s built with the model.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -15,36 +16,38 @@ from torch import nn
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
-from pagedllm.core.layers.linear import FusedLinear, Linear
+from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
+    # Biases of the Q/K/V and output projections; None: the config's attention_bias.
+    qkv_bias: ClassVar[bool | None] = None
+    o_bias: ClassVar[bool | None] = None
+    # RMSNorm over each head of Q and K before the rotary embedding.
+    qk_norm: ClassVar[bool] = False
+
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(hidden, q_size, qkv_bias, quant, f"{prefix}.q_proj")
         self.k_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.k_proj")
         self.v_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.v_proj")
         self.o_proj = Linear(q_size, hidden, o_bias, quant, f"{prefix}.o_proj")
-        self.qk_norm = config.model_type in ("qwen3",)
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
         )
-        self.qkv: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -54,13 +57,10 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        if self.qkv is not None:
-            q, k, v = self.qkv(hidden)
-        else:
-            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = self.qkv(hidden)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
@@ -77,17 +77,11 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias, quant, f"{prefix}.gate_proj")
         self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj")
         self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
+        self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.act_fn = activation(act)
-        self.gate_up: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -158,19 +152,43 @@ class LlamaForCausalLM(CausalLM):
             return None  # older checkpoints saved the rotary buffer
         return super().checkpoint_name(name)
 
-    def process_weights_after_loading(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
 
 
+class Qwen2Attention(LlamaAttention):
+    """Qwen2: biases on Q/K/V always, never on the output projection."""
+
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2Model(LlamaModel):
+    layer_cls = Qwen2DecoderLayer
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    pass
+    model_cls = Qwen2Model
+
+
+class Qwen3Attention(LlamaAttention):
+    """Qwen3: no Q/K/V biases (unless attention_bias), an RMSNorm on each Q and K head."""
+
+    qk_norm = True
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    pass
+    model_cls = Qwen3Model

@@ -33,9 +33,6 @@ class Phi3Attention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
         )
 
-    def fuse(self) -> None:
-        """Already one projection."""
-
     def forward(self, positions, hidden, rotary: RotaryEmbedding, metadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -53,9 +50,6 @@ class Phi3MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * inter, False, quant, f"{prefix}.gate_up_proj")
         self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj")
         self.act_fn = activation(config.hidden_act)
-
-    def fuse(self) -> None:
-        """Already one projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

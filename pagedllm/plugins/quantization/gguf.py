@@ -8,6 +8,7 @@ type). Linear layers and the vocabulary embedding whose weight is listed keep it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,38 +41,46 @@ class GGUFLinearMethod(LinearMethod):
         out_features, in_features = layer.gguf_shape
         return gguf_linear(x, layer.weight, self.qtype, out_features, in_features, bias)
 
-    def fuse(self, layers: list[nn.Module]) -> nn.Module | None:
+    def fuse(self, layers: Sequence[nn.Module]) -> nn.Module | None:
         """One packed weight for layers that read the same input (Q/K/V, gate/up) when
-        they share a GGML type: one matmul call instead of several. The layers' own
-        weights become views of the fused one, so nothing is stored twice."""
+        they share a GGML type and all or none have a bias: one matmul call instead of
+        several. Rows of a GGML weight are independent, so the layers' own weights are
+        row slices of the fused one."""
         methods = [layer.method for layer in layers]
         if any(m.qtype != self.qtype for m in methods):
             return None
-        if any(layer.bias is not None for layer in layers):
+        if len({layer.bias is not None for layer in layers}) != 1:
             return None
-        in_features = {layer.gguf_shape[1] for layer in layers}
-        if len(in_features) != 1:
+        if len({layer.gguf_shape[1] for layer in layers}) != 1:
             return None
         return PackedFusedLinear(layers, self.qtype)
 
 
 class PackedFusedLinear(nn.Module):
-    """Several packed layers of one GGML type computed as one: outputs split in order."""
+    """Several packed layers of one GGML type computed as one: outputs split in order.
+    (It has no ``gguf_shape``: the layers it computes still describe the weights.)"""
 
-    def __init__(self, layers: list[nn.Module], qtype: GGMLQuantizationType) -> None:
+    def __init__(self, layers: Sequence[nn.Module], qtype: GGMLQuantizationType) -> None:
         super().__init__()
         self.qtype = qtype
         self.sizes = [layer.gguf_shape[0] for layer in layers]
         self.in_features = layers[0].gguf_shape[1]
-        weight = torch.cat([layer.weight.data for layer in layers])
+        first = layers[0].weight
+        weight = first.new_empty((sum(self.sizes), first.shape[1]))
+        bias = None
+        if layers[0].bias is not None:
+            bias = layers[0].bias.new_zeros(sum(self.sizes))
         offset = 0
         for layer, size in zip(layers, self.sizes, strict=True):
             layer.weight.data = weight[offset : offset + size]
+            if bias is not None:
+                layer.bias.data = bias[offset : offset + size]
             offset += size
         self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        out = gguf_linear(x, self.weight, self.qtype, sum(self.sizes), self.in_features)
+        out = gguf_linear(x, self.weight, self.qtype, sum(self.sizes), self.in_features, self.bias)
         return list(out.split(self.sizes, dim=-1))
 
 

@@ -19,7 +19,8 @@ class MarkerReasoningParser(ReasoningParser):
     """Reasoning opens with one of ``start_markers`` and ends with one of
     ``end_markers``. ``starts_in_reasoning``: the output begins inside the reasoning (the
     chat template wrote the opening marker into the prompt), so no opening marker is
-    expected; the server sets it per request from the prompt."""
+    expected; ``starts_after_reasoning``: the template wrote a closed section (thinking
+    off), so the output is all content. :meth:`for_prompt` sets both from the prompt."""
 
     start_markers: ClassVar[tuple[str, ...]] = ()
     end_markers: ClassVar[tuple[str, ...]] = ()
@@ -36,11 +37,31 @@ class MarkerReasoningParser(ReasoningParser):
         tail = prompt.rstrip()
         return any(tail.endswith(m) for m in self.start_markers)
 
+    def prompt_closes_reasoning(self, prompt: str) -> bool:
+        """Whether ``prompt`` ends just after a closing marker."""
+        tail = prompt.rstrip()
+        return any(tail.endswith(m) for m in self.end_markers)
+
+    def opening_token_ids(self) -> frozenset[int] | None:
+        """The opening markers that are one token each (``<think>`` is one in the
+        models that use it); None when the output's role is known from the prompt, or
+        when any output opens the reasoning (``unmarked_is_reasoning``)."""
+        if self.starts_in_reasoning or self.starts_after_reasoning or self.unmarked_is_reasoning:
+            return None
+        ids = set()
+        for marker in self.start_markers:
+            encoded = self.tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids.add(encoded[0])
+        return frozenset(ids) or None
+
     # ------------------------------------------------------------------ splitting
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """``(reasoning, content)`` of ``text``. With ``final`` False, a tail that could
         still become a marker is left out of both."""
+        if self.starts_after_reasoning:
+            return "", text
         in_reasoning = self.starts_in_reasoning or self.unmarked_is_reasoning
         body_start = 0
         stripped = text.lstrip()
@@ -65,11 +86,14 @@ class MarkerReasoningParser(ReasoningParser):
         return text[body_start:end], text[end + len(end_marker) :]
 
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
+        if self.starts_after_reasoning:
+            return True
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
         reasoning, _content = self.split(text, final=False)
         in_reasoning = self.starts_in_reasoning or self.unmarked_is_reasoning
         if not in_reasoning and not reasoning:
-            # No reasoning at all so far: it has "ended" once the output is not a marker.
+            # The prompt says nothing and no reasoning so far: it has "ended" once the
+            # output cannot be an opening marker (never for an empty output).
             stripped = text.lstrip()
             return bool(stripped) and not any(m.startswith(stripped) for m in self.start_markers)
         return _first(text, self.end_markers, 0)[0] >= 0

@@ -1,11 +1,21 @@
-"""A third-party plugin, installed with pip, registering one of each kind of thing."""
+"""A third-party plugin, installed with pip, registering one of each kind of thing.
 
+It is the worked example of pagedllm's plugin guide (``docs/plugins.md``): the code
+between ``[docs:NAME]`` markers is what the guide shows, checked by the tests.
+"""
+
+# [docs:hooks]
 from pagedllm import hookimpl
 
 
 @hookimpl
 def pagedllm_register_devices(registry):
     registry.add("dummydev", "pagedllm_dummy_plugin.device:DummyDevice")
+
+
+@hookimpl
+def pagedllm_register_attention_backends(registry):
+    registry.add("dummy_attn", "pagedllm_dummy_plugin.attention:CountingBackend")
 
 
 @hookimpl
@@ -19,8 +29,23 @@ def pagedllm_register_quantization_methods(registry):
 
 
 @hookimpl
+def pagedllm_register_models(registry):
+    registry.add("GPTNeoXForCausalLM", "pagedllm_dummy_plugin.model:GPTNeoXForCausalLM")
+
+
+@hookimpl
 def pagedllm_register_tool_parsers(registry):
     registry.add("dummy_tool", "pagedllm_dummy_plugin.tool_parser:CallLineToolParser")
+
+
+@hookimpl
+def pagedllm_register_reasoning_parsers(registry):
+    registry.add("dummy_reasoning", "pagedllm_dummy_plugin.reasoning:ThinkTagReasoningParser")
+
+
+@hookimpl
+def pagedllm_register_guided_backends(registry):
+    registry.add("dummy_choice", "pagedllm_dummy_plugin.guided:ChoiceBackend")
 
 
 @hookimpl
@@ -34,6 +59,4 @@ def pagedllm_add_cli_args(parser, subcommand):
         parser.add_argument("--dummy-greeting", default=None, help="Added by the dummy plugin.")
 
 
-@hookimpl
-def pagedllm_register_attention_backends(registry):
-    registry.add("dummy_attn", "pagedllm_dummy_plugin.attention:CountingBackend")
+# [/docs:hooks]

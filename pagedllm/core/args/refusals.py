@@ -1,0 +1,325 @@
+"""Every engine flag pagedllm accepts but does not honour, with the reason, in one place.
+
+- :data:`UNSUPPORTED`: vLLM flags whose feature pagedllm does not have. Each stays in its
+  config group (so ``--help=GROUP`` lists it) and is declared there with
+  ``unbuilt=UNSUPPORTED[name]``: accepted by the parser, refused at start-up when set.
+- :class:`DeprecatedArgs`: flags from older vLLM versions, the "Deprecated" group. A
+  ``removed`` flag is refused with what replaced it; a ``deprecated`` one warns (and an
+  ``alias_of`` one is copied onto the flag that replaced it).
+
+Values a flag can take but pagedllm cannot honour (``--swap-space 8``) are declared with
+the flag itself (``supported=``/``unsupported=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedllm.core.argspec import arg
+
+_LEAVE_OUT = "; leave this flag out"
+_NO_CUDA_GRAPHS = "pagedllm does not capture CUDA graphs yet" + _LEAVE_OUT
+_SINGLE_DEVICE = "pagedllm runs the model on a single device" + _LEAVE_OUT
+_NO_DATA_PARALLEL = "pagedllm has no data parallelism; run several servers behind a load balancer"
+_ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
+_NO_LORA = "pagedllm does not support LoRA adapters; serve a model with the adapter merged"
+_NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
+_NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
+_NO_TRACING = "pagedllm does not export OpenTelemetry traces; use the Prometheus /metrics instead"
+_NO_SPEC_DECODING = "pagedllm does not support speculative decoding"
+
+# Flag (field name) -> why pagedllm refuses it when it is set to anything but its default.
+UNSUPPORTED: dict[str, str] = {
+    # ModelConfig
+    "code_revision": "pagedllm does not run remote model code from the Hub" + _LEAVE_OUT,
+    "hf_token": "pagedllm never downloads from the Hub; pass a local model path instead",
+    "max_seq_len_to_capture": _NO_CUDA_GRAPHS,
+    "disable_async_output_proc": "pagedllm has no asynchronous output processing to disable"
+    + _LEAVE_OUT,
+    "disable_cascade_attn": "pagedllm has no cascade attention to disable" + _LEAVE_OUT,
+    "model_impl": "pagedllm picks the model implementation itself" + _LEAVE_OUT,
+    "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
+    "override_pooler_config": "pagedllm cannot override the pooling config" + _LEAVE_OUT,
+    "allowed_local_media_path": _NO_MULTIMODAL,
+    "enable_sleep_mode": "pagedllm has no sleep mode" + _LEAVE_OUT,
+    "enable_prompt_embeds": "pagedllm accepts only text or token-id prompts" + _LEAVE_OUT,
+    # LoadConfig
+    "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,
+    # ParallelConfig
+    "tensor_parallel_size": _SINGLE_DEVICE,
+    "pipeline_parallel_size": _SINGLE_DEVICE,
+    "data_parallel_size": _NO_DATA_PARALLEL,
+    "data_parallel_size_local": _NO_DATA_PARALLEL,
+    "data_parallel_address": _NO_DATA_PARALLEL,
+    "data_parallel_rpc_port": _NO_DATA_PARALLEL,
+    "data_parallel_backend": _NO_DATA_PARALLEL,
+    "distributed_executor_backend": _SINGLE_DEVICE,
+    "enable_expert_parallel": _SINGLE_DEVICE,
+    "enable_multimodal_encoder_data_parallel": _SINGLE_DEVICE,
+    "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,
+    "ray_workers_use_nsight": "pagedllm does not use Ray" + _LEAVE_OUT,
+    "disable_custom_all_reduce": "this only matters with tensor parallelism, which pagedllm "
+    "does not support",
+    "worker_cls": _ONE_WORKER,
+    "worker_extension_cls": _ONE_WORKER,
+    # CacheConfig
+    "kv_cache_dtype": "pagedllm stores the KV cache in the model's data type; use 'auto'",
+    "calculate_kv_scales": "pagedllm has no fp8 KV cache" + _LEAVE_OUT,
+    "cpu_offload_gb": "pagedllm does not offload weights to the CPU; use a smaller or "
+    "quantized model",
+    # MultiModalConfig
+    "limit_mm_per_prompt": _NO_MULTIMODAL,
+    "mm_processor_kwargs": _NO_MULTIMODAL,
+    "disable_mm_preprocessor_cache": _NO_MULTIMODAL,
+    # LoRAConfig
+    "enable_lora": _NO_LORA,
+    "enable_lora_bias": _NO_LORA,
+    "max_loras": _NO_LORA,
+    "max_lora_rank": _NO_LORA,
+    "lora_extra_vocab_size": _NO_LORA,
+    "lora_dtype": _NO_LORA,
+    "long_lora_scaling_factors": _NO_LORA,
+    "max_cpu_loras": _NO_LORA,
+    "fully_sharded_loras": _NO_LORA,
+    # PromptAdapterConfig
+    "enable_prompt_adapter": _NO_PROMPT_ADAPTERS,
+    "max_prompt_adapters": _NO_PROMPT_ADAPTERS,
+    "max_prompt_adapter_token": _NO_PROMPT_ADAPTERS,
+    # SpeculativeConfig
+    "speculative_config": _NO_SPEC_DECODING,
+    # ObservabilityConfig
+    "show_hidden_metrics_for_version": "pagedllm has not hidden any metrics, so there are "
+    "none to bring back" + _LEAVE_OUT,
+    "otlp_traces_endpoint": _NO_TRACING,
+    "collect_detailed_traces": _NO_TRACING,
+    # SchedulerConfig
+    "cuda_graph_sizes": _NO_CUDA_GRAPHS,
+    "num_scheduler_steps": "pagedllm schedules every step" + _LEAVE_OUT,
+    "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,
+    "num_lookahead_slots": _NO_SPEC_DECODING + _LEAVE_OUT,
+    "disable_chunked_mm_input": _NO_MULTIMODAL,
+    "disable_hybrid_kv_cache_manager": "pagedllm has no hybrid KV-cache manager to disable"
+    + _LEAVE_OUT,
+    # PagedLLMConfig
+    "compilation_config": "pagedllm does not use torch.compile yet; only level 0 is supported",
+    "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
+    "kv_events_config": "pagedllm does not publish KV-cache events" + _LEAVE_OUT,
+    "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,
+}
+
+_GROUP = "Deprecated"
+_SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}' (" + _NO_SPEC_DECODING + ")"
+_IMAGE_FLAGS_REMOVED = (
+    "multi-modal inputs are now described by the model's own processor; use "
+    "--mm-processor-kwargs and --limit-mm-per-prompt"
+)
+_TOKENIZER_POOL_REMOVED = (
+    "the asynchronous tokenizer pool was removed; tokenization always runs in the frontend"
+)
+
+
+@dataclasses.dataclass
+class DeprecatedArgs:
+    """The "Deprecated" group: flags from older vLLM versions (mixed into EngineArgs last)."""
+
+    use_v2_block_manager: bool = arg(
+        True,
+        group=_GROUP,
+        help="Only one block manager exists.",
+        deprecated="block manager v1 was removed; this flag has no effect.",
+    )
+    enable_reasoning: bool | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to turn on reasoning output.",
+        removed="use --reasoning-parser NAME; reasoning is enabled whenever a parser is set",
+    )
+    qlora_adapter_name_or_path: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to name a QLoRA adapter to load.",
+        deprecated="this flag has no effect; do not set it.",
+    )
+    max_context_len_to_capture: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Longest context covered by CUDA graphs.",
+        deprecated="use --max-seq-len-to-capture instead.",
+        alias_of="max_seq_len_to_capture",
+    )
+    worker_use_ray: bool = arg(
+        False,
+        group=_GROUP,
+        bool_style="store_true",
+        help="Used to run the model workers with Ray.",
+        removed="use --distributed-executor-backend ray (pagedllm runs on a single device)",
+    )
+    engine_use_ray: bool = arg(
+        False,
+        group=_GROUP,
+        bool_style="store_true",
+        help="Used to run the engine in a separate Ray process.",
+        removed="the engine already runs in its own process (see "
+        "--disable-frontend-multiprocessing)",
+    )
+    max_paddings: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to cap the padding tokens in a batch.",
+        removed="batches are no longer padded; --max-num-batched-tokens bounds a step",
+    )
+    tokenizer_pool_size: int = arg(
+        0,
+        group=_GROUP,
+        help="Used to set the size of the asynchronous tokenizer pool.",
+        removed=_TOKENIZER_POOL_REMOVED,
+    )
+    tokenizer_pool_type: str = arg(
+        "ray",
+        group=_GROUP,
+        help="Used to set the type of the asynchronous tokenizer pool.",
+        removed=_TOKENIZER_POOL_REMOVED,
+    )
+    tokenizer_pool_extra_config: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to configure the asynchronous tokenizer pool (JSON).",
+        removed=_TOKENIZER_POOL_REMOVED,
+    )
+    quantization_param_path: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to name a JSON file of fp8 KV-cache scaling factors.",
+        removed="KV-cache scales are read from the checkpoint or computed with "
+        "--calculate-kv-scales",
+    )
+    image_input_type: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the kind of image input (pixel_values or image_features).",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    image_token_id: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the token id of the image placeholder.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    image_input_shape: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the largest image input shape, for memory profiling.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    image_feature_size: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the image feature size along the context dimension.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    image_processor: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to name the Hugging Face image processor.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    image_processor_revision: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the revision of the Hugging Face image processor.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    disable_image_processor: bool = arg(
+        False,
+        group=_GROUP,
+        bool_style="store_true",
+        help="Used to skip the model's image processor.",
+        removed=_IMAGE_FLAGS_REMOVED,
+    )
+    mm_cache_preprocessor: bool = arg(
+        False,
+        group=_GROUP,
+        bool_style="store_true",
+        help="Used to cache the multi-modal preprocessor output.",
+        removed="the cache is on by default; use --disable-mm-preprocessor-cache to turn it off",
+    )
+    speculative_model: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to name the draft model for speculative decoding.",
+        removed=_SPEC_CONFIG.format(key="model"),
+    )
+    speculative_model_quantization: str | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the draft model's quantization method.",
+        removed=_SPEC_CONFIG.format(key="quantization"),
+    )
+    num_speculative_tokens: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set how many tokens the draft model proposes per step.",
+        removed=_SPEC_CONFIG.format(key="num_speculative_tokens"),
+    )
+    speculative_draft_tensor_parallel_size: int | None = arg(
+        None,
+        group=_GROUP,
+        aliases=("-spec-draft-tp",),
+        help="Used to set the draft model's tensor-parallel size.",
+        removed=_SPEC_CONFIG.format(key="draft_tensor_parallel_size"),
+    )
+    speculative_max_model_len: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the longest sequence the draft model handles.",
+        removed=_SPEC_CONFIG.format(key="max_model_len"),
+    )
+    speculative_disable_by_batch_size: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to stop speculating when more than this many requests were queued.",
+        removed=_SPEC_CONFIG.format(key="disable_by_batch_size"),
+    )
+    speculative_disable_mqa_scorer: bool = arg(
+        False,
+        group=_GROUP,
+        bool_style="store_true",
+        help="Used to score draft tokens by batch expansion instead of the MQA scorer.",
+        removed=_SPEC_CONFIG.format(key="disable_mqa_scorer"),
+    )
+    ngram_prompt_lookup_max: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the largest n-gram window for prompt-lookup speculation.",
+        removed=_SPEC_CONFIG.format(key="prompt_lookup_max"),
+    )
+    ngram_prompt_lookup_min: int | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the smallest n-gram window for prompt-lookup speculation.",
+        removed=_SPEC_CONFIG.format(key="prompt_lookup_min"),
+    )
+    spec_decoding_acceptance_method: str = arg(
+        "rejection_sampler",
+        group=_GROUP,
+        help="Used to choose rejection_sampler or typical_acceptance_sampler for draft tokens.",
+        removed=_SPEC_CONFIG.format(key="acceptance_method"),
+    )
+    typical_acceptance_sampler_posterior_threshold: float | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to set the lowest posterior probability to accept a draft token.",
+        removed=_SPEC_CONFIG.format(key="posterior_threshold"),
+    )
+    typical_acceptance_sampler_posterior_alpha: float | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to scale the entropy-based acceptance threshold.",
+        removed=_SPEC_CONFIG.format(key="posterior_alpha"),
+    )
+    disable_logprobs_during_spec_decoding: bool | None = arg(
+        None,
+        group=_GROUP,
+        help="Used to skip log probabilities during speculative decoding.",
+        removed=_SPEC_CONFIG.format(key="disable_logprobs"),
+    )

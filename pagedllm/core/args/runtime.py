@@ -1,0 +1,368 @@
+"""Engine options for how the model runs: decoding, parallelism, KV cache, adapters,
+device and speculative decoding (most of them vLLM features pagedllm refuses)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagedllm.core.args.refusals import UNSUPPORTED
+from pagedllm.core.argspec import arg
+
+
+@dataclasses.dataclass
+class RuntimeArgs:
+    """Where and with what the model runs, and which request features it offers."""
+
+    # --------------------------------------------------------------- DecodingConfig
+    guided_decoding_backend: str = arg(
+        "auto",
+        group="DecodingConfig",
+        registry="guided_backends",
+        extra_choices=("auto",),
+        help="Default backend for guided decoding (JSON schema, regex, ...). 'auto' chooses "
+        "one per request based on what each backend supports.",
+    )
+    guided_decoding_disable_fallback: bool = arg(
+        False,
+        group="DecodingConfig",
+        help="Fail instead of falling back to another guided-decoding backend on error.",
+    )
+    guided_decoding_disable_any_whitespace: bool = arg(
+        False,
+        group="DecodingConfig",
+        help="Forbid whitespace the grammar does not require during guided decoding.",
+    )
+    guided_decoding_disable_additional_properties: bool = arg(
+        False,
+        group="DecodingConfig",
+        help="Do not allow additionalProperties in JSON schemas during guided decoding.",
+    )
+    guided_decoding_compile_timeout: float = arg(
+        5.0,
+        group="DecodingConfig",
+        min=0,
+        min_exclusive=True,
+        range_hint="it must be more than 0 seconds",
+        help="Seconds one guided-decoding constraint may take to compile; a longer compile is "
+        "stopped and its request refused (or, with fallback, tried on the next backend).",
+    )
+    guided_decoding_compile_memory: int = arg(
+        512,
+        group="DecodingConfig",
+        min=0,
+        min_exclusive=True,
+        range_hint="it must be more than 0 MiB",
+        help="MiB of memory one guided-decoding compile may use beyond its worker's own; a "
+        "compile that needs more is stopped like one past the time limit.",
+    )
+    guided_decoding_compile_workers: int = arg(
+        2,
+        group="DecodingConfig",
+        min=0,
+        range_hint="it must be 0 or more",
+        help="Worker processes compiling guided-decoding constraints at once. 0 compiles in "
+        "threads of the engine's process, without the time limit and memory budget.",
+    )
+    guided_decoding_cache_size: int = arg(
+        256,
+        group="DecodingConfig",
+        min=1,
+        range_hint="it must be at least 1",
+        help="Compiled guided-decoding constraints kept for reuse; the least recently used "
+        "are dropped first.",
+    )
+    reasoning_parser: str | None = arg(
+        None,
+        group="DecodingConfig",
+        registry="reasoning_parsers",
+        help="Parser that splits the model's reasoning from its answer in API responses; "
+        "setting it enables reasoning output.",
+    )
+
+    # --------------------------------------------------------------- ParallelConfig
+    tensor_parallel_size: int = arg(
+        1,
+        group="ParallelConfig",
+        aliases=("-tp",),
+        help="Number of tensor-parallel groups.",
+        unbuilt=UNSUPPORTED["tensor_parallel_size"],
+    )
+    pipeline_parallel_size: int = arg(
+        1,
+        group="ParallelConfig",
+        aliases=("-pp",),
+        help="Number of pipeline-parallel groups.",
+        unbuilt=UNSUPPORTED["pipeline_parallel_size"],
+    )
+    data_parallel_size: int = arg(
+        1,
+        group="ParallelConfig",
+        aliases=("-dp",),
+        help="Number of data-parallel groups.",
+        unbuilt=UNSUPPORTED["data_parallel_size"],
+    )
+    data_parallel_size_local: int | None = arg(
+        None,
+        group="ParallelConfig",
+        aliases=("-dpl",),
+        help="Number of data-parallel replicas on this node.",
+        unbuilt=UNSUPPORTED["data_parallel_size_local"],
+    )
+    data_parallel_address: str | None = arg(
+        None,
+        group="ParallelConfig",
+        aliases=("-dpa",),
+        help="Address of the data-parallel head node.",
+        unbuilt=UNSUPPORTED["data_parallel_address"],
+    )
+    data_parallel_rpc_port: int | None = arg(
+        None,
+        group="ParallelConfig",
+        aliases=("-dpp",),
+        help="Port for data-parallel RPC.",
+        unbuilt=UNSUPPORTED["data_parallel_rpc_port"],
+    )
+    data_parallel_backend: str = arg(
+        "mp",
+        group="ParallelConfig",
+        aliases=("-dpb",),
+        help="Data-parallel backend, 'mp' or 'ray'.",
+        unbuilt=UNSUPPORTED["data_parallel_backend"],
+    )
+    distributed_executor_backend: str | None = arg(
+        None,
+        group="ParallelConfig",
+        choices=("external_launcher", "mp", "ray", "uni"),
+        help="How distributed model workers are run: 'mp' (multiprocessing), 'ray', 'uni' "
+        "or 'external_launcher'.",
+        unbuilt=UNSUPPORTED["distributed_executor_backend"],
+    )
+    enable_expert_parallel: bool = arg(
+        False,
+        group="ParallelConfig",
+        help="Shard MoE layers by expert instead of by tensor.",
+        unbuilt=UNSUPPORTED["enable_expert_parallel"],
+    )
+    enable_multimodal_encoder_data_parallel: bool = arg(
+        False,
+        group="ParallelConfig",
+        help="Run the vision encoder data-parallel instead of tensor-parallel.",
+        unbuilt=UNSUPPORTED["enable_multimodal_encoder_data_parallel"],
+    )
+    max_parallel_loading_workers: int | None = arg(
+        None,
+        group="ParallelConfig",
+        help="Load the model in batches with at most this many workers, to limit RAM use.",
+        unbuilt=UNSUPPORTED["max_parallel_loading_workers"],
+    )
+    ray_workers_use_nsight: bool = arg(
+        False,
+        group="ParallelConfig",
+        help="Profile Ray workers with Nsight.",
+        unbuilt=UNSUPPORTED["ray_workers_use_nsight"],
+    )
+    disable_custom_all_reduce: bool = arg(
+        False,
+        group="ParallelConfig",
+        help="Use NCCL instead of the custom all-reduce kernel.",
+        unbuilt=UNSUPPORTED["disable_custom_all_reduce"],
+    )
+    worker_cls: str = arg(
+        "auto",
+        group="ParallelConfig",
+        help="Full name of the worker class; 'auto' picks one for the platform.",
+        unbuilt=UNSUPPORTED["worker_cls"],
+    )
+    worker_extension_cls: str = arg(
+        "",
+        group="ParallelConfig",
+        help="Full name of a class mixed into the worker to add methods for collective_rpc.",
+        unbuilt=UNSUPPORTED["worker_extension_cls"],
+    )
+
+    # ------------------------------------------------------------------ CacheConfig
+    block_size: int | None = arg(
+        None,
+        group="CacheConfig",
+        choices=(1, 8, 16, 32, 64, 128),
+        help="Number of tokens per KV-cache block. If unset, the device picks a size.",
+    )
+    enable_prefix_caching: bool | None = arg(
+        None,
+        group="CacheConfig",
+        help="Reuse the KV cache of prompt prefixes shared between requests. If unset, "
+        "pagedllm decides.",
+    )
+    prefix_caching_hash_algo: str = arg(
+        "builtin",
+        group="CacheConfig",
+        choices=("builtin", "sha256"),
+        help="Hash used to identify cached prefix blocks: Python's 'builtin' hash, or "
+        "'sha256', collision resistant but slower.",
+    )
+    gpu_memory_utilization: float = arg(
+        0.9,
+        group="CacheConfig",
+        min=0,
+        min_exclusive=True,
+        max=1,
+        help="Fraction (0 to 1) of the accelerator's memory this engine instance may use for "
+        "weights, activations and KV cache.",
+    )
+    num_gpu_blocks_override: int | None = arg(
+        None,
+        group="CacheConfig",
+        min=1,
+        help="Use exactly this many KV-cache blocks instead of the profiled number (useful "
+        "for testing preemption).",
+    )
+    swap_space: float = arg(
+        4.0,
+        group="CacheConfig",
+        min=0,
+        range_hint="must be >= 0 GiB",
+        supported=(0,),
+        unsupported="{option}={value}: pagedllm never swaps: it preempts by recomputation and "
+        "needs no swap space; use 0 or leave it out",
+        help="CPU swap space per device, in GiB, for preempted requests. pagedllm preempts by "
+        "recomputation and never swaps, so it needs none: 0 and the default are accepted, "
+        "other values refused.",
+    )
+    kv_cache_dtype: str = arg(
+        "auto",
+        group="CacheConfig",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="Data type of the KV cache; 'auto' uses the model's data type.",
+        unbuilt=UNSUPPORTED["kv_cache_dtype"],
+    )
+    calculate_kv_scales: bool = arg(
+        False,
+        group="CacheConfig",
+        help="Compute k_scale and v_scale on the fly for an fp8 KV cache.",
+        unbuilt=UNSUPPORTED["calculate_kv_scales"],
+    )
+    cpu_offload_gb: float = arg(
+        0.0,
+        group="CacheConfig",
+        help="GiB of model weights per device to keep in CPU memory and stream in on each "
+        "forward pass.",
+        unbuilt=UNSUPPORTED["cpu_offload_gb"],
+    )
+
+    # ------------------------------------------------------------- MultiModalConfig
+    limit_mm_per_prompt: dict[str, Any] = arg(
+        {},
+        group="MultiModalConfig",
+        help='Largest number of items of each modality per prompt, e.g. {"images": 16, '
+        '"videos": 2}.',
+        unbuilt=UNSUPPORTED["limit_mm_per_prompt"],
+    )
+    mm_processor_kwargs: dict[str, Any] | None = arg(
+        None,
+        group="MultiModalConfig",
+        help="JSON object of overrides for the model's multi-modal processor.",
+        unbuilt=UNSUPPORTED["mm_processor_kwargs"],
+    )
+    disable_mm_preprocessor_cache: bool = arg(
+        False,
+        group="MultiModalConfig",
+        help="Do not cache processed multi-modal inputs.",
+        unbuilt=UNSUPPORTED["disable_mm_preprocessor_cache"],
+    )
+
+    # ------------------------------------------------------------------- LoRAConfig
+    enable_lora: bool | None = arg(
+        None,
+        group="LoRAConfig",
+        help="Serve LoRA adapters.",
+        unbuilt=UNSUPPORTED["enable_lora"],
+    )
+    enable_lora_bias: bool = arg(
+        False,
+        group="LoRAConfig",
+        help="Allow bias terms in LoRA adapters.",
+        unbuilt=UNSUPPORTED["enable_lora_bias"],
+    )
+    max_loras: int = arg(
+        1,
+        group="LoRAConfig",
+        help="Largest number of LoRA adapters in one batch.",
+        unbuilt=UNSUPPORTED["max_loras"],
+    )
+    max_lora_rank: int = arg(
+        16,
+        group="LoRAConfig",
+        help="Largest LoRA rank.",
+        unbuilt=UNSUPPORTED["max_lora_rank"],
+    )
+    lora_extra_vocab_size: int = arg(
+        256,
+        group="LoRAConfig",
+        help="Largest number of tokens a LoRA adapter may add to the vocabulary.",
+        unbuilt=UNSUPPORTED["lora_extra_vocab_size"],
+    )
+    lora_dtype: str = arg(
+        "auto",
+        group="LoRAConfig",
+        choices=("auto", "bfloat16", "float16"),
+        help="Data type of LoRA weights; 'auto' uses the model's.",
+        unbuilt=UNSUPPORTED["lora_dtype"],
+    )
+    long_lora_scaling_factors: list[float] | None = arg(
+        None,
+        group="LoRAConfig",
+        help="RoPE scaling factors of LoRA adapters trained with a scaling different from the "
+        "model's.",
+        unbuilt=UNSUPPORTED["long_lora_scaling_factors"],
+    )
+    max_cpu_loras: int | None = arg(
+        None,
+        group="LoRAConfig",
+        help="Largest number of LoRA adapters kept in CPU memory (at least --max-loras).",
+        unbuilt=UNSUPPORTED["max_cpu_loras"],
+    )
+    fully_sharded_loras: bool = arg(
+        False,
+        group="LoRAConfig",
+        help="Shard all of the LoRA computation across tensor-parallel ranks, not half.",
+        unbuilt=UNSUPPORTED["fully_sharded_loras"],
+    )
+
+    # ---------------------------------------------------------- PromptAdapterConfig
+    enable_prompt_adapter: bool | None = arg(
+        None,
+        group="PromptAdapterConfig",
+        help="Serve prompt adapters.",
+        unbuilt=UNSUPPORTED["enable_prompt_adapter"],
+    )
+    max_prompt_adapters: int = arg(
+        1,
+        group="PromptAdapterConfig",
+        help="Largest number of prompt adapters in one batch.",
+        unbuilt=UNSUPPORTED["max_prompt_adapters"],
+    )
+    max_prompt_adapter_token: int = arg(
+        0,
+        group="PromptAdapterConfig",
+        help="Largest number of prompt-adapter tokens.",
+        unbuilt=UNSUPPORTED["max_prompt_adapter_token"],
+    )
+
+    # ----------------------------------------------------------------- DeviceConfig
+    device: str = arg(
+        "auto",
+        group="DeviceConfig",
+        registry="devices",
+        extra_choices=("auto",),
+        help="Device to run on; 'auto' picks the best available. Installed device plugins "
+        "add names.",
+    )
+
+    # ------------------------------------------------------------ SpeculativeConfig
+    speculative_config: dict[str, Any] | None = arg(
+        None,
+        group="SpeculativeConfig",
+        help="Speculative decoding settings as a JSON object.",
+        unbuilt=UNSUPPORTED["speculative_config"],
+    )

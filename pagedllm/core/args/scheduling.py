@@ -1,0 +1,212 @@
+"""Engine options for scheduling, observability and compilation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from pagedllm.core.args.refusals import UNSUPPORTED
+from pagedllm.core.argspec import arg, json_dict
+
+_COMPILATION_LEVELS = ("0", "1", "2", "3")
+
+_PREEMPTION_SWAP_REFUSED = (
+    "{option} {value} is not supported: pagedllm preempts by recomputation (on the cpu the "
+    "KV cache already lives in host memory, so swapping would only copy it); leave {option} "
+    "unset or use {supported}"
+)
+
+
+def compilation_config(text: str) -> int | dict[str, Any]:
+    """``-O`` takes an optimization level (0-3) or a JSON compilation config.
+
+    A JSON object holding only a level is reduced to that level, so ``-O0`` and
+    ``'{"level": 0}'`` mean the same (the default).
+    """
+    text = text.strip()
+    if text in _COMPILATION_LEVELS:
+        return int(text)
+    try:
+        value = json_dict(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an optimization level (0, 1, 2 or 3) or a JSON object, got {text!r}"
+        ) from None
+    if set(value) == {"level"} and str(value["level"]) in _COMPILATION_LEVELS:
+        return int(value["level"])
+    return value
+
+
+@dataclasses.dataclass
+class SchedulingArgs:
+    """How requests are scheduled, what the engine reports, and how it compiles."""
+
+    # ---------------------------------------------------------- ObservabilityConfig
+    disable_log_stats: bool = arg(
+        False,
+        group="ObservabilityConfig",
+        bool_style="store_true",
+        help="Do not log engine statistics periodically.",
+    )
+    show_hidden_metrics_for_version: str | None = arg(
+        None,
+        group="ObservabilityConfig",
+        help="Bring back Prometheus metrics hidden since this version (e.g. 0.7) while you "
+        "migrate away from them.",
+        unbuilt=UNSUPPORTED["show_hidden_metrics_for_version"],
+    )
+    otlp_traces_endpoint: str | None = arg(
+        None,
+        group="ObservabilityConfig",
+        help="URL to send OpenTelemetry traces to.",
+        unbuilt=UNSUPPORTED["otlp_traces_endpoint"],
+    )
+    collect_detailed_traces: list[str] | None = arg(
+        None,
+        group="ObservabilityConfig",
+        choices=("all", "model", "worker"),
+        nargs="+",
+        help="Modules to collect detailed (and costly) traces for; needs --otlp-traces-endpoint.",
+        unbuilt=UNSUPPORTED["collect_detailed_traces"],
+    )
+
+    # -------------------------------------------------------------- SchedulerConfig
+    max_num_batched_tokens: int | None = arg(
+        None,
+        group="SchedulerConfig",
+        min=1,
+        help="Largest number of tokens processed in one step. If unset, pagedllm picks one "
+        "for the entry point.",
+    )
+    max_num_seqs: int | None = arg(
+        None,
+        group="SchedulerConfig",
+        min=1,
+        help="Largest number of requests processed in one step. If unset, pagedllm picks one "
+        "for the entry point.",
+    )
+    enable_chunked_prefill: bool | None = arg(
+        None,
+        group="SchedulerConfig",
+        help="Let prompts be prefilled in chunks that fit the remaining "
+        "--max-num-batched-tokens. If unset, pagedllm decides.",
+    )
+    max_num_partial_prefills: int = arg(
+        1,
+        group="SchedulerConfig",
+        min=1,
+        help="With chunked prefill, the largest number of requests partially prefilled at once.",
+    )
+    max_long_partial_prefills: int = arg(
+        1,
+        group="SchedulerConfig",
+        min=1,
+        max="max_num_partial_prefills",
+        help="With chunked prefill, the largest number of long prompts prefilled at once; a "
+        "value below --max-num-partial-prefills lets short prompts overtake long ones.",
+    )
+    long_prefill_token_threshold: int = arg(
+        0,
+        group="SchedulerConfig",
+        min=0,
+        range_hint="must be >= 0",
+        help="With chunked prefill, prompts longer than this many tokens count as long.",
+    )
+    scheduling_policy: str = arg(
+        "fcfs",
+        group="SchedulerConfig",
+        choices=("fcfs", "priority"),
+        help="'fcfs' serves requests in arrival order; 'priority' by their priority (lower "
+        "first), then arrival.",
+    )
+    preemption_mode: str | None = arg(
+        None,
+        group="SchedulerConfig",
+        supported=("recompute",),
+        unsupported=_PREEMPTION_SWAP_REFUSED,
+        choices=("recompute", "swap"),
+        help="How to preempt a request when the KV cache is full: 'recompute' its KV cache "
+        "later or 'swap' it to CPU memory. If unset, recompute.",
+    )
+    scheduler_delay_factor: float = arg(
+        0.0,
+        group="SchedulerConfig",
+        min=0,
+        range_hint="must be >= 0",
+        help="Wait this multiple of the previous prompt's latency before scheduling the next "
+        "prompt.",
+    )
+    scheduler_cls: str = arg(
+        "pagedllm.core.scheduler.Scheduler",
+        group="SchedulerConfig",
+        help="Import path ('module.Class') of the scheduler class to use.",
+    )
+    cuda_graph_sizes: list[int] = arg(
+        [512],
+        group="SchedulerConfig",
+        help="CUDA graph capture sizes: one value N captures 1, 2, 4 and multiples of 8 up to "
+        "N; several values are captured as given.",
+        unbuilt=UNSUPPORTED["cuda_graph_sizes"],
+    )
+    num_scheduler_steps: int = arg(
+        1,
+        group="SchedulerConfig",
+        help="Number of forward steps per scheduler call.",
+        unbuilt=UNSUPPORTED["num_scheduler_steps"],
+    )
+    multi_step_stream_outputs: bool = arg(
+        True,
+        group="SchedulerConfig",
+        help="With multi-step scheduling, stream outputs after each step rather than at the end.",
+        unbuilt=UNSUPPORTED["multi_step_stream_outputs"],
+    )
+    num_lookahead_slots: int = arg(
+        0,
+        group="SchedulerConfig",
+        help="Extra KV-cache slots per request per step, for speculative tokens.",
+        unbuilt=UNSUPPORTED["num_lookahead_slots"],
+    )
+    disable_chunked_mm_input: bool = arg(
+        False,
+        group="SchedulerConfig",
+        help="With chunked prefill, never split one multi-modal item across steps.",
+        unbuilt=UNSUPPORTED["disable_chunked_mm_input"],
+    )
+    disable_hybrid_kv_cache_manager: bool = arg(
+        False,
+        group="SchedulerConfig",
+        help="Give every attention layer the same KV-cache size, even when full and "
+        "sliding-window attention layers are mixed.",
+        unbuilt=UNSUPPORTED["disable_hybrid_kv_cache_manager"],
+    )
+
+    # --------------------------------------------------------------- PagedLLMConfig
+    compilation_config: int | dict[str, Any] | None = arg(
+        0,
+        group="PagedLLMConfig",
+        aliases=("-O",),
+        parse=compilation_config,
+        metavar="LEVEL_OR_JSON",
+        help="torch.compile settings: an optimization level 0-3 (-O3 is the same as -O 3) or "
+        "a JSON config. Level 0 means no compilation.",
+        unbuilt=UNSUPPORTED["compilation_config"],
+    )
+    kv_transfer_config: dict[str, Any] | None = arg(
+        None,
+        group="PagedLLMConfig",
+        help="JSON settings for transferring the KV cache between instances.",
+        unbuilt=UNSUPPORTED["kv_transfer_config"],
+    )
+    kv_events_config: dict[str, Any] | None = arg(
+        None,
+        group="PagedLLMConfig",
+        help="JSON settings for publishing KV-cache events.",
+        unbuilt=UNSUPPORTED["kv_events_config"],
+    )
+    additional_config: dict[str, Any] = arg(
+        {},
+        group="PagedLLMConfig",
+        help="JSON object of platform-specific settings.",
+        unbuilt=UNSUPPORTED["additional_config"],
+    )

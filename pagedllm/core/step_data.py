@@ -1,0 +1,65 @@
+"""What one engine step hands from stage to stage, in one direction only:
+the scheduler's :class:`SchedulerOutput` to the model runner, the runner's
+:class:`RunnerOutput` back to the scheduler's update and on to the output processor.
+
+Nothing here imports torch: the scheduler and its tests stay torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from pagedllm.core.request import Request
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: which tokens to compute and where their KV goes."""
+
+    request: Request
+    num_new_tokens: int
+    # num_computed_tokens when the step starts (cached prefix included).
+    num_computed_tokens: int
+    # The request's block table after this step's allocation: physical block ids in
+    # token order (the runner reads it; it never asks the KV-cache manager).
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether this step computes the request's last known token, so it samples."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_request_ids: list[str]
+    # Requests the scheduler gave up on before running them (their guided-decoding
+    # constraint failed to compile), with the error; already finished as aborted.
+    aborted: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
+    scheduled_time: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """The requests that sample a token this step, in batch order: the rows of the
+        logits and of a guided-decoding token mask."""
+        return [item.request for item in self.scheduled if item.reaches_end]
+
+
+@dataclasses.dataclass(slots=True)
+class RunnerOutput:
+    # request id -> sampled token
+    sampled_token_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    # request id -> the sampler's logprobs row for that token (None when not asked)
+    logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # request id -> prompt logprobs computed this step, in prompt order
+    prompt_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    # Set when computing the step failed: every scheduled request fails with it.
+    error: Exception | None = None

@@ -1,0 +1,180 @@
+"""The server's routes: the OpenAI endpoints, vLLM's extras (``/tokenize``,
+``/detokenize``, ``/invocations``) and the operational ones (``/health``, ``/metrics``,
+...)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedllm import __version__
+from pagedllm.entrypoints.openai.errors import OpenAIError, stream_errors
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_setup import RequestLog
+
+if TYPE_CHECKING:
+    from pagedllm.core.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+    from pagedllm.entrypoints.openai.metrics import Metrics
+    from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def add_routes(
+    app: FastAPI,
+    options: FrontendArgs,
+    engine: AsyncLLMEngine,
+    serving: OpenAIServing,
+    metrics: Metrics,
+    model_path: str,
+) -> None:
+    log_request = RequestLog.for_options(options, logger)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        if not options.enable_server_load_tracking:
+            raise OpenAIError(404, "start the server with --enable-server-load-tracking")
+        return {"server_load": app.state.server_load}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.refresh(engine.engine)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pagedllm",
+                    "root": model_path,
+                    "parent": None,
+                    "max_model_len": serving.max_model_len,
+                }
+                for name in serving.model_names
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        request_id = _request_id(request, body.request_id, "cmpl")
+        log_request(request_id, body)
+        work = serving.create_completion(body, request_id)
+        return await _respond(await _until_disconnect(request, work))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        request_id = _request_id(request, body.request_id, "chatcmpl")
+        log_request(request_id, body)
+        work = serving.create_chat_completion(body, request_id)
+        return await _respond(await _until_disconnect(request, work))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        try:
+            payload = await request.json()
+        except json.JSONDecodeError as exc:
+            raise OpenAIError(400, f"invalid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        try:
+            if "messages" in payload:
+                return await chat_completions(
+                    ChatCompletionRequest.model_validate(payload), request
+                )
+            if "prompt" in payload:
+                return await completions(CompletionRequest.model_validate(payload), request)
+        except Exception as exc:
+            if hasattr(exc, "errors"):
+                raise RequestValidationError(exc.errors()) from exc
+            raise
+        raise OpenAIError(400, "the body needs 'messages' (chat) or 'prompt' (completions)")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await serving.create_tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await serving.create_detokenize(body)
+
+
+def _request_id(request: Request, body_id: str | None, prefix: str) -> str:
+    # As vLLM: the X-Request-Id header, else the body's request_id, else a random id,
+    # always with the endpoint's prefix.
+    base = request.headers.get("x-request-id") or body_id
+    return f"{prefix}-{base}" if base else random_id(prefix)
+
+
+async def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
+    if inspect.isasyncgen(result):
+        # The first chunk is computed before the 200 is sent, so a request the engine
+        # refuses still gets its 400.
+        first = await anext(result)
+        return StreamingResponse(
+            stream_errors(_prepend(first, result)), media_type="text/event-stream"
+        )
+    return JSONResponse(result)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled,
+    which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for chunk in rest:
+        yield chunk

@@ -1,0 +1,166 @@
+"""``/v1/completions``: one generator of choice deltas, sent as a stream of chunks or
+merged into the full response, so both carry the same text, logprobs and offsets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.outputs import CompletionOutput, RequestOutput
+from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
+from pagedllm.entrypoints.openai.prompts import PreparedPrompt
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, now
+from pagedllm.entrypoints.openai.responses import Outputs, sse
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+ChoiceKey = tuple[int, int]  # (prompt index, completion index)
+
+
+async def create_completion(
+    serving: OpenAIServing, request: CompletionRequest, request_id: str
+) -> dict[str, Any] | AsyncIterator[str]:
+    serving.check_model(request.model)
+    serving.check_sequences(_num_prompts(request.prompt), request)
+    prompts = await serving.prompts.run(serving.prompts.completion_prompts, request)
+    # echo with max_tokens=0 scores the prompt (as lm-eval does): one token is computed
+    # and dropped, as in vLLM.
+    max_tokens = 1 if _echo_only(request) else request.max_tokens
+    params_list = []
+    for prompt in prompts:
+        params = request.sampling_params(
+            serving.max_tokens(max_tokens, prompt), request.logprobs, serving.generation_defaults
+        )
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = request.logprobs
+        params_list.append(params)
+    generator = serving.generate_all(request_id, prompts, params_list, request.priority)
+    reply = CompletionReply(serving, request, request_id, prompts)
+    if request.stream:
+        return reply.stream(generator)
+    return await reply.full(generator)
+
+
+class CompletionReply:
+    """The response to one completion request, built from the engine's outputs."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+    ) -> None:
+        self.serving = serving
+        self.request = request
+        self.request_id = request_id
+        self.prompts = prompts
+        self.created = now()
+        self.usage = serving.new_usage(prompts)
+        self._echoed: set[ChoiceKey] = set()
+        # Where each choice's next token starts, so text_offset values continue across
+        # chunks as they run in one response.
+        self._offsets: dict[ChoiceKey, int] = {}
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": choices,
+        }
+
+    async def choices(self, generator: Outputs) -> AsyncIterator[tuple[ChoiceKey, dict[str, Any]]]:
+        """Each output's new part as a choice; the first one of a choice carries the echo."""
+        request = self.request
+        async for index, output in generator:
+            self.usage.add_output(index, output)
+            for completion in output.outputs:
+                key = (index, completion.index)
+                generated = 0 if _echo_only(request) else len(completion.token_ids)
+                self.usage.add_completion_tokens(generated)
+                echo = request.echo and key not in self._echoed
+                self._echoed.add(key)
+                choice = self._choice(index, output, completion, echo, self._offsets.get(key, 0))
+                logprobs = choice["logprobs"]
+                if logprobs is not None and logprobs["tokens"]:
+                    self._offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                yield key, choice
+
+    def _choice(
+        self,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        echo: bool,
+        text_offset: int,
+    ) -> dict[str, Any]:
+        request = self.request
+        text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
+        if _echo_only(request):
+            text, token_ids, positions = "", [], []
+        prefix = (self.prompts[prompt_index].text or "") if echo else ""
+        logprobs = None
+        if request.logprobs is not None:
+            ids, pos = list(token_ids), list(positions or [])
+            if echo:
+                prompt_ids = output.prompt_token_ids
+                ids = list(prompt_ids) + ids
+                pos = list(output.prompt_logprobs or [None] * len(prompt_ids)) + pos
+            logprobs = self.serving.logprobs.completion(
+                ids, pos, request.logprobs, text_offset, self.serving.as_ids(request)
+            )
+        return {
+            "index": prompt_index * request.n + completion.index,
+            "text": prefix + text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "prompt_logprobs": prompt_logprobs_json(output) if request.prompt_logprobs else None,
+        }
+
+    async def stream(self, generator: Outputs) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        async for _, choice in self.choices(generator):
+            chunk = self._envelope([choice])
+            if include_usage and continuous:
+                chunk["usage"] = self.usage.json()
+            yield sse(chunk)
+        if include_usage:
+            yield sse(dict(self._envelope([]), usage=self.usage.json()))
+        yield sse("[DONE]")
+
+    async def full(self, generator: Outputs) -> dict[str, Any]:
+        merged: dict[ChoiceKey, dict[str, Any]] = {}
+        async for key, choice in self.choices(generator):
+            merged[key] = _merge_choice(merged[key], choice) if key in merged else choice
+        response = self._envelope([merged[key] for key in sorted(merged)])
+        response["usage"] = self.usage.json()
+        return response
+
+
+def _merge_choice(into: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """A choice followed by its next part (text and logprobs appended; the latest finish)."""
+    into["text"] += part["text"]
+    if into["logprobs"] is not None and part["logprobs"] is not None:
+        for name, values in part["logprobs"].items():
+            into["logprobs"][name].extend(values)
+    into["finish_reason"] = part["finish_reason"]
+    into["stop_reason"] = part["stop_reason"]
+    if into["prompt_logprobs"] is None:
+        into["prompt_logprobs"] = part["prompt_logprobs"]
+    return into
+
+
+def _num_prompts(prompt: Any) -> int:
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+def _echo_only(request: CompletionRequest) -> bool:
+    return request.echo and request.max_tokens == 0
