@@ -75,8 +75,13 @@ class LinearGroup(nn.Module):
             runs.append(run)
             start = end
         self.runs = nn.ModuleList(runs)
+        # The usual case, one fused product, called without the loop (every step, twice
+        # per decoder layer).
+        self._forward_one = runs[0].forward if len(runs) == 1 else None
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self._forward_one is not None:
+            return self._forward_one(x)
         return [out for run in self.runs for out in run(x)]
 
 
