@@ -406,11 +406,13 @@ def test_dtypes(ckpt, llm):
     agree = sum(a == b for a, b in pairs)
     assert agree >= 0.75 * sum(map(len, reference))
     # auto: float16 for this float32 checkpoint, or float32 on a CPU without native
-    # half-precision arithmetic (the cpu device's rule).
-    from pagedllm.plugins.devices.cpu import CpuDevice, _native_half_support
+    # float16 arithmetic (the cpu device's rule; AVX512-BF16 does not count).
+    from pagedllm.plugins.devices.cpu import CpuDevice, native_arithmetic
 
-    expected = torch.float16 if _native_half_support() else torch.float32
-    assert CpuDevice().auto_dtype(torch.bfloat16) in (torch.bfloat16, torch.float32)
+    expected = torch.float16 if native_arithmetic(torch.float16) else torch.float32
+    bf16_expected = torch.bfloat16 if native_arithmetic(torch.bfloat16) else torch.float32
+    assert CpuDevice().auto_dtype(torch.bfloat16) == bf16_expected
+    assert CpuDevice().auto_dtype(torch.float32) == torch.float32
     auto = build(ckpt, dtype="auto")
     assert auto.llm_engine.loaded.dtype == expected
     assert len(tokens(run(auto, PROMPTS[0], greedy(max_tokens=3)))[0]) == 3
