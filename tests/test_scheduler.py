@@ -416,3 +416,35 @@ def test_waiting_queue_is_one_class_per_policy():
     assert type(make_scheduler(policy="priority").waiting) is PriorityQueue
     with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'.*fcfs, priority"):
         WaitingQueue.for_policy("lifo")
+
+
+def test_a_failed_constraint_compile_aborts_the_request_and_is_never_admitted():
+    from concurrent.futures import Future
+
+    sched = make_scheduler()
+    compiling: Future = Future()
+    request = add(sched, "guided", 4)
+    request.guided_compile = compiling
+    sched.waiting.remove({request})
+    del sched.requests["guided"]
+    sched.add_request(request)  # with its compile pending
+    add(sched, "plain", 4)
+    out = sched.schedule()
+    assert [i.request.request_id for i in out.scheduled] == ["plain"] and not out.aborted
+    compiling.set_exception(ValueError("bad schema"))
+    out = sched.schedule()
+    assert [(r.request_id, str(e)) for r, e in out.aborted] == [("guided", "bad schema")]
+    assert request.status is RequestStatus.FINISHED_ABORTED and "guided" not in sched.requests
+    # Failed, but its done-callback has not run yet when the scheduler reaches it.
+    late: Future = Future()
+    other = add(sched, "late", 4)
+    sched.waiting.remove({other})
+    del sched.requests["late"]
+    other.guided_compile = late
+    sched.add_request(other)
+    late.set_exception(ValueError("too big"))
+    sched._compile_failures.clear()
+    out = sched.schedule()
+    assert "late" not in {i.request.request_id for i in out.scheduled}
+    assert [(r.request_id, str(e)) for r, e in out.aborted] == [("late", "too big")]
+    assert not sched.kv.get_block_ids("late")

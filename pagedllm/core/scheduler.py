@@ -63,9 +63,9 @@ class Scheduler:
         self.waiting.add(request)
         if request.guided_compile is not None:
             request.guided_compile.add_done_callback(
-                lambda future: (
+                lambda _: (
                     self._compile_failures.append(request)
-                    if future.cancelled() or future.exception() is not None
+                    if _compile_error(request) is not None
                     else None
                 )
             )
@@ -177,6 +177,11 @@ class Scheduler:
                 # Still compiling its constraint: the requests behind it go first.
                 skipped.append(self.waiting.pop())
                 continue
+            if request.is_guided and _compile_error(request) is not None:
+                # Failed just now (its done-callback may not have run yet): never admit it.
+                self._compile_failures.append(request)
+                aborted.extend(self._abort_uncompiled())
+                continue
             blocks, num_cached = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -229,13 +234,7 @@ class Scheduler:
             request = self._compile_failures.popleft()
             if self.requests.get(request.request_id) is not request:
                 continue  # finished or aborted meanwhile
-            future = request.guided_compile
-            assert future is not None
-            error = (
-                RuntimeError("compiling its constraint was stopped")
-                if future.cancelled()
-                else future.exception()
-            )
+            error = _compile_error(request)
             assert error is not None
             request.failure = error
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
@@ -326,3 +325,13 @@ class Scheduler:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None
+
+
+def _compile_error(request: Request) -> BaseException | None:
+    """Why the request's finished constraint compile failed, or None (no failure yet)."""
+    future = request.guided_compile
+    if future is None or not future.done():
+        return None
+    if future.cancelled():
+        return RuntimeError("compiling its constraint was stopped")
+    return future.exception()
