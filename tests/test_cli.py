@@ -87,6 +87,11 @@ def test_serve_refuses_unbuilt_and_unavailable(tmp_path):
     lora = run_cli("serve", "m", "--lora-modules", "a=/x")
     assert lora.returncode == 2 and "--lora-modules" in lora.stderr
 
+    # A server option's declared range, checked before anything loads.
+    cap = run_cli("serve", "m", "--max-sequences-per-request", "0")
+    assert cap.returncode == 2
+    assert "--max-sequences-per-request=0 is invalid: must be at least 1" in cap.stderr
+
 
 def test_tool_call_parser_names_from_registry_and_plugin_file(tmp_path):
     unknown = run_cli("serve", "m", "--tool-call-parser", "nope")

@@ -201,6 +201,7 @@ class FrontendArgs:
     max_sequences_per_request: int = arg(
         256,
         group="Frontend",
+        min=1,
         help="Largest number of sequences one request may ask for: its prompts times n (or "
         "best_of). Larger requests are refused with a 400.",
     )

@@ -39,6 +39,7 @@ def build_serving(
 ) -> ServingStack:
     """Load the model and start the engine loop; the caller calls ``engine.shutdown()``.
     The options are checked (and the chat template read) before the model loads."""
+    from pagedllm.core.args.checks import invalid_values
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import UsageContext
     from pagedllm.core.errors import ConfigError
@@ -46,10 +47,9 @@ def build_serving(
     from pagedllm.entrypoints.openai.metrics import Metrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
-    if options.max_sequences_per_request < 1:
-        raise ConfigError(
-            f"--max-sequences-per-request={options.max_sequences_per_request} must be at least 1"
-        )
+    problems = invalid_values(options)
+    if problems:
+        raise ConfigError("; ".join(problems))
     chat_template = load_chat_template(options.chat_template)
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     engine = AsyncLLMEngine(config, pm)
