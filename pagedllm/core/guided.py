@@ -46,6 +46,7 @@ MATCHER_KEY = "guided.matcher"
 REASONER_KEY = "guided.reasoner"
 ANSWER_START_KEY = "guided.answer_start"
 SCANNED_KEY = "guided.scanned"
+OPENERS_KEY = "guided.openers"
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -219,8 +220,8 @@ class GuidedDecodingManager:
 
     def _answer_start(self, request: Request) -> int | None:
         """Index in the output where the constrained answer starts: 0 without a
-        reasoning parser, else just past the end of the reasoning (None while it goes
-        on)."""
+        reasoning parser or when the answer began at once (see ``opening_token_ids``),
+        else just past the end of the reasoning (None while it goes on)."""
         if self.reasoning_cls is None:
             return 0
         state = request.sampler_state
@@ -231,8 +232,9 @@ class GuidedDecodingManager:
         if parser is None:
             tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
             parser = state[REASONER_KEY] = self.reasoning_cls.for_prompt(self.tokenizer, tail)
+            state[OPENERS_KEY] = parser.opening_token_ids()
         output = request.output_token_ids
-        openers = parser.opening_token_ids()
+        openers = state[OPENERS_KEY]
         if openers is not None and output and output[0] not in openers:
             # The first token was masked to the constraint or an opening marker, and it
             # was not a marker: the answer began with it.
@@ -275,8 +277,7 @@ class GuidedDecodingManager:
         for index, request, matcher in rows:
             if matcher is None and not request.output_token_ids:
                 # Reasoning may open now, or the answer begin (see _answer_start).
-                parser = request.sampler_state[REASONER_KEY]
-                opening = parser.opening_token_ids()
+                opening = request.sampler_state[OPENERS_KEY]
                 if opening is not None:
                     matcher = request.guided_compile.result().matcher()
                     openers[index] = opening
