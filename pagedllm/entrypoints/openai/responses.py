@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.core.outputs import RequestOutput
@@ -16,6 +16,26 @@ def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"
+
+
+async def sse_stream(
+    choices: AsyncIterator[dict[str, Any]],
+    envelope: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    usage: Usage,
+    stream_options: Any,
+) -> AsyncIterator[str]:
+    """A streamed response: one chunk per choice delta (``envelope`` wraps them), the
+    usage per chunk and/or at the end as ``stream_options`` asks, then ``[DONE]``."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
+    async for choice in choices:
+        chunk = envelope([choice])
+        if include_usage and continuous:
+            chunk["usage"] = usage.json()
+        yield sse(chunk)
+    if include_usage:
+        yield sse(dict(envelope([]), usage=usage.json()))
+    yield sse("[DONE]")
 
 
 class Usage:

@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.chat_deltas import ChoiceDeltas, MessageBuilder
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now
-from pagedllm.entrypoints.openai.responses import Outputs, sse
+from pagedllm.entrypoints.openai.responses import Outputs, sse_stream
 from pagedllm.entrypoints.openai.tool_choice import ToolCallPlan, plan_tool_calls
 
 if TYPE_CHECKING:
@@ -131,18 +131,13 @@ class ChatReply:
             self.serving.as_ids(request),
         )
 
-    async def stream(self, generator: Outputs) -> AsyncIterator[str]:
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
-        async for choice in self.chunks(generator, whole=False):
-            chunk = self._envelope("chat.completion.chunk", [choice])
-            if include_usage and continuous:
-                chunk["usage"] = self.usage.json()
-            yield sse(chunk)
-        if include_usage:
-            yield sse(dict(self._envelope("chat.completion.chunk", []), usage=self.usage.json()))
-        yield sse("[DONE]")
+    def stream(self, generator: Outputs) -> AsyncIterator[str]:
+        return sse_stream(
+            self.chunks(generator, whole=False),
+            lambda choices: self._envelope("chat.completion.chunk", choices),
+            self.usage,
+            self.request.stream_options,
+        )
 
     async def full(self, generator: Outputs) -> dict[str, Any]:
         builders: dict[int, MessageBuilder] = {}

@@ -10,7 +10,7 @@ from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, now
-from pagedllm.entrypoints.openai.responses import Outputs, sse
+from pagedllm.entrypoints.openai.responses import Outputs, sse_stream
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
@@ -121,18 +121,9 @@ class CompletionReply:
             "prompt_logprobs": prompt_logprobs_json(output) if request.prompt_logprobs else None,
         }
 
-    async def stream(self, generator: Outputs) -> AsyncIterator[str]:
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
-        async for _, choice in self.choices(generator):
-            chunk = self._envelope([choice])
-            if include_usage and continuous:
-                chunk["usage"] = self.usage.json()
-            yield sse(chunk)
-        if include_usage:
-            yield sse(dict(self._envelope([]), usage=self.usage.json()))
-        yield sse("[DONE]")
+    def stream(self, generator: Outputs) -> AsyncIterator[str]:
+        choices = (choice async for _, choice in self.choices(generator))
+        return sse_stream(choices, self._envelope, self.usage, self.request.stream_options)
 
     async def full(self, generator: Outputs) -> dict[str, Any]:
         merged: dict[ChoiceKey, dict[str, Any]] = {}
