@@ -202,12 +202,15 @@ def test_cpu_kernel_dequantize_bit_exact(cpu_kernels, qtype: GGMLQuantizationTyp
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-def test_cpu_kernel_matmul_matches_dequantized_matmul(cpu_kernels, qtype):
-    out_features, in_features = 37, 512
+@pytest.mark.parametrize("extra_blocks", [0, 1])
+def test_cpu_kernel_matmul_matches_dequantized_matmul(cpu_kernels, qtype, extra_blocks):
+    out_features = 37
+    in_features = 512 + extra_blocks * max(GGML_QUANT_SIZES[qtype][0], 32)
     raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=5))
     w = dequantize(raw, qtype, (out_features, in_features))
     g = torch.Generator().manual_seed(1)
-    # 1-8 rows take the fused decode-and-dot loop (Q4_0/Q4_1/Q8_0), 9+ the row buffer.
+    # 1-8 rows take the fused decode-and-dot loop (Q4_0/Q4_1/Q8_0; a single row with four
+    # accumulators over blocks: 17 blocks of 32 leave one over), 9+ the row buffer.
     for rows in (1, 3, 8, 11):
         x = torch.randn(rows, in_features, generator=g)
         expected = F.linear(x, w)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.rotary import apply_rotary
 
 # RoPE types whose frequencies do not depend on the sequence being processed.
@@ -72,7 +73,30 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``."""
+        """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``.
+
+        Float32 CPU tensors whose heads are adjacent are rotated in place by the compiled
+        kernel (bit-exact with :func:`apply_rotary`); others by the torch reference."""
+        if (
+            query.device.type == "cpu"
+            and _heads_dense(query)
+            and _heads_dense(key)
+            and positions.dtype == torch.long
+            and positions.is_contiguous()
+        ):
+            ops = cpu_ops()
+            if ops is not None and self.cos.dtype == torch.float32:
+                if self._gathered is None or self._gathered[0] is not positions:
+                    # Once per step (every layer passes the same tensor): the kernel reads
+                    # table rows by position, so positions must be within the table.
+                    if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+                        raise IndexError(
+                            f"position {int(positions.max())} is past the rotary table "
+                            f"({self.cos.shape[0]} positions)"
+                        )
+                    self._gathered = (positions, None, None, None)
+                ops.rotary_neox_(query, key, positions, self.cos, self.sin, self.rotary_dim)
+                return query, key
         # Every layer of a step passes the same positions tensor: gather once per step.
         cached = self._gathered
         if cached is not None and cached[0] is positions and cached[1] == query.dtype:
@@ -85,3 +109,13 @@ class RotaryEmbedding(nn.Module):
             apply_rotary(query, cos, sin, self.rotary_dim),
             apply_rotary(key, cos, sin, self.rotary_dim),
         )
+
+
+def _heads_dense(x: torch.Tensor) -> bool:
+    """``[T, heads, d]`` float32 with each token's heads side by side."""
+    return (
+        x.dim() == 3
+        and x.dtype == torch.float32
+        and x.stride(2) == 1
+        and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+    )

@@ -344,6 +344,57 @@ static float dot(const float *a, const float *b, int64_t k) {
  * Rounds differently from decode-then-dot, within float32 matmul tolerance. */
 #define MAX_FUSED_ROWS 8
 
+/* One block's 32 weights as two vectors of 16 (w = d * q + c, c the block's offset). */
+static inline void fused_block(int qtype, const uint8_t *blk, int qs_off, int has_min, __m512 *lo,
+                               __m512 *hi, float *d, float *c) {
+    *d = f16_to_f32(blk);
+    if (qtype == T_Q8_0) {
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1));
+        *c = 0.0f;
+    } else {
+        q4_values(blk + qs_off, lo, hi);
+        *c = has_min ? f16_to_f32(blk + 2) : -8.0f * *d;
+    }
+}
+
+/* One activation row (decode at batch 1): four independent accumulators over
+ * consecutive blocks, so the multiply-add chains overlap instead of waiting on each
+ * other's latency. */
+static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_bytes, int qs_off,
+                                   int has_min, const float *x, const float *xsum, int64_t nb) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    float off[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        for (int u = 0; u < 4; u++) {
+            __m512 lo, hi;
+            float d, c;
+            fused_block(qtype, row + (b + u) * block_bytes, qs_off, has_min, &lo, &hi, &d, &c);
+            const float *xb = x + (b + u) * 32;
+            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
+            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc[u]);
+            off[u] += c * xsum[b + u];
+        }
+    }
+    for (; b < nb; b++) {
+        __m512 lo, hi;
+        float d, c;
+        fused_block(qtype, row + b * block_bytes, qs_off, has_min, &lo, &hi, &d, &c);
+        const float *xb = x + b * 32;
+        __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+        t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
+        acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc[0]);
+        off[0] += c * xsum[b];
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    return _mm512_reduce_add_ps(sum) + ((off[0] + off[1]) + (off[2] + off[3]));
+}
+
 static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
                         const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
                         int nthreads) {
@@ -364,6 +415,14 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
             for (int l = 0; l < 32; l++) s += x[i * x_stride + b * 32 + l];
             xsum[i * nb + b] = s;
         }
+    if (m == 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t j = 0; j < n; j++)
+            y[j] = fused_row_dot1(qtype, raw + j * row_bytes, block_bytes, qs_off, has_min, x,
+                                  xsum, nb);
+        free(xsum);
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *row = raw + j * row_bytes;

@@ -16,3 +16,5 @@ def pagedllm_register_devices(registry):
 def pagedllm_register_attention_backends(registry):
     # Plain torch (SDPA) over the paged cache; runs wherever torch does.
     registry.add("torch_sdpa", "pagedllm.core.attention.torch_backend:TorchSDPABackend")
+    # The cpu device's: a paged-attention C kernel for decodes, SDPA for long prefills.
+    registry.add("cpu_paged", "pagedllm.plugins.devices.cpu_attention:CpuPagedBackend")

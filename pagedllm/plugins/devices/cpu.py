@@ -21,6 +21,7 @@ class CpuDevice(Device):
     priority = 0
     runs_models = True
     default_block_size = 16
+    attention_backend = "cpu_paged"
     uses_gpu_memory_utilization = False
 
     @classmethod

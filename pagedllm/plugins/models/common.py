@@ -12,10 +12,13 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
+from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.norms import rms_norm
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; float32 CPU rows go to the compiled kernel (:mod:`pagedllm.kernels.cpu_ops`)."""
+
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
@@ -23,7 +26,30 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops() if x.device.type == "cpu" else None
+        if ops is not None and ops.rows_ok(x) and self.weight.dtype == torch.float32:
+            return ops.rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm(x, self.weight, self.eps, self.offset)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, self(residual + x))``, in one pass where the kernel runs."""
+        ops = cpu_ops() if x.device.type == "cpu" else None
+        if (
+            ops is not None
+            and ops.rows_ok(x)
+            and residual.is_contiguous()
+            and residual.dtype == torch.float32
+            and residual.shape == x.shape
+            and self.weight.dtype == torch.float32
+        ):
+            return ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        total = residual + x
+        return total, self(total)
+
+
+SILU_NAMES = frozenset({"silu", "swish"})
 
 
 def activation(name: str) -> nn.Module:

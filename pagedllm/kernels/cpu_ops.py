@@ -1,0 +1,275 @@
+"""ctypes bindings of ``csrc/cpu_ops.c``: RMSNorm (with the residual add), NeoX rotary
+embedding, SiLU·mul and paged attention, for float32 tensors on the CPU.
+
+:func:`cpu_ops` returns the bindings, or None when the library cannot be built (or
+``PAGEDLLM_DISABLE_CPU_KERNELS=1``); callers then use the torch references in
+:mod:`pagedllm.kernels.norms`, :mod:`~pagedllm.kernels.rotary` and
+:mod:`~pagedllm.kernels.attention`. Each binding states what it accepts (float32, last
+dimension dense); :meth:`CpuOps.rows_ok` checks it for callers that dispatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedllm.kernels.native import load_kernel_library
+
+__all__ = ["CpuOps", "cpu_ops"]
+
+_ops: CpuOps | None = None
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a tensor viewed as ``[rows, last dim]``."""
+    if x.dim() == 1:
+        return 1, x.shape[0]
+    return x.numel() // x.shape[-1], x.stride(-2)
+
+
+class CpuOps:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+        lib.pagedllm_rms_norm.argtypes = [
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            f32,
+            f32,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i32,
+        ]
+        lib.pagedllm_rms_norm.restype = None
+        lib.pagedllm_rotary_neox.argtypes = [
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i32,
+        ]
+        lib.pagedllm_rotary_neox.restype = None
+        lib.pagedllm_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
+        lib.pagedllm_silu_mul.restype = None
+        lib.pagedllm_paged_attention.argtypes = [
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            f32,
+            i64,
+            ptr,
+            i64,
+            i32,
+        ]
+        lib.pagedllm_paged_attention.restype = i32
+        self.lib = lib
+
+    @staticmethod
+    def rows_ok(x: torch.Tensor) -> bool:
+        """Whether ``x`` is a float32 CPU tensor of evenly strided, dense rows: contiguous,
+        or 2-D with a dense last dimension."""
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1))
+        )
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` (``[..., h]``, see :meth:`rows_ok`); ``weight``
+        float32, contiguous; ``offset`` is added to it (Gemma)."""
+        h = x.shape[-1]
+        rows, x_stride = _rows(x)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self.lib.pagedllm_rms_norm(
+            x.data_ptr(),
+            x_stride,
+            None,
+            None,
+            weight.data_ptr(),
+            offset,
+            eps,
+            out.data_ptr(),
+            h,
+            rows,
+            h,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, rms_norm(residual + x))``; ``residual`` contiguous, of the
+        shape of ``x``."""
+        h = x.shape[-1]
+        rows, x_stride = _rows(x)
+        total = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self.lib.pagedllm_rms_norm(
+            x.data_ptr(),
+            x_stride,
+            residual.data_ptr(),
+            total.data_ptr(),
+            weight.data_ptr(),
+            offset,
+            eps,
+            out.data_ptr(),
+            h,
+            rows,
+            h,
+            torch.get_num_threads(),
+        )
+        return total, out
+
+    def rotary_neox_(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotary_dim: int,
+    ) -> None:
+        """Rotates ``query`` ``[T, heads, d]`` and ``key`` ``[T, kv_heads, d]`` in place
+        (heads adjacent, tokens evenly strided) with rows ``positions`` of ``cos``/``sin``
+        (``[max_positions, rotary_dim]``, contiguous)."""
+        tokens, heads, head_dim = query.shape
+        self.lib.pagedllm_rotary_neox(
+            query.data_ptr(),
+            query.stride(0),
+            heads,
+            key.data_ptr(),
+            key.stride(0),
+            key.shape[1],
+            head_dim,
+            positions.data_ptr(),
+            tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            rotary_dim,
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``[T, n]`` rows (each evenly strided)."""
+        tokens, n = gate.shape
+        out = torch.empty(tokens, n, dtype=torch.float32)
+        self.lib.pagedllm_silu_mul(
+            gate.data_ptr(),
+            gate.stride(0),
+            up.data_ptr(),
+            up.stride(0),
+            out.data_ptr(),
+            n,
+            tokens,
+            n,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_ranges: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Writes ``key``/``value`` (``[T, kv_heads*d]``) at ``slot_mapping`` into
+        ``kv_cache`` (``[2, blocks, block_size, kv_heads, d]``, contiguous), then attends
+        the query tokens of each sequence into ``out`` (``[T, heads*d]``).
+
+        ``seq_ranges`` is int64 ``[3, S]``: each sequence's first and end token in the
+        flat batch and its context length with this step's tokens; ``block_tables`` is
+        int32 ``[S, max_blocks]``. Tokens of sequences not listed are written to the cache
+        but not attended."""
+        _, num_blocks, block_size = kv_cache.shape[:3]
+        num_seqs = seq_ranges.shape[1]
+        status = self.lib.pagedllm_paged_attention(
+            query.data_ptr(),
+            query.stride(0),
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks * block_size,
+            block_size,
+            slot_mapping.data_ptr(),
+            key.shape[0],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_seqs,
+            seq_ranges[0].data_ptr(),
+            seq_ranges[1].data_ptr(),
+            seq_ranges[2].data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            scale,
+            sliding_window or 0,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if status == -1:
+            raise ValueError(f"head size {head_dim} is over the paged-attention kernel's 512")
+        if status != 0:
+            raise MemoryError("the paged-attention kernel could not allocate its work list")
+
+
+def cpu_ops() -> CpuOps | None:
+    """The compiled kernels, or None (after one warning) when they cannot be built."""
+    global _ops
+    if _ops is None:
+        lib = load_kernel_library("cpu_ops")
+        if lib is not None:
+            _ops = CpuOps(lib)
+    return _ops

@@ -1,0 +1,222 @@
+/* Fused elementwise kernels and paged attention for CPUs (pagedllm/kernels/cpu_ops.py
+ * builds and loads this file on first use, with -march=native for the CPU it runs on, so
+ * the loops below are vectorised for AVX-512 or AVX2, whichever this machine has).
+ *
+ * Float32 only; each has a torch reference (kernels/norms.py, kernels/rotary.py,
+ * kernels/attention.py) and a test against it. Built with -ffp-contract=off, so the
+ * elementwise kernels round exactly like the reference, operation by operation (RoPE is
+ * bit-exact); reductions (the RMS, attention's dot products and softmax) are summed in
+ * another order than torch's and agree to float32 rounding.
+ *
+ * Plain C, no torch headers: called through ctypes with raw pointers; tensors are given
+ * by a data pointer and a row ("token") stride in elements, the last dimension dense.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for float32 in plain branch-free C (so loops over it vectorise), within 2 ulp
+ * of expf over the range softmax and SiLU use; underflows to 0 below -87.3, saturates
+ * above 88.7. Cephes' polynomial on a Cody-Waite reduced argument. */
+static inline float fast_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------- */
+
+/* out = (offset + w) * (r / sqrt(mean(r^2) + eps)) per row, where r = x, or with a
+ * residual r = residual + x, which is also stored in sum (the decoder's "add, then
+ * norm"; sum may be residual itself). The mean of squares is summed in double and
+ * rounded once to float32. Rows of residual and sum are dense (stride h). */
+void pagedllm_rms_norm(const float *x, int64_t x_stride, const float *residual, float *sum,
+                       const float *w, float offset, float eps, float *out, int64_t o_stride,
+                       int64_t rows, int64_t h, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = x + r * x_stride;
+        if (residual != NULL) {
+            const float *res = residual + r * h;
+            float *total = sum + r * h;
+            for (int64_t i = 0; i < h; i++) total[i] = res[i] + src[i];
+            src = total;
+        }
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; i++) {
+            const float sq = src[i] * src[i];
+            ss += (double)sq;
+        }
+        const float var = (float)(ss / (double)h);
+        const float inv = 1.0f / sqrtf(var + eps);
+        float *dst = out + r * o_stride;
+        if (offset != 0.0f) {
+            for (int64_t i = 0; i < h; i++) dst[i] = (src[i] * inv) * (offset + w[i]);
+        } else {
+            for (int64_t i = 0; i < h; i++) dst[i] = w[i] * (src[i] * inv);
+        }
+    }
+}
+
+/* ---- Rotary embedding (NeoX layout), in place ---------------------------------------- */
+
+/* Rotates heads of q [T, nq, head_dim] and k [T, nk, head_dim] (token strides q_ts, k_ts)
+ * by the rows pos[t] of the cos/sin tables [*, rot_dim] (row stride table_stride): the
+ * two halves of the first rot_dim dims are paired, the rest pass through. The same
+ * operations as x * cos + rotate_half(x) * sin, so the same rounding. */
+static inline void rotate_head(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] + (-x2) * s[i];
+        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+    }
+}
+
+void pagedllm_rotary_neox(float *q, int64_t q_ts, int64_t nq, float *k, int64_t k_ts,
+                          int64_t nk, int64_t head_dim, const int64_t *pos, int64_t tokens,
+                          const float *cos_table, const float *sin_table, int64_t table_stride,
+                          int64_t rot_dim, int nthreads) {
+    const int64_t half = rot_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + pos[t] * table_stride;
+        const float *s = sin_table + pos[t] * table_stride;
+        for (int64_t h = 0; h < nq; h++) rotate_head(q + t * q_ts + h * head_dim, c, s, half);
+        for (int64_t h = 0; h < nk; h++) rotate_head(k + t * k_ts + h * head_dim, c, s, half);
+    }
+}
+
+/* ---- SiLU(gate) * up ------------------------------------------------------------------ */
+
+void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
+                       float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *g = gate + t * g_ts, *u = up + t * u_ts;
+        float *o = out + t * o_ts;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float v = g[i];
+            o[i] = (v / (1.0f + fast_expf(-v))) * u[i];
+        }
+    }
+}
+
+/* ---- Paged attention ------------------------------------------------------------------- */
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+#pragma GCC pop_options
+
+#define CHUNK 64
+#define MAX_HEAD_DIM 512
+
+/* The step's keys and values go into the cache [2, num_slots, nk, head_dim] at their
+ * slots; then every query token of the listed sequences attends to its sequence's context
+ * read through the block table, with an online softmax over chunks of keys.
+ *
+ * Sequence i owns flat-batch tokens [q_start[i], q_end[i]) and has ctx_len[i] tokens of
+ * context once this step's are in: its token t sits at position ctx_len - (q_end - t) and
+ * sees positions [max(0, p - window + 1), p] (window <= 0: no window). Block table rows
+ * are int32 with row stride bt_stride. Returns 0, or -1 for a head size over 512. */
+int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64_t k_ts,
+                             const float *v, int64_t v_ts, float *cache, int64_t num_slots,
+                             int64_t block_size, const int64_t *slot_mapping, int64_t tokens,
+                             int64_t nq, int64_t nk, int64_t head_dim, int64_t num_seqs,
+                             const int64_t *q_start, const int64_t *q_end,
+                             const int64_t *ctx_len, const int32_t *block_tables,
+                             int64_t bt_stride, float scale, int64_t window, float *out,
+                             int64_t o_ts, int nthreads) {
+    if (head_dim > MAX_HEAD_DIM) return -1;
+    const int64_t row = nk * head_dim;
+    float *k_cache = cache, *v_cache = cache + num_slots * row;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        memcpy(k_cache + slot * row, k + t * k_ts, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slot * row, v + t * v_ts, sizeof(float) * (size_t)row);
+    }
+    /* Work items: (sequence, query token, head); a prefix sum finds an item's sequence. */
+    int64_t total = 0;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (first == NULL) return -2;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        first[i] = total;
+        total += (q_end[i] - q_start[i]) * nq;
+    }
+    first[num_seqs] = total;
+    const int64_t group = nq / nk;
+#pragma omp parallel num_threads(nthreads) if (total > 1)
+    {
+        float scores[CHUNK];
+        float acc[MAX_HEAD_DIM];
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < total; item++) {
+            while (first[seq + 1] <= item) seq++;
+            while (first[seq] > item) seq--;
+            const int64_t local = item - first[seq];
+            const int64_t t = q_start[seq] + local / nq, h = local % nq, kh = h / group;
+            const int64_t p = ctx_len[seq] - (q_end[seq] - t);
+            const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            const float *qh = q + t * q_ts + h * head_dim;
+            const int32_t *table = block_tables + seq * bt_stride;
+            float m = -INFINITY, l = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
+                const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
+                float cmax = -INFINITY;
+                for (int64_t c = 0; c < n; c++) {
+                    const int64_t j = j0 + c;
+                    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+                    const float sc = dot_f32(qh, k_cache + slot * row + kh * head_dim, head_dim) * scale;
+                    scores[c] = sc;
+                    cmax = sc > cmax ? sc : cmax;
+                }
+                if (cmax > m) {
+                    const float corr = fast_expf(m - cmax); /* m = -inf: exp -> 0 */
+                    l *= corr;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
+                    m = cmax;
+                }
+#pragma omp simd
+                for (int64_t c = 0; c < n; c++) scores[c] = fast_expf(scores[c] - m);
+                for (int64_t c = 0; c < n; c++) {
+                    const int64_t j = j0 + c;
+                    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+                    l += scores[c];
+                    axpy_f32(acc, scores[c], v_cache + slot * row + kh * head_dim, head_dim);
+                }
+            }
+            float *o = out + t * o_ts + h * head_dim;
+            const float inv = 1.0f / l;
+            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[d] * inv;
+        }
+    }
+    free(first);
+    return 0;
+}

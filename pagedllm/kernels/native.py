@@ -1,0 +1,109 @@
+"""Building and loading the C kernels of ``csrc/``, on first use, for this machine.
+
+Each C file is compiled with the system C compiler (``cc``, or ``$CC``) with
+``-march=native`` into ``$PAGEDLLM_CACHE_ROOT/kernels`` (default
+``~/.cache/pagedllm/kernels``), keyed by its source, the flags and the CPU's feature
+flags, and loaded with ctypes; OpenMP is linked under the same soname as torch's, so
+both share one thread pool. The vector paths (AVX-512, AVX2, ...) are therefore chosen
+by the compiler for the CPU at hand, at run time. Without a compiler, or with
+``PAGEDLLM_DISABLE_CPU_KERNELS=1``, :func:`load_kernel_library` returns None (after one
+warning) and callers use their torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["CSRC", "kernels_disabled", "load_kernel_library"]
+
+logger = logging.getLogger("pagedllm.kernels")
+
+CSRC = Path(__file__).with_name("csrc")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_libraries: dict[str, ctypes.CDLL | None] = {}
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS", "") not in ("", "0")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
+    if root:
+        return Path(root).expanduser() / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedllm" / "kernels"
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``). ``-march=native`` code is only valid on
+    a CPU with the same features, so they are part of the cache key (a shared home
+    directory may see several machines)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _build(source: Path) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC or install gcc)")
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join([compiler, *_FLAGS, cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{result.stderr.strip()}")
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    logger.info("built the CPU kernels %s: %s", source.name, target)
+    return target
+
+
+def load_kernel_library(name: str) -> ctypes.CDLL | None:
+    """``csrc/<name>.c`` compiled and loaded (once per process), or None when it cannot
+    be built or kernels are disabled."""
+    if name in _libraries:
+        return _libraries[name]
+    with _lock:
+        if name in _libraries:
+            return _libraries[name]
+        library = None
+        if not kernels_disabled():
+            try:
+                library = ctypes.CDLL(str(_build(CSRC / f"{name}.c")))
+            except (OSError, RuntimeError) as exc:
+                logger.warning(
+                    "CPU kernels %s unavailable, using the (slower) torch reference: %s",
+                    name,
+                    exc,
+                )
+        _libraries[name] = library
+    return library

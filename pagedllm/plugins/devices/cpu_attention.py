@@ -1,0 +1,160 @@
+"""The cpu device's attention backend: a paged-attention kernel (``csrc/cpu_ops.c``) that
+writes the step's keys and values and reads each request's context through its block
+table, with no gather of the context and no padding to the longest one.
+
+Decodes and short prefill chunks (up to :data:`KERNEL_MAX_QUERY` tokens) go to the
+kernel, all of them in one call; longer prefills to ``scaled_dot_product_attention`` as
+in the reference backend, whose GEMM-based kernel is faster over many query rows. Where
+the kernel cannot run (not built, or a KV cache that is not float32) every step takes the
+reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pagedllm.core.attention.metadata import PrefillSequence
+from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.kernels.attention import attention, gather_kv
+from pagedllm.kernels.cpu_ops import CpuOps, cpu_ops
+
+__all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
+
+# Requests adding at most this many tokens in a step are attended by the kernel.
+KERNEL_MAX_QUERY = 16
+
+
+@dataclasses.dataclass(slots=True)
+class PagedMetadata:
+    num_tokens: int
+    # Cache slot of every token of the flat batch.
+    slot_mapping: torch.Tensor
+    # The kernel's requests: int64 [3, S] (first token, end token, context length) and
+    # their block tables, int32 [S, max_blocks].
+    seq_ranges: torch.Tensor
+    block_tables: torch.Tensor
+    # Longer prefills, through SDPA.
+    prefills: list[PrefillSequence]
+    kv_caches: list[torch.Tensor]
+    ops: CpuOps
+    backend: Any = None
+
+
+class CpuPagedBackend(TorchSDPABackend):
+    name = "cpu_paged"
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+    ) -> Any:
+        ops = cpu_ops()
+        if ops is None or not kv_caches or kv_caches[0].dtype != torch.float32:
+            return super().build_metadata(
+                query_lens, context_lens, block_tables, block_size, kv_caches, device
+            )
+        slots: list[int] = []
+        ranges: tuple[list[int], list[int], list[int]] = ([], [], [])
+        tables: list[list[int]] = []
+        prefills: list[PrefillSequence] = []
+        offset = 0
+        for query_len, context_len, blocks in zip(
+            query_lens, context_lens, block_tables, strict=True
+        ):
+            for pos in range(context_len - query_len, context_len):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            if query_len <= KERNEL_MAX_QUERY:
+                ranges[0].append(offset)
+                ranges[1].append(offset + query_len)
+                ranges[2].append(context_len)
+                tables.append(blocks[: -(-context_len // block_size)])
+            else:
+                context_slots = [
+                    blocks[pos // block_size] * block_size + pos % block_size
+                    for pos in range(context_len)
+                ]
+                prefills.append(
+                    PrefillSequence(offset, offset + query_len, torch.tensor(context_slots))
+                )
+            offset += query_len
+        width = max((len(t) for t in tables), default=0)
+        table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+        for row, blocks in enumerate(tables):
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return PagedMetadata(
+            num_tokens=offset,
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            seq_ranges=torch.tensor(ranges, dtype=torch.long).reshape(3, -1),
+            block_tables=table,
+            prefills=prefills,
+            kv_caches=kv_caches,
+            ops=ops,
+            backend=self,
+        )
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        if not isinstance(metadata, PagedMetadata) or not _dense_rows(query, key, value):
+            return super().forward(layer, query, key, value, _reference(metadata))
+        num_tokens = query.shape[0]
+        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        kv_cache = metadata.kv_caches[layer.layer_index]
+        out = query.new_empty((num_tokens, heads * head_dim))
+        metadata.ops.paged_attention(
+            query,
+            key,
+            value,
+            kv_cache,
+            metadata.slot_mapping,
+            metadata.seq_ranges,
+            metadata.block_tables,
+            heads,
+            kv_heads,
+            head_dim,
+            layer.scale,
+            layer.sliding_window,
+            out,
+        )
+        for seq in metadata.prefills:
+            start, end = seq.token_start, seq.token_end
+            q = query[start:end].view(end - start, heads, head_dim)
+            mask = seq.mask(layer.sliding_window)
+            if mask is None:
+                # No cached context: this step's keys are the whole context.
+                keys = key[start:end].view(end - start, kv_heads, head_dim)
+                values = value[start:end].view(end - start, kv_heads, head_dim)
+            else:
+                keys, values = gather_kv(kv_cache, seq.slots)
+            result = attention(
+                q.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                mask,
+                layer.scale,
+                is_causal=mask is None,
+            )
+            out[start:end] = result.reshape(end - start, heads * head_dim)
+        return out
+
+
+def _dense_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+
+
+def _reference(metadata: Any) -> Any:
+    if not isinstance(metadata, PagedMetadata):
+        return metadata
+    raise TypeError("the paged-attention kernel needs float32 query, key and value")

@@ -1,0 +1,216 @@
+"""The compiled CPU kernels of ``csrc/cpu_ops.c`` against their torch references, and the
+cpu device's paged-attention backend against the reference backend."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.core.attention.metadata import AttentionMetadata
+from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.kernels.norms import rms_norm
+from pagedllm.kernels.rotary import apply_rotary
+from pagedllm.plugins.devices import cpu_attention
+from pagedllm.plugins.devices.cpu_attention import CpuPagedBackend, PagedMetadata
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedllm.kernels.cpu_ops import cpu_ops
+
+    loaded = cpu_ops()
+    if loaded is None:
+        pytest.skip("no C compiler: the CPU kernels are not built (the torch path is used)")
+    return loaded
+
+
+def test_rms_norm_matches_reference(ops):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 576, generator=g) * 3
+    w = torch.randn(576, generator=g)
+    for eps, offset in [(1e-5, 0.0), (1e-6, 1.0)]:
+        expected = rms_norm(x, w, eps, offset)
+        got = ops.rms_norm(x, w, eps, offset)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got, x)
+    # Rows of a wider buffer (a view with a row stride), and 3-D contiguous input.
+    wide = torch.randn(4, 600, generator=g)
+    assert ops.rows_ok(wide[:, :576])
+    assert torch.allclose(ops.rms_norm(wide[:, :576], w, 1e-5), rms_norm(wide[:, :576], w, 1e-5))
+    heads = torch.randn(3, 4, 64, generator=g)
+    w64 = torch.randn(64, generator=g)
+    assert torch.allclose(ops.rms_norm(heads, w64, 1e-6), rms_norm(heads, w64, 1e-6), atol=1e-6)
+    assert not ops.rows_ok(heads.transpose(0, 1)) and not ops.rows_ok(x.double())
+
+
+def test_add_rms_norm_returns_the_exact_sum(ops):
+    g = torch.Generator().manual_seed(1)
+    x, residual, w = (
+        torch.randn(6, 128, generator=g),
+        torch.randn(6, 128, generator=g),
+        torch.randn(128, generator=g),
+    )
+    before = residual.clone()
+    total, normed = ops.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(total, before + x)
+    assert torch.equal(residual, before)  # the input is not written
+    assert torch.allclose(normed, rms_norm(before + x, w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_is_bit_exact_on_views_of_a_fused_buffer(ops, rotary_dim):
+    g = torch.Generator().manual_seed(2)
+    tokens, heads, kv_heads, d = 7, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    angles = torch.randn(200, rotary_dim, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 5, 9, 199, 3, 2, 1])
+    expected_q = apply_rotary(q, cos[positions], sin[positions], rotary_dim)
+    expected_k = apply_rotary(k, cos[positions], sin[positions], rotary_dim)
+    ops.rotary_neox_(q, k, positions, cos, sin, rotary_dim)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+def test_silu_mul_matches_reference(ops):
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(5, 2 * 1536, generator=g) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split([1536, 1536], dim=-1)
+    expected = F.silu(gate) * up
+    assert torch.allclose(ops.silu_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
+
+
+# (query_len, context_len, blocks): decodes, a prefill chunk after cached context, a whole
+# short prompt, and (for the backend) prompts past the kernel's query limit.
+SEQUENCES = [(1, 37, [5, 9, 2]), (4, 20, [7, 1]), (1, 1, [3]), (9, 9, [11])]
+LONG = [(40, 40, [20, 21, 22]), (20, 50, [23, 24, 25, 26])]
+NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, D = 40, 16, 9, 3, 64
+
+
+def _batch(sequences, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, D, generator=g)
+    tokens = sum(s[0] for s in sequences)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * D, generator=g)
+    q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=-1)
+    return cache, q, k, v
+
+
+def _reference_attention(cache, q, k, v, sequences, window):
+    """Float64 softmax attention over each request's context, read slot by slot."""
+    flat = cache.double().clone().view(2, -1, KV_HEADS, D)
+    out = torch.empty(q.shape[0], HEADS * D, dtype=torch.float64)
+    offset = 0
+    for query_len, context_len, blocks in sequences:
+        slots = torch.tensor(
+            [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context_len)]
+        )
+        new = slots[context_len - query_len :]
+        flat[0, new] = k[offset : offset + query_len].double().view(-1, KV_HEADS, D)
+        flat[1, new] = v[offset : offset + query_len].double().view(-1, KV_HEADS, D)
+        keys = flat[0, slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        values = flat[1, slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        for t in range(query_len):
+            p = context_len - query_len + t
+            scores = (
+                torch.einsum("hd,khd->hk", q[offset + t].double().view(HEADS, D), keys) * D**-0.5
+            )
+            seen = torch.arange(context_len) <= p
+            if window:
+                seen &= p - torch.arange(context_len) < window
+            scores[:, ~seen] = -math.inf
+            out[offset + t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1)
+        offset += query_len
+    return out.float(), flat.float()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_reference(ops, window):
+    cache, q, k, v = _batch(SEQUENCES)
+    expected, expected_cache = _reference_attention(cache, q, k, v, SEQUENCES, window)
+    slots, ranges, offset = [], [[], [], []], 0
+    tables = torch.zeros(len(SEQUENCES), 4, dtype=torch.int32)
+    for i, (query_len, context_len, blocks) in enumerate(SEQUENCES):
+        slots += [
+            blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            for p in range(context_len - query_len, context_len)
+        ]
+        for row, value in zip(ranges, (offset, offset + query_len, context_len), strict=True):
+            row.append(value)
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        offset += query_len
+    out = torch.full((offset, HEADS * D), math.nan)
+    ops.paged_attention(
+        q,
+        k,
+        v,
+        cache,
+        torch.tensor(slots),
+        torch.tensor(ranges),
+        tables,
+        HEADS,
+        KV_HEADS,
+        D,
+        D**-0.5,
+        window,
+        out,
+    )
+    assert torch.equal(cache.view(2, -1, KV_HEADS, D), expected_cache)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+class _Layer:
+    num_heads, num_kv_heads, head_dim, scale, layer_index = HEADS, KV_HEADS, D, D**-0.5, 0
+
+    def __init__(self, window):
+        self.sliding_window = window
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_backend_matches_the_reference_backend(ops, window):
+    """Decodes and short chunks in the kernel, long prefills (with and without cached
+    context) through SDPA: the same outputs and caches as the reference backend."""
+    sequences = SEQUENCES + LONG
+    cache, q, k, v = _batch(sequences, seed=5)
+    args = (
+        [s[0] for s in sequences],
+        [s[1] for s in sequences],
+        [s[2] for s in sequences],
+        BLOCK_SIZE,
+    )
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    paged = CpuPagedBackend().build_metadata(*args, [ours_cache], torch.device("cpu"))
+    assert isinstance(paged, PagedMetadata) and len(paged.prefills) == len(LONG)
+    reference = TorchSDPABackend().build_metadata(*args, [ref_cache], torch.device("cpu"))
+    layer = _Layer(window)
+    got = paged.backend.forward(layer, q, k, v, paged)
+    expected = reference.backend.forward(layer, q, k, v, reference)
+    assert torch.equal(ours_cache, ref_cache)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    truth, _ = _reference_attention(cache, q, k, v, sequences, window)
+    assert torch.allclose(got, truth, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_falls_back_without_the_kernel(monkeypatch):
+    cache, q, k, v = _batch(SEQUENCES)
+    args = (
+        [s[0] for s in SEQUENCES],
+        [s[1] for s in SEQUENCES],
+        [s[2] for s in SEQUENCES],
+        BLOCK_SIZE,
+    )
+    monkeypatch.setattr(cpu_attention, "cpu_ops", lambda: None)
+    metadata = CpuPagedBackend().build_metadata(*args, [cache], torch.device("cpu"))
+    assert isinstance(metadata, AttentionMetadata)
+    expected, _ = _reference_attention(cache, q, k, v, SEQUENCES, None)
+    got = metadata.backend.forward(_Layer(None), q, k, v, metadata)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # A half-precision cache takes the reference path too.
+    monkeypatch.undo()
+    half = CpuPagedBackend().build_metadata(*args, [cache.bfloat16()], torch.device("cpu"))
+    assert isinstance(half, AttentionMetadata)
