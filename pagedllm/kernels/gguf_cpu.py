@@ -27,6 +27,8 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_dequant.restype = i32
         lib.pagedllm_gguf_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i32]
         lib.pagedllm_gguf_matmul.restype = i32
+        lib.pagedllm_gguf_matmul_q8.argtypes = lib.pagedllm_gguf_matmul.argtypes
+        lib.pagedllm_gguf_matmul_q8.restype = i32
         self.lib = lib
 
     def supports(self, qtype: int) -> bool:
@@ -74,6 +76,34 @@ class GGUFCpuKernels:
             raise ValueError(f"GGML type {qtype} is not supported by the CPU kernels")
         if status != 0:
             raise MemoryError("the GGUF matmul could not allocate its row buffer")
+        return y
+
+    def matmul_q8(
+        self, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+    ) -> torch.Tensor | None:
+        """``x @ W.T`` with ``x`` quantized to 8 bits per block of 32 and integer dot
+        products (Q4_0, Q4_1, Q8_0 weights on AVX2 or newer); None where it does not apply
+        (another type, or a CPU without AVX2)."""
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = self.lib.pagedllm_gguf_matmul_q8(
+            int(qtype),
+            raw.data_ptr(),
+            n,
+            raw.shape[-1],
+            k,
+            x.data_ptr(),
+            m,
+            k,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if status == -1:
+            return None
+        if status != 0:
+            raise MemoryError("the 8-bit GGUF matmul could not allocate its buffers")
         return y
 
 

@@ -120,13 +120,6 @@ void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
@@ -135,15 +128,37 @@ static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
 
 #define CHUNK 64
 #define MAX_HEAD_DIM 512
+#define MAX_GROUP 16
+
+/* q . k for four keys at once: four independent sums, so the vector multiply-adds do not
+ * wait on each other. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline void dot4_f32(const float *q, const float *k0, const float *k1, const float *k2,
+                            const float *k3, int64_t n, float *out) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < n; i++) {
+        s0 += q[i] * k0[i];
+        s1 += q[i] * k1[i];
+        s2 += q[i] * k2[i];
+        s3 += q[i] * k3[i];
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+#pragma GCC pop_options
 
 /* The step's keys and values go into the cache [2, num_slots, nk, head_dim] at their
  * slots; then every query token of the listed sequences attends to its sequence's context
- * read through the block table, with an online softmax over chunks of keys.
+ * read through the block table, with an online softmax over chunks of keys. The query
+ * heads sharing a KV head are one work item, so each key and value row is read once for
+ * all of them.
  *
  * Sequence i owns flat-batch tokens [q_start[i], q_end[i]) and has ctx_len[i] tokens of
  * context once this step's are in: its token t sits at position ctx_len - (q_end - t) and
  * sees positions [max(0, p - window + 1), p] (window <= 0: no window). Block table rows
- * are int32 with row stride bt_stride. Returns 0, or -1 for a head size over 512. */
+ * are int32 with row stride bt_stride. Returns 0; -1 for a head size over 512 or more
+ * than 16 query heads per KV head (the caller then uses its reference). */
 int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64_t k_ts,
                              const float *v, int64_t v_ts, float *cache, int64_t num_slots,
                              int64_t block_size, const int64_t *slot_mapping, int64_t tokens,
@@ -152,7 +167,8 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
                              const int64_t *ctx_len, const int32_t *block_tables,
                              int64_t bt_stride, float scale, int64_t window, float *out,
                              int64_t o_ts, int nthreads) {
-    if (head_dim > MAX_HEAD_DIM) return -1;
+    const int64_t group = nq / nk;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return -1;
     const int64_t row = nk * head_dim;
     float *k_cache = cache, *v_cache = cache + num_slots * row;
     for (int64_t t = 0; t < tokens; t++) {
@@ -160,61 +176,87 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
         memcpy(k_cache + slot * row, k + t * k_ts, sizeof(float) * (size_t)row);
         memcpy(v_cache + slot * row, v + t * v_ts, sizeof(float) * (size_t)row);
     }
-    /* Work items: (sequence, query token, head); a prefix sum finds an item's sequence. */
+    /* Work items: (sequence, query token, KV head); a prefix sum finds an item's sequence. */
     int64_t total = 0;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (first == NULL) return -2;
     for (int64_t i = 0; i < num_seqs; i++) {
         first[i] = total;
-        total += (q_end[i] - q_start[i]) * nq;
+        total += (q_end[i] - q_start[i]) * nk;
     }
     first[num_seqs] = total;
-    const int64_t group = nq / nk;
 #pragma omp parallel num_threads(nthreads) if (total > 1)
     {
-        float scores[CHUNK];
-        float acc[MAX_HEAD_DIM];
+        float scores[MAX_GROUP][CHUNK];
+        float acc[MAX_GROUP][MAX_HEAD_DIM];
+        float m[MAX_GROUP], l[MAX_GROUP];
+        int64_t slots[CHUNK];
         int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < total; item++) {
             while (first[seq + 1] <= item) seq++;
             while (first[seq] > item) seq--;
             const int64_t local = item - first[seq];
-            const int64_t t = q_start[seq] + local / nq, h = local % nq, kh = h / group;
+            const int64_t t = q_start[seq] + local / nk, kh = local % nk;
             const int64_t p = ctx_len[seq] - (q_end[seq] - t);
             const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-            const float *qh = q + t * q_ts + h * head_dim;
+            const float *qt = q + t * q_ts + kh * group * head_dim;
             const int32_t *table = block_tables + seq * bt_stride;
-            float m = -INFINITY, l = 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            for (int64_t g = 0; g < group; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+            }
             for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
                 const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
-                float cmax = -INFINITY;
+                /* Slots of this chunk's keys, walking the block table (no division per key). */
+                int64_t bi = j0 / block_size, off = j0 % block_size;
                 for (int64_t c = 0; c < n; c++) {
-                    const int64_t j = j0 + c;
-                    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-                    const float sc = dot_f32(qh, k_cache + slot * row + kh * head_dim, head_dim) * scale;
-                    scores[c] = sc;
-                    cmax = sc > cmax ? sc : cmax;
+                    slots[c] = ((int64_t)table[bi] * block_size + off) * row + kh * head_dim;
+                    if (++off == block_size) {
+                        off = 0;
+                        bi++;
+                    }
                 }
-                if (cmax > m) {
-                    const float corr = fast_expf(m - cmax); /* m = -inf: exp -> 0 */
-                    l *= corr;
-                    for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
-                    m = cmax;
-                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qh = qt + g * head_dim;
+                    float *sc = scores[g];
+                    int64_t c = 0;
+                    for (; c + 4 <= n; c += 4)
+                        dot4_f32(qh, k_cache + slots[c], k_cache + slots[c + 1],
+                                 k_cache + slots[c + 2], k_cache + slots[c + 3], head_dim, sc + c);
+                    for (; c < n; c++) {
+                        float four[4];
+                        const float *kc = k_cache + slots[c];
+                        dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
+                        sc[c] = four[0];
+                    }
+                    float cmax = -INFINITY;
+                    for (c = 0; c < n; c++) {
+                        sc[c] *= scale;
+                        cmax = sc[c] > cmax ? sc[c] : cmax;
+                    }
+                    if (cmax > m[g]) {
+                        const float corr = fast_expf(m[g] - cmax); /* m = -inf: exp -> 0 */
+                        l[g] *= corr;
+                        for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
+                        m[g] = cmax;
+                    }
+                    const float mg = m[g];
 #pragma omp simd
-                for (int64_t c = 0; c < n; c++) scores[c] = fast_expf(scores[c] - m);
+                    for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+                    for (c = 0; c < n; c++) l[g] += sc[c];
+                }
                 for (int64_t c = 0; c < n; c++) {
-                    const int64_t j = j0 + c;
-                    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-                    l += scores[c];
-                    axpy_f32(acc, scores[c], v_cache + slot * row + kh * head_dim, head_dim);
+                    const float *vc = v_cache + slots[c];
+                    for (int64_t g = 0; g < group; g++) axpy_f32(acc[g], scores[g][c], vc, head_dim);
                 }
             }
-            float *o = out + t * o_ts + h * head_dim;
-            const float inv = 1.0f / l;
-            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[d] * inv;
+            for (int64_t g = 0; g < group; g++) {
+                float *o = out + t * o_ts + (kh * group + g) * head_dim;
+                const float inv = 1.0f / l[g];
+                for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+            }
         }
     }
     free(first);

@@ -18,8 +18,8 @@ import torch
 
 from pagedllm.core.attention.metadata import PrefillSequence
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
-from pagedllm.kernels.attention import attention, gather_kv
-from pagedllm.kernels.cpu_ops import CpuOps, cpu_ops
+from pagedllm.kernels.attention import attention, gather_kv, write_kv_cache
+from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 
@@ -113,6 +113,17 @@ class CpuPagedBackend(TorchSDPABackend):
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         kv_cache = metadata.kv_caches[layer.layer_index]
         out = query.new_empty((num_tokens, heads * head_dim))
+        if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
+            # Past the kernel's limits: every request through SDPA.
+            write_kv_cache(
+                key.view(num_tokens, kv_heads, head_dim),
+                value.view(num_tokens, kv_heads, head_dim),
+                kv_cache,
+                metadata.slot_mapping,
+            )
+            for seq in [*_kernel_sequences(metadata, kv_cache.shape[2]), *metadata.prefills]:
+                _sdpa(layer, query, key, value, kv_cache, seq, out)
+            return out
         metadata.ops.paged_attention(
             query,
             key,
@@ -129,25 +140,51 @@ class CpuPagedBackend(TorchSDPABackend):
             out,
         )
         for seq in metadata.prefills:
-            start, end = seq.token_start, seq.token_end
-            q = query[start:end].view(end - start, heads, head_dim)
-            mask = seq.mask(layer.sliding_window)
-            if mask is None:
-                # No cached context: this step's keys are the whole context.
-                keys = key[start:end].view(end - start, kv_heads, head_dim)
-                values = value[start:end].view(end - start, kv_heads, head_dim)
-            else:
-                keys, values = gather_kv(kv_cache, seq.slots)
-            result = attention(
-                q.unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                mask,
-                layer.scale,
-                is_causal=mask is None,
-            )
-            out[start:end] = result.reshape(end - start, heads * head_dim)
+            _sdpa(layer, query, key, value, kv_cache, seq, out)
         return out
+
+
+def _sdpa(
+    layer: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSequence,
+    out: torch.Tensor,
+) -> None:
+    """One request's attention through SDPA into its rows of ``out`` (its keys and values
+    are already in the cache)."""
+    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    start, end = seq.token_start, seq.token_end
+    q = query[start:end].view(end - start, heads, head_dim)
+    mask = seq.mask(layer.sliding_window)
+    if mask is None:
+        # No cached context: this step's keys are the whole context.
+        keys = key[start:end].view(end - start, kv_heads, head_dim)
+        values = value[start:end].view(end - start, kv_heads, head_dim)
+    else:
+        keys, values = gather_kv(kv_cache, seq.slots)
+    result = attention(
+        q.unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        mask,
+        layer.scale,
+        is_causal=mask is None,
+    )
+    out[start:end] = result.reshape(end - start, heads * head_dim)
+
+
+def _kernel_sequences(metadata: PagedMetadata, block_size: int) -> list[PrefillSequence]:
+    """The kernel's requests as SDPA sequences (context slots from their block tables)."""
+    sequences = []
+    for row, (start, end, context) in enumerate(metadata.seq_ranges.T.tolist()):
+        blocks = metadata.block_tables[row]
+        positions = torch.arange(context)
+        slots = blocks[positions // block_size].long() * block_size + positions % block_size
+        sequences.append(PrefillSequence(start, end, slots))
+    return sequences
 
 
 def _dense_rows(*tensors: torch.Tensor) -> bool:
