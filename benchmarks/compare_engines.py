@@ -512,6 +512,16 @@ def plot(results: dict[str, dict[str, Any]], cpu: dict[str, Any], path: Path) ->
     print(f"plot: {path}")
 
 
+README_START, README_END = "<!-- compare_engines:start -->", "<!-- compare_engines:end -->"
+
+
+def update_readme(path: Path, text: str) -> None:
+    content = path.read_text(encoding="utf-8")
+    head, rest = content.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    path.write_text(f"{head}{README_START}\n{text}\n{README_END}{tail}", encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=Path, default=Path.home() / "peers")
@@ -531,6 +541,13 @@ def main() -> None:
         help="also run pagedllm from this checkout (e.g. a git worktree of an older commit)",
     )
     parser.add_argument("--parts", default="offline,batch1,serve")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=None,
+        help="write the table (without baselines) between the compare_engines markers of "
+        "this Markdown file",
+    )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     wanted, parts = args.engines.split(","), args.parts.split(",")
@@ -583,6 +600,9 @@ def main() -> None:
         )
     )
     plot(results, cpu, args.out / "throughput_vs_concurrency.png")
+    if args.readme is not None:
+        shown = {name: figures for name, figures in results.items() if "@" not in name}
+        update_readme(args.readme, f"{table(cpu, shown, args)}\n\n({time.strftime('%Y-%m-%d')})")
     if shutil.which("lscpu"):
         print(run(["lscpu"]).split("Flags")[0])
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf_reference import assert_greedy_parity, hf_gguf_model
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
 from pagedllm.plugins.loaders.gguf import GGUFLoader, reverse_permute
 from pagedllm.plugins.loaders.gguf_arch import ARCHITECTURES
@@ -185,3 +185,24 @@ def test_packed_layers_of_one_type_are_fused_when_built():
         qtype = types[layer.prefix.split(".")[-1]]
         expected = gguf_linear(x, layer.weight, qtype, layer.output_size, 64, layer.bias)
         assert torch.allclose(out, expected, atol=1e-4)
+
+
+def test_native_decoder_layers_match_the_module_path():
+    """Decode steps of the Q4_1 Llama layers run as one native call per layer; their
+    tokens and logprobs are bit-identical to the op-by-op path they replace."""
+    llm = LLM(
+        str(SMOLLM2_GGUF), dtype="float32", disable_log_stats=True, enable_prefix_caching=False
+    )
+    layers = llm.llm_engine.runner.model.model.layers
+    prompts = [{"prompt_token_ids": list(range(1000, 1100))}, {"prompt_token_ids": [5, 6, 7]}]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    assert all(layer._native for layer in layers)
+    for layer in layers:
+        layer._native = False
+    modules = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(native, modules, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs
+        ]

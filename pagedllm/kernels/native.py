@@ -65,8 +65,10 @@ def _build(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
+    # Every file of csrc/ is part of the key: a source may #include the others.
+    sources = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([compiler, *_FLAGS, cpu_flags()]).encode()
+        source.name.encode() + sources + " ".join([compiler, *_FLAGS, cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

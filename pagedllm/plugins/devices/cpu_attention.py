@@ -41,6 +41,9 @@ class PagedMetadata:
     kv_caches: list[torch.Tensor]
     ops: CpuOps
     backend: Any = None
+    # Per-step arguments of the native decoder layer (pagedllm.kernels.cpu_layer), built
+    # by the first layer that runs it.
+    native_step: Any = None
 
 
 class CpuPagedBackend(TorchSDPABackend):

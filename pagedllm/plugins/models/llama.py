@@ -107,7 +107,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    # The layer as one native call where it qualifies (pagedllm.kernels.cpu_layer); built
+    # at the first step, once the weights are loaded. False: it does not qualify.
+    _native: Any = None
+
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
+        if hidden.device.type == "cpu":
+            if self._native is None:
+                from pagedllm.kernels.cpu_layer import native_decoder_layer
+
+                self._native = native_decoder_layer(self, rotary) or False
+            if self._native:
+                out = self._native(positions, hidden, metadata)
+                if out is not None:
+                    return out
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
         hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
         return hidden + self.mlp(normed)

@@ -1,0 +1,223 @@
+"""A Llama-family decoder layer as one native call (``csrc/cpu_layer.c``) for decode steps
+on the CPU with GGUF weights.
+
+:func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
+when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weight, packed
+output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE in
+float32), else None. Calling it runs the layer for a step of at most
+:data:`~pagedllm.kernels.gguf_matmul.FUSED_MAX_ROWS` tokens whose attention is all in the
+paged-attention kernel (decodes and short chunks), and returns None for any other step, which
+the module then computes op by op. The native call runs the very kernels of that path in
+the same order, so both give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM
+from pagedllm.kernels.gguf_matmul import FUSED_MAX_ROWS, FUSED_TYPES, int8_activations
+from pagedllm.kernels.native import load_kernel_library
+
+__all__ = ["NativeDecoderLayer", "native_decoder_layer"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _StepArgs(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i64),
+        ("positions", _ptr),
+        ("slot_mapping", _ptr),
+        ("num_seqs", _i64),
+        ("q_start", _ptr),
+        ("q_end", _ptr),
+        ("ctx_len", _ptr),
+        ("block_tables", _ptr),
+        ("bt_stride", _i64),
+        ("int8", _i64),
+        ("nthreads", _i64),
+    ]
+
+
+class _LayerArgs(ctypes.Structure):
+    _fields_ = [
+        *[(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")],
+        *[(name, _ptr) for name in ("ln1", "ln2", "qkv", "o", "gate_up", "down")],
+        *[(f"{name}_type", _i64) for name in ("qkv", "o", "gate_up", "down")],
+        *[(f"{name}_row_bytes", _i64) for name in ("qkv", "o", "gate_up", "down")],
+        ("cos_table", _ptr),
+        ("sin_table", _ptr),
+        ("table_stride", _i64),
+        ("rot_dim", _i64),
+        ("cache", _ptr),
+        *[(name, _i64) for name in ("num_slots", "block_size", "window")],
+        *[(name, _f32) for name in ("eps1", "eps2", "scale", "pad")],
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is None:
+        lib = load_kernel_library("cpu_layer")
+        if lib is None:
+            return None
+        lib.pagedllm_llama_layer.argtypes = [_ptr, _ptr, _ptr, _ptr]
+        lib.pagedllm_llama_layer.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, int] | None:
+    """(raw weight, GGML type) of a bias-free packed GGUF product of a fused type."""
+    from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
+
+    if isinstance(module, PackedFusedLinear):
+        if module.bias is not None or (sizes is not None and module.sizes != sizes):
+            return None
+        weight, qtype = module.weight, module.qtype
+    elif isinstance(getattr(module, "method", None), GGUFLinearMethod) and sizes is None:
+        if module.bias is not None:
+            return None
+        weight, qtype = module.weight, module.method.qtype
+    else:
+        return None
+    if qtype not in FUSED_TYPES or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    return weight, int(qtype)
+
+
+def _plain_norm(norm: Any) -> bool:
+    return (
+        getattr(norm, "offset", None) == 0.0
+        and norm.weight.dtype == torch.float32
+        and norm.weight.is_contiguous()
+    )
+
+
+class NativeDecoderLayer:
+    def __init__(self, lib: ctypes.CDLL, layer: Any, rotary: Any, parts: dict[str, Any]) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.lib = lib
+        self.layer_index = attn.attn.layer_index
+        self.rotary = rotary
+        # Kept so the pointers below stay valid (and are checked against on every call).
+        self.tensors = [
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            *(parts[name][0] for name in ("qkv", "o", "gate_up", "down")),
+            rotary.cos,
+            rotary.sin,
+        ]
+        self.pointers = [t.data_ptr() for t in self.tensors]
+        args = _LayerArgs()
+        args.hidden = layer.input_layernorm.weight.shape[0]
+        args.heads, args.kv_heads, args.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        args.inter = mlp.down_proj.input_size
+        args.ln1, args.ln2 = self.pointers[0], self.pointers[1]
+        args.eps1 = layer.input_layernorm.eps
+        args.eps2 = layer.post_attention_layernorm.eps
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight, qtype = parts[name]
+            setattr(args, name, weight.data_ptr())
+            setattr(args, f"{name}_type", qtype)
+            setattr(args, f"{name}_row_bytes", weight.shape[-1])
+        args.cos_table, args.sin_table = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+        args.table_stride, args.rot_dim = rotary.cos.stride(0), rotary.rotary_dim
+        args.scale = attn.attn.scale
+        args.window = attn.attn.sliding_window or 0
+        self.args = args
+
+    def __call__(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any
+    ) -> torch.Tensor | None:
+        from pagedllm.plugins.devices.cpu_attention import PagedMetadata
+
+        if (
+            not isinstance(metadata, PagedMetadata)
+            or metadata.prefills
+            or hidden.dim() != 2
+            or hidden.shape[0] > FUSED_MAX_ROWS
+            or hidden.dtype != torch.float32
+            or not hidden.is_contiguous()
+            or [t.data_ptr() for t in self.tensors] != self.pointers
+        ):
+            return None
+        step = metadata.native_step
+        if step is None or step[0] is not positions:
+            step = metadata.native_step = (positions, *self._step_args(positions, metadata))
+        cache = metadata.kv_caches[self.layer_index]
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            return None
+        args = self.args
+        args.cache = cache.data_ptr()
+        args.num_slots = cache.shape[1] * cache.shape[2]
+        args.block_size = cache.shape[2]
+        out = torch.empty_like(hidden)
+        status = self.lib.pagedllm_llama_layer(
+            ctypes.addressof(args), ctypes.addressof(step[1]), hidden.data_ptr(), out.data_ptr()
+        )
+        if status == -2:
+            raise MemoryError("the native decoder layer could not allocate its buffers")
+        if status != 0:
+            raise RuntimeError(f"the native decoder layer failed ({status})")
+        return out
+
+    def _step_args(self, positions: torch.Tensor, metadata: Any) -> tuple[Any, ...]:
+        if positions.dtype != torch.long or not positions.is_contiguous():
+            raise TypeError("positions must be a contiguous int64 tensor")
+        if positions.numel() and int(positions.max()) >= self.rotary.cos.shape[0]:
+            raise IndexError(
+                f"position {int(positions.max())} is past the rotary table "
+                f"({self.rotary.cos.shape[0]} positions)"
+            )
+        ranges, tables = metadata.seq_ranges, metadata.block_tables
+        step = _StepArgs()
+        step.tokens = positions.shape[0]
+        step.positions = positions.data_ptr()
+        step.slot_mapping = metadata.slot_mapping.data_ptr()
+        step.num_seqs = ranges.shape[1]
+        step.q_start, step.q_end = ranges[0].data_ptr(), ranges[1].data_ptr()
+        step.ctx_len = ranges[2].data_ptr()
+        step.block_tables, step.bt_stride = tables.data_ptr(), tables.stride(0)
+        step.int8 = int(int8_activations())
+        step.nthreads = torch.get_num_threads()
+        # The tensors whose pointers the arguments hold stay referenced with them.
+        return step, ranges, tables, metadata.slot_mapping
+
+
+def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
+    """The native form of a built Llama-family decoder layer, or None where it does not
+    apply (see the module docstring)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if getattr(attn, "q_norm", None) is not None or not getattr(mlp, "silu", False):
+        return None
+    if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
+        return None
+    if not (_plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm)):
+        return None
+    cos = getattr(rotary, "cos", None)
+    if cos is None or cos.dtype != torch.float32 or not cos.is_contiguous():
+        return None
+    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    if len(attn.qkv.runs) != 1 or len(mlp.gate_up.runs) != 1:
+        return None
+    inter = mlp.down_proj.input_size
+    parts = {
+        "qkv": _packed(attn.qkv.runs[0], [q_size, kv_size, kv_size]),
+        "o": _packed(attn.o_proj),
+        "gate_up": _packed(mlp.gate_up.runs[0], [inter, inter]),
+        "down": _packed(mlp.down_proj),
+    }
+    if any(part is None for part in parts.values()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    return NativeDecoderLayer(lib, layer, rotary, parts)

@@ -1,0 +1,85 @@
+/* One Llama-family decoder layer in a single call, for decode steps on the CPU with GGUF
+ * weights (pagedllm/kernels/cpu_layer.py builds and loads this file). It runs the same
+ * kernels the layer's modules call one by one from Python (gguf_cpu.c, cpu_ops.c, compiled
+ * into this library), in the same order on the same buffers, so its results are
+ * bit-identical to that path; what it saves is the Python between them (about 10 calls
+ * and their tensors per layer).
+ *
+ *   normed = rms_norm(x, ln1)          qkv = normed @ Wqkv.T        rope(q, k)
+ *   attn = paged_attention(q, k, v)    o = attn @ Wo.T
+ *   s = x + o, normed = rms_norm(s, ln2)
+ *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
+ */
+#include "gguf_cpu.c"
+#include "cpu_ops.c"
+
+typedef struct {
+    int64_t tokens;
+    const int64_t *positions;
+    const int64_t *slot_mapping;
+    int64_t num_seqs;
+    const int64_t *q_start, *q_end, *ctx_len;
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    int64_t int8; /* 8-bit activations for the GGUF products */
+    int64_t nthreads;
+} step_args;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    const float *ln1, *ln2;
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
+    const float *cos_table, *sin_table;
+    int64_t table_stride, rot_dim;
+    float *cache;
+    int64_t num_slots, block_size, window;
+    float eps1, eps2, scale, pad;
+} layer_args;
+
+static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
+                   int64_t row_bytes, int64_t k, const float *x, int64_t m, float *y) {
+    if (S->int8) {
+        const int status = pagedllm_gguf_matmul_q8((int)qtype, raw, n, row_bytes, k, x, m, k, y,
+                                                   n, (int)S->nthreads);
+        if (status != -1) return status;
+    }
+    return pagedllm_gguf_matmul((int)qtype, raw, n, row_bytes, k, x, m, k, y, n, (int)S->nthreads);
+}
+
+/* 0 on success; -1/-2 as the kernels it calls (unsupported shape or type, no memory). */
+int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x, float *y) {
+    const int64_t T = S->tokens, H = L->hidden, D = L->head_dim;
+    const int64_t nq = L->heads * D, nkv = L->kv_heads * D, nqkv = nq + 2 * nkv, I = L->inter;
+    const int nt = (int)S->nthreads;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(T * (H + nqkv + nq + H + H + H + 2 * I + I)));
+    if (buf == NULL) return -2;
+    float *normed = buf, *qkv = normed + T * H, *attn = qkv + T * nqkv, *o = attn + T * nq;
+    float *sum = o + T * H, *normed2 = sum + T * H, *gu = normed2 + T * H, *act = gu + T * 2 * I;
+    float *down = y; /* the down projection lands in y, then the residual is added */
+    int status;
+    pagedllm_rms_norm(x, H, NULL, NULL, L->ln1, 0.0f, L->eps1, normed, H, T, H, nt);
+    status = product(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
+    if (status != 0) goto done;
+    pagedllm_rotary_neox(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
+                         L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
+    status = pagedllm_paged_attention(qkv, nqkv, qkv + nq, nqkv, qkv + nq + nkv, nqkv, L->cache,
+                                      L->num_slots, L->block_size, S->slot_mapping, T, L->heads,
+                                      L->kv_heads, D, S->num_seqs, S->q_start, S->q_end,
+                                      S->ctx_len, S->block_tables, S->bt_stride, L->scale,
+                                      L->window, attn, nq, nt);
+    if (status != 0) goto done;
+    status = product(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
+    if (status != 0) goto done;
+    pagedllm_rms_norm(o, H, x, sum, L->ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
+    status = product(S, L->gate_up_type, L->gate_up, 2 * I, L->gate_up_row_bytes, H, normed2, T, gu);
+    if (status != 0) goto done;
+    pagedllm_silu_mul(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    status = product(S, L->down_type, L->down, H, L->down_row_bytes, I, act, T, down);
+    if (status != 0) goto done;
+    for (int64_t i = 0; i < T * H; i++) y[i] = sum[i] + down[i];
+done:
+    free(buf);
+    return status;
+}

@@ -1,0 +1,74 @@
+"""The side-by-side benchmark script's report (the engines themselves are not run here:
+``benchmarks/compare_engines.py`` needs the peers installed, see its docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_engines.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare_engines", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_names_the_cpu_and_every_figure(compare):
+    cpu = {"model": "Test CPU", "cores": 2, "isa": ["avx2", "avx512f"]}
+    args = argparse.Namespace(num_prompts=64, input_len=128, output_len=128, concurrency=[1, 8])
+    results = {
+        "pagedllm": {
+            "offline": {"total_tok_s": 400.4},
+            "batch1": {"request_s": 1.234},
+            "serve": {
+                "start_s": 4.56,
+                "rss_mb": 550.2,
+                "concurrency": {8: {"output_tok_s": 120.6, "median_ttft_ms": 300.4}},
+            },
+        },
+        "llama.cpp": {
+            "offline": {"error": "exited 1"},
+            "batch1": {"request_s": 1.6, "decode_ms_per_token": 9.06},
+        },
+        "vllm-cpu": {
+            "offline": {
+                "total_tok_s": 748.0,
+                "total_tok_s_float32": 504.4,
+                "total_tok_s_bfloat16": 748.0,
+            }
+        },
+    }
+    text = compare.table(cpu, results, args)
+    lines = text.splitlines()
+    assert lines[0] == ("CPU: Test CPU, 2 cores, avx2 avx512f; 64 x (128 in / 128 out)")
+    assert "| figure | pagedllm | llama.cpp | vllm-cpu |" in lines
+    assert "| offline, total tok/s | 400 | — | 748 |" in lines
+    assert "| batch-1 request, s | 1.23 | 1.60 | — |" in lines
+    assert "| decode ms/token (llama-bench tg) | — | 9.1 | — |" in lines
+    assert "| served, c=8, output tok/s | 121 | — | — |" in lines
+    assert "| served, c=8, median TTFT ms | 300 | — | — |" in lines
+    assert "| start to /health, s | 4.6 | — | — |" in lines
+    assert "| server RSS, MB | 550 | — | — |" in lines
+    assert lines[-1] == "vLLM-CPU offline by dtype: float32 504, bfloat16 748 total tok/s."
+
+
+def test_cpu_description_reads_this_machine(compare):
+    cpu = compare.cpu_description()
+    assert cpu["cores"] >= 1 and cpu["model"]
+    assert set(cpu["isa"]) <= {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}
+
+
+def test_readme_table_goes_between_the_markers(compare, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{compare.README_START}\nold\n{compare.README_END}\nrest\n")
+    compare.update_readme(readme, "| new |")
+    assert readme.read_text() == (
+        f"intro\n{compare.README_START}\n| new |\n{compare.README_END}\nrest\n"
+    )
