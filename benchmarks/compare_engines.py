@@ -495,6 +495,8 @@ def plot(results: dict[str, dict[str, Any]], cpu: dict[str, Any], path: Path) ->
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for engine, figures in results.items():
+        if "@" in engine:  # baselines are in results.json, not in the picture
+            continue
         points = figures.get("serve", {}).get("concurrency", {})
         if points:
             xs = sorted(points, key=int)

@@ -21,7 +21,8 @@
  * above 88.7. Cephes' polynomial on a Cody-Waite reduced argument. */
 static inline float fast_expf(float x) {
     x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (vectorises where floorf may not). */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -31,10 +32,12 @@ static inline float fast_expf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
+    union {
+        int32_t i;
+        float f;
+    } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------- */
@@ -102,18 +105,19 @@ void pagedllm_rotary_neox(float *q, int64_t q_ts, int64_t nq, float *k, int64_t 
 
 /* ---- SiLU(gate) * up ------------------------------------------------------------------ */
 
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
+                         int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = g[i];
+        o[i] = (v / (1.0f + fast_expf(-v))) * u[i];
+    }
+}
+
 void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
                        float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *g = gate + t * g_ts, *u = up + t * u_ts;
-        float *o = out + t * o_ts;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float v = g[i];
-            o[i] = (v / (1.0f + fast_expf(-v))) * u[i];
-        }
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        silu_mul_row(gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
 }
 
 /* ---- Paged attention ------------------------------------------------------------------- */

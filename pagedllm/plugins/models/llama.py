@@ -74,6 +74,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
+SILU_KERNEL_MAX_ROWS = 64
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, quant, prefix: str) -> None:
         super().__init__()
@@ -90,8 +93,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        ops = cpu_ops() if self.silu and gate.device.type == "cpu" else None
-        if ops is not None and gate.dim() == 2 and ops.rows_ok(gate) and ops.rows_ok(up):
+        # The kernel saves two torch calls on the few rows of a decode step; over many rows
+        # (prefill) torch's own vectorised SiLU is faster.
+        small = gate.dim() == 2 and gate.shape[0] <= SILU_KERNEL_MAX_ROWS
+        ops = cpu_ops() if small and self.silu and gate.device.type == "cpu" else None
+        if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up):
             return self.down_proj(ops.silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
