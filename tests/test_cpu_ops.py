@@ -171,25 +171,37 @@ class _Layer:
         self.sliding_window = window
 
 
+def _metadata_args(sequences) -> tuple:
+    """``build_metadata``'s query lengths, context lengths, block tables and block size."""
+    return (
+        [s[0] for s in sequences],
+        [s[1] for s in sequences],
+        [s[2] for s in sequences],
+        BLOCK_SIZE,
+    )
+
+
+def _both_backends(sequences, cache, q, k, v, layer):
+    """The paged backend's and the reference backend's outputs and caches for one step."""
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    cpu = torch.device("cpu")
+    paged = CpuPagedBackend().build_metadata(*_metadata_args(sequences), [ours_cache], cpu)
+    reference = TorchSDPABackend().build_metadata(*_metadata_args(sequences), [ref_cache], cpu)
+    got = paged.backend.forward(layer, q, k, v, paged)
+    expected = reference.backend.forward(layer, q, k, v, reference)
+    return paged, got, expected, ours_cache, ref_cache
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_backend_matches_the_reference_backend(ops, window):
     """Decodes and short chunks in the kernel, long prefills (with and without cached
     context) through SDPA: the same outputs and caches as the reference backend."""
     sequences = SEQUENCES + LONG
     cache, q, k, v = _batch(sequences, seed=5)
-    args = (
-        [s[0] for s in sequences],
-        [s[1] for s in sequences],
-        [s[2] for s in sequences],
-        BLOCK_SIZE,
+    paged, got, expected, ours_cache, ref_cache = _both_backends(
+        sequences, cache, q, k, v, _Layer(window)
     )
-    ours_cache, ref_cache = cache.clone(), cache.clone()
-    paged = CpuPagedBackend().build_metadata(*args, [ours_cache], torch.device("cpu"))
     assert isinstance(paged, PagedMetadata) and len(paged.prefills) == len(LONG)
-    reference = TorchSDPABackend().build_metadata(*args, [ref_cache], torch.device("cpu"))
-    layer = _Layer(window)
-    got = paged.backend.forward(layer, q, k, v, paged)
-    expected = reference.backend.forward(layer, q, k, v, reference)
     assert torch.equal(ours_cache, ref_cache)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     truth, _ = _reference_attention(cache, q, k, v, sequences, window)
@@ -198,12 +210,7 @@ def test_backend_matches_the_reference_backend(ops, window):
 
 def test_backend_falls_back_without_the_kernel(monkeypatch):
     cache, q, k, v = _batch(SEQUENCES)
-    args = (
-        [s[0] for s in SEQUENCES],
-        [s[1] for s in SEQUENCES],
-        [s[2] for s in SEQUENCES],
-        BLOCK_SIZE,
-    )
+    args = _metadata_args(SEQUENCES)
     monkeypatch.setattr(cpu_attention, "cpu_ops", lambda: None)
     metadata = CpuPagedBackend().build_metadata(*args, [cache], torch.device("cpu"))
     assert isinstance(metadata, AttentionMetadata)
@@ -226,19 +233,9 @@ def test_backend_past_the_kernel_limits_uses_sdpa(ops):
     q = torch.randn(tokens, heads * d, generator=g)
     k = torch.randn(tokens, kv_heads * d, generator=g)
     v = torch.randn(tokens, kv_heads * d, generator=g)
-    args = (
-        [s[0] for s in sequences],
-        [s[1] for s in sequences],
-        [s[2] for s in sequences],
-        BLOCK_SIZE,
-    )
-    ours_cache, ref_cache = cache.clone(), cache.clone()
-    paged = CpuPagedBackend().build_metadata(*args, [ours_cache], torch.device("cpu"))
-    reference = TorchSDPABackend().build_metadata(*args, [ref_cache], torch.device("cpu"))
     layer = _Layer(None)
     layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale = heads, kv_heads, d, d**-0.5
-    got = paged.backend.forward(layer, q, k, v, paged)
-    expected = reference.backend.forward(layer, q, k, v, reference)
+    paged, got, expected, ours_cache, ref_cache = _both_backends(sequences, cache, q, k, v, layer)
     assert torch.equal(ours_cache, ref_cache)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="query heads per KV head"):

@@ -14,6 +14,7 @@ the same order, so both give bit-identical results.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -59,19 +60,13 @@ class _LayerArgs(ctypes.Structure):
     ]
 
 
-_lib: ctypes.CDLL | None = None
-
-
+@functools.cache
 def _library() -> ctypes.CDLL | None:
-    global _lib
-    if _lib is None:
-        lib = load_kernel_library("cpu_layer")
-        if lib is None:
-            return None
+    lib = load_kernel_library("cpu_layer")
+    if lib is not None:
         lib.pagedllm_llama_layer.argtypes = [_ptr, _ptr, _ptr, _ptr]
         lib.pagedllm_llama_layer.restype = ctypes.c_int
-        _lib = lib
-    return _lib
+    return lib
 
 
 def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, int] | None:
@@ -172,11 +167,7 @@ class NativeDecoderLayer:
     def _step_args(self, positions: torch.Tensor, metadata: Any) -> tuple[Any, ...]:
         if positions.dtype != torch.long or not positions.is_contiguous():
             raise TypeError("positions must be a contiguous int64 tensor")
-        if positions.numel() and int(positions.max()) >= self.rotary.cos.shape[0]:
-            raise IndexError(
-                f"position {int(positions.max())} is past the rotary table "
-                f"({self.rotary.cos.shape[0]} positions)"
-            )
+        self.rotary.check_positions(positions)
         ranges, tables = metadata.seq_ranges, metadata.block_tables
         step = _StepArgs()
         step.tokens = positions.shape[0]

@@ -11,6 +11,7 @@ dimension dense); :meth:`CpuOps.rows_ok` checks it for callers that dispatch.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -18,7 +19,6 @@ from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
 
-_ops: CpuOps | None = None
 # Limits of the paged-attention kernel (csrc/cpu_ops.c).
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
@@ -113,23 +113,8 @@ class CpuOps:
     ) -> torch.Tensor:
         """RMSNorm of the rows of ``x`` (``[..., h]``, see :meth:`rows_ok`); ``weight``
         float32, contiguous; ``offset`` is added to it (Gemma)."""
-        h = x.shape[-1]
-        rows, x_stride = _rows(x)
         out = torch.empty(x.shape, dtype=torch.float32)
-        self.lib.pagedllm_rms_norm(
-            x.data_ptr(),
-            x_stride,
-            None,
-            None,
-            weight.data_ptr(),
-            offset,
-            eps,
-            out.data_ptr(),
-            h,
-            rows,
-            h,
-            torch.get_num_threads(),
-        )
+        self._rms_norm(x, None, None, weight, eps, offset, out)
         return out
 
     def add_rms_norm(
@@ -142,15 +127,28 @@ class CpuOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual + x, rms_norm(residual + x))``; ``residual`` contiguous, of the
         shape of ``x``."""
-        h = x.shape[-1]
-        rows, x_stride = _rows(x)
         total = torch.empty(x.shape, dtype=torch.float32)
         out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(x, residual, total, weight, eps, offset, out)
+        return total, out
+
+    def _rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        total: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        out: torch.Tensor,
+    ) -> None:
+        h = x.shape[-1]
+        rows, x_stride = _rows(x)
         self.lib.pagedllm_rms_norm(
             x.data_ptr(),
             x_stride,
-            residual.data_ptr(),
-            total.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            None if total is None else total.data_ptr(),
             weight.data_ptr(),
             offset,
             eps,
@@ -160,7 +158,6 @@ class CpuOps:
             h,
             torch.get_num_threads(),
         )
-        return total, out
 
     def rotary_neox_(
         self,
@@ -272,11 +269,8 @@ class CpuOps:
             raise MemoryError("the paged-attention kernel could not allocate its work list")
 
 
+@functools.cache
 def cpu_ops() -> CpuOps | None:
     """The compiled kernels, or None (after one warning) when they cannot be built."""
-    global _ops
-    if _ops is None:
-        lib = load_kernel_library("cpu_ops")
-        if lib is not None:
-            _ops = CpuOps(lib)
-    return _ops
+    lib = load_kernel_library("cpu_ops")
+    return None if lib is None else CpuOps(lib)

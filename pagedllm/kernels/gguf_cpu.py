@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+from typing import Any
 
 import torch
 
 from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["GGUFCpuKernels", "cpu_kernels"]
-
-_loaded: GGUFCpuKernels | None = None
 
 
 class GGUFCpuKernels:
@@ -55,23 +55,7 @@ class GGUFCpuKernels:
         self, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
     ) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x`` ``[m, k]`` and packed ``W`` ``[n, row_bytes]``."""
-        x = x.contiguous()
-        raw = raw.contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        status = self.lib.pagedllm_gguf_matmul(
-            int(qtype),
-            raw.data_ptr(),
-            n,
-            raw.shape[-1],
-            k,
-            x.data_ptr(),
-            m,
-            k,
-            y.data_ptr(),
-            n,
-            torch.get_num_threads(),
-        )
+        y, status = self._product(self.lib.pagedllm_gguf_matmul, x, raw, qtype, n, k)
         if status == -1:
             raise ValueError(f"GGML type {qtype} is not supported by the CPU kernels")
         if status != 0:
@@ -84,10 +68,24 @@ class GGUFCpuKernels:
         """``x @ W.T`` with ``x`` quantized to 8 bits per block of 32 and integer dot
         products (Q4_0, Q4_1, Q8_0 weights on AVX2 or newer); None where it does not apply
         (another type, or a CPU without AVX2)."""
+        y, status = self._product(self.lib.pagedllm_gguf_matmul_q8, x, raw, qtype, n, k)
+        if status == -1:
+            return None
+        if status != 0:
+            raise MemoryError("the 8-bit GGUF matmul could not allocate its buffers")
+        return y
+
+    @staticmethod
+    def _product(
+        fn: Any, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+    ) -> tuple[torch.Tensor, int]:
+        """``fn``'s product of ``x`` ``[m, k]`` and packed ``raw`` ``[n, row_bytes]`` into a
+        new ``[m, n]``, and its status."""
         x = x.contiguous()
+        raw = raw.contiguous()
         m = x.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        status = self.lib.pagedllm_gguf_matmul_q8(
+        status = fn(
             int(qtype),
             raw.data_ptr(),
             n,
@@ -100,18 +98,11 @@ class GGUFCpuKernels:
             n,
             torch.get_num_threads(),
         )
-        if status == -1:
-            return None
-        if status != 0:
-            raise MemoryError("the 8-bit GGUF matmul could not allocate its buffers")
-        return y
+        return y, status
 
 
+@functools.cache
 def cpu_kernels() -> GGUFCpuKernels | None:
     """The compiled kernels, or ``None`` (after one warning) when they cannot be built."""
-    global _loaded
-    if _loaded is None:
-        lib = load_kernel_library("gguf_cpu")
-        if lib is not None:
-            _loaded = GGUFCpuKernels(lib)
-    return _loaded
+    lib = load_kernel_library("gguf_cpu")
+    return None if lib is None else GGUFCpuKernels(lib)

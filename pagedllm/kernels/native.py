@@ -23,7 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["CSRC", "kernels_disabled", "load_kernel_library"]
+__all__ = ["CSRC", "cpu_flags", "cpuinfo_field", "kernels_disabled", "load_kernel_library"]
 
 logger = logging.getLogger("pagedllm.kernels")
 
@@ -47,18 +47,25 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
+def cpuinfo_field(key: str) -> str | None:
+    """The first ``key`` line of ``/proc/cpuinfo`` (e.g. ``flags``, ``model name``), or
+    None where there is no such file or line."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_flags() -> str:
     """The CPU's feature flags (``/proc/cpuinfo``). ``-march=native`` code is only valid on
     a CPU with the same features, so they are part of the cache key (a shared home
     directory may see several machines)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("flags") or ""
 
 
 def _build(source: Path) -> Path:

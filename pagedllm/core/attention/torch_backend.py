@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.attention.metadata import AttentionMetadata, build_attention_metadata
+from pagedllm.core.attention.metadata import (
+    AttentionMetadata,
+    PrefillSequence,
+    build_attention_metadata,
+)
 from pagedllm.core.interfaces import AttentionBackend
 from pagedllm.kernels.attention import attention, gather_kv, write_kv_cache
 
@@ -71,20 +75,37 @@ class TorchSDPABackend(AttentionBackend):
             )
             output[idx] = out.squeeze(1)
         for seq in metadata.prefills:
-            start, end = seq.token_start, seq.token_end
-            mask = seq.mask(layer.sliding_window)
-            if mask is None:
-                # No cached context: this step's keys are the whole context.
-                keys, values = key[start:end], value[start:end]
-            else:
-                keys, values = gather_kv(kv_cache, seq.slots)
-            out = attention(
-                query[start:end].unsqueeze(0),
-                keys.unsqueeze(0).to(query.dtype),
-                values.unsqueeze(0).to(query.dtype),
-                mask,
-                layer.scale,
-                is_causal=mask is None,
+            output[seq.token_start : seq.token_end] = prefill_attention(
+                layer, query, key, value, kv_cache, seq
             )
-            output[start:end] = out.squeeze(0)
         return output.view(num_tokens, layer.num_heads * layer.head_dim)
+
+
+def prefill_attention(
+    layer: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSequence,
+) -> torch.Tensor:
+    """One request's attention over its whole context, ``[query tokens, heads, d]``.
+
+    ``query`` ``[T, heads, d]`` and ``key``/``value`` ``[T, kv_heads, d]`` are the step's
+    flat batch, whose keys and values are already in ``kv_cache``."""
+    start, end = seq.token_start, seq.token_end
+    mask = seq.mask(layer.sliding_window)
+    if mask is None:
+        # No cached context: this step's keys are the whole context.
+        keys, values = key[start:end], value[start:end]
+    else:
+        keys, values = gather_kv(kv_cache, seq.slots)
+    out = attention(
+        query[start:end].unsqueeze(0),
+        keys.unsqueeze(0).to(query.dtype),
+        values.unsqueeze(0).to(query.dtype),
+        mask,
+        layer.scale,
+        is_causal=mask is None,
+    )
+    return out.squeeze(0)

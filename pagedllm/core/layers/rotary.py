@@ -69,6 +69,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self._gathered: tuple | None = None
+        self._checked: torch.Tensor | None = None
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """An IndexError unless every position has a row in the table. Compiled kernels
+        read the rows by position unchecked; every layer of a step passes the same
+        tensor, so it is checked once per step."""
+        if positions is self._checked:
+            return
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise IndexError(
+                f"position {int(positions.max())} is past the rotary table "
+                f"({self.cos.shape[0]} positions)"
+            )
+        self._checked = positions
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -86,15 +100,7 @@ class RotaryEmbedding(nn.Module):
         ):
             ops = cpu_ops()
             if ops is not None and self.cos.dtype == torch.float32:
-                if self._gathered is None or self._gathered[0] is not positions:
-                    # Once per step (every layer passes the same tensor): the kernel reads
-                    # table rows by position, so positions must be within the table.
-                    if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-                        raise IndexError(
-                            f"position {int(positions.max())} is past the rotary table "
-                            f"({self.cos.shape[0]} positions)"
-                        )
-                    self._gathered = (positions, None, None, None)
+                self.check_positions(positions)
                 ops.rotary_neox_(query, key, positions, self.cos, self.sin, self.rotary_dim)
                 return query, key
         # Every layer of a step passes the same positions tensor: gather once per step.

@@ -431,20 +431,9 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         float offset[MAX_FUSED_ROWS];
         for (int64_t i = 0; i < m; i++) { acc[i] = _mm512_setzero_ps(); offset[i] = 0.0f; }
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * block_bytes;
-            const float d = f16_to_f32(blk);
-            float c;
             __m512 lo, hi;
-            if (qtype == T_Q8_0) {
-                const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-                const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1));
-                c = 0.0f;
-            } else {
-                q4_values(blk + qs_off, &lo, &hi);
-                c = has_min ? f16_to_f32(blk + 2) : -8.0f * d;
-            }
+            float d, c;
+            fused_block(qtype, row + b * block_bytes, qs_off, has_min, &lo, &hi, &d, &c);
             const __m512 vd = _mm512_set1_ps(d);
             for (int64_t i = 0; i < m; i++) {
                 const float *xb = x + i * x_stride + b * 32;

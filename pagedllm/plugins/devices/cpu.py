@@ -95,22 +95,12 @@ def native_arithmetic(dtype: Any) -> bool:
 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    from pagedllm.kernels.native import cpu_flags
+
+    return frozenset(cpu_flags().split())
 
 
 def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    from pagedllm.kernels.native import cpuinfo_field
+
+    return cpuinfo_field("model name")

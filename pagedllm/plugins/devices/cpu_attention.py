@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from pagedllm.core.attention.metadata import PrefillSequence
-from pagedllm.core.attention.torch_backend import TorchSDPABackend
-from pagedllm.kernels.attention import attention, gather_kv, write_kv_cache
+from pagedllm.core.attention.torch_backend import TorchSDPABackend, prefill_attention
+from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
@@ -110,8 +110,10 @@ class CpuPagedBackend(TorchSDPABackend):
         value: torch.Tensor,
         metadata: Any,
     ) -> torch.Tensor:
-        if not isinstance(metadata, PagedMetadata) or not _dense_rows(query, key, value):
-            return super().forward(layer, query, key, value, _reference(metadata))
+        if not isinstance(metadata, PagedMetadata):
+            return super().forward(layer, query, key, value, metadata)
+        if not _dense_rows(query, key, value):
+            raise TypeError("the paged-attention kernel needs float32 query, key and value")
         num_tokens = query.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         kv_cache = metadata.kv_caches[layer.layer_index]
@@ -156,27 +158,17 @@ def _sdpa(
     seq: PrefillSequence,
     out: torch.Tensor,
 ) -> None:
-    """One request's attention through SDPA into its rows of ``out`` (its keys and values
-    are already in the cache)."""
-    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    start, end = seq.token_start, seq.token_end
-    q = query[start:end].view(end - start, heads, head_dim)
-    mask = seq.mask(layer.sliding_window)
-    if mask is None:
-        # No cached context: this step's keys are the whole context.
-        keys = key[start:end].view(end - start, kv_heads, head_dim)
-        values = value[start:end].view(end - start, kv_heads, head_dim)
-    else:
-        keys, values = gather_kv(kv_cache, seq.slots)
-    result = attention(
-        q.unsqueeze(0),
-        keys.unsqueeze(0),
-        values.unsqueeze(0),
-        mask,
-        layer.scale,
-        is_causal=mask is None,
+    """One request's attention through SDPA into its rows of ``out`` (``[T, heads*d]``)."""
+    tokens, heads, kv_heads, d = query.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+    result = prefill_attention(
+        layer,
+        query.view(tokens, heads, d),
+        key.view(tokens, kv_heads, d),
+        value.view(tokens, kv_heads, d),
+        kv_cache,
+        seq,
     )
-    out[start:end] = result.reshape(end - start, heads * head_dim)
+    out[seq.token_start : seq.token_end] = result.reshape(-1, heads * d)
 
 
 def _kernel_sequences(metadata: PagedMetadata, block_size: int) -> list[PrefillSequence]:
@@ -192,9 +184,3 @@ def _kernel_sequences(metadata: PagedMetadata, block_size: int) -> list[PrefillS
 
 def _dense_rows(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
-
-
-def _reference(metadata: Any) -> Any:
-    if not isinstance(metadata, PagedMetadata):
-        return metadata
-    raise TypeError("the paged-attention kernel needs float32 query, key and value")
