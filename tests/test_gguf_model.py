@@ -206,3 +206,9 @@ def test_native_decoder_layers_match_the_module_path():
         assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [
             {t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs
         ]
+
+
+def test_bad_activation_mode_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ConfigError, match="PAGEDLLM_GGUF_ACTIVATIONS='int4'"):
+        LLM(str(SMOLLM2_GGUF), dtype="float32", disable_log_stats=True)
