@@ -80,6 +80,24 @@ def test_config_matches_transformers(hf_reference):
     assert ours.architectures == ["LlamaForCausalLM"]
 
 
+def test_config_is_llama_config_without_importing_it():
+    """The llama config is built on PreTrainedConfig with LlamaConfig's defaults (start-up
+    time): every field LlamaConfig would give the same metadata must be the same."""
+    from transformers import LlamaConfig
+
+    ours = _gguf_config()
+    fields = ours.to_dict()
+    fields.pop("transformers_version", None)
+    theirs = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"}).to_dict()
+    theirs.pop("transformers_version", None)
+    assert ours.model_type == "llama"
+    assert fields == theirs
+    # Nothing LlamaConfig sets by default is missing from ours.
+    defaults = LlamaConfig().to_dict()
+    defaults.pop("transformers_version", None)
+    assert set(defaults) <= set(fields), set(defaults) - set(fields)
+
+
 def _gguf_config():
     gguf = GGUFFile(SMOLLM2_GGUF)
     return ARCHITECTURES[gguf.architecture].config(gguf)
@@ -94,6 +112,33 @@ def test_tokenizer_matches_transformers(llm, hf_reference):
         assert ours.apply_chat_template(
             chat, add_generation_prompt=True, tokenize=False
         ) == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def test_converted_tokenizer_is_cached(tmp_path, monkeypatch, hf_reference):
+    """The tokenizer converted from the GGUF metadata is saved once and loaded from its
+    tokenizer.json after that (start-up time); the cached one tokenizes, decodes and
+    renders chats as transformers' own GGUF conversion does."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_ROOT", str(tmp_path))
+    config = _engine_config(str(SMOLLM2_GGUF), "gguf")
+    first = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    assert (cached / "tokenizer.json").is_file()
+    second = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
+    theirs = hf_reference[1]
+    for ours in (first, second):
+        for text in TEXTS:
+            assert ours.encode(text) == theirs.encode(text), text
+            assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+        for chat in CHATS:
+            assert ours.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=False
+            ) == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert ours.all_special_ids == theirs.all_special_ids
+        assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    # A damaged cache is ignored (converted again), not an error.
+    (cached / "tokenizer.json").write_text("{not json")
+    third = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
+    assert third.encode(TEXTS[2]) == theirs.encode(TEXTS[2])
 
 
 def test_greedy_parity_with_transformers(llm, hf_reference):

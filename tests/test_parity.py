@@ -113,3 +113,15 @@ def test_llama_family_members_differ_by_class_attributes():
         assert (attn.q_norm is not None) == qk_norm, cls
         assert [type(run) for run in attn.qkv.runs] == [FusedLinear]
         assert [type(run) for run in layer.mlp.gate_up.runs] == [FusedLinear]
+
+
+@pytest.mark.parametrize("name", ["silu", "swish", "relu", "gelu", "gelu_pytorch_tanh"])
+def test_activation_table_computes_what_transformers_does(name):
+    """pagedllm's own activation table (no transformers import at start-up) gives
+    bit-identical values to transformers' ACT2FN."""
+    from transformers.activations import ACT2FN
+
+    from pagedllm.plugins.models.common import activation
+
+    x = torch.randn(4, 257, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(activation(name)(x), ACT2FN[name](x))

@@ -52,8 +52,6 @@ class LoadedModel:
 def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) -> Any:
     """The model's HF config: ``--hf-config-path`` when given, else the config the
     checkpoint carries (``loader.hf_config``, e.g. GGUF metadata), else ``config.json``."""
-    from transformers import AutoConfig
-
     mc = config.model_config
     hf_config = None
     if loader is not None and not mc.hf_config_path:
@@ -64,6 +62,8 @@ def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             revision=mc.revision,
             download_dir=config.load_config.download_dir,
         )
+        from transformers import AutoConfig
+
         try:
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
         except (OSError, ValueError) as exc:
@@ -150,8 +150,6 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
     mc = config.model_config
     if mc.skip_tokenizer_init:
         return None
-    from transformers import AutoTokenizer
-
     tokenizer = None
     if loader is not None and mc.tokenizer == mc.model:
         tokenizer = loader.load_tokenizer(
@@ -161,6 +159,8 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             trust_remote_code=mc.trust_remote_code,
         )
     if tokenizer is None:
+        from transformers import AutoTokenizer
+
         path = resolve_model_path(
             mc.tokenizer,
             revision=mc.tokenizer_revision,

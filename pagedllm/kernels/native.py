@@ -38,12 +38,9 @@ def kernels_disabled() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
-    if root:
-        return Path(root).expanduser() / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedllm" / "kernels"
+    from pagedllm.core.model_files import cache_dir
+
+    return cache_dir("kernels")
 
 
 @functools.cache

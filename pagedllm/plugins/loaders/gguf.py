@@ -9,13 +9,17 @@ some machines, several times the memory).
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelLoader
-from pagedllm.core.model_files import resolve_model_path
+from pagedllm.core.model_files import cache_dir, resolve_model_path
 from pagedllm.plugins.loaders.base import check_all_loaded
 from pagedllm.plugins.loaders.gguf_arch import ARCHITECTURES, GGUFArchitecture
 from pagedllm.plugins.loaders.gguf_file import GGUFFile, find_gguf_file
@@ -26,6 +30,9 @@ if TYPE_CHECKING:
     from pagedllm.core.config import LoadConfig, ModelConfig
 
 
+logger = logging.getLogger("pagedllm.loaders.gguf")
+
+
 def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's rotary row permutation of a Q or K projection (``n_head`` is the
     number of KV heads for K): rows ``(n_head, 2, d/2)`` were stored as ``(n_head, d/2, 2)``.
@@ -33,6 +40,36 @@ def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     dim = weight.shape[0] // n_head // 2
     w = weight.reshape(n_head, dim, 2, *weight.shape[1:])
     return w.transpose(1, 2).reshape(weight.shape)
+
+
+def _tokenizer_cache(path: Path) -> Path:
+    """Where the tokenizer converted from a GGUF file's metadata is kept (a converted
+    tokenizer loads from its ``tokenizer.json`` in a fraction of the conversion's time):
+    keyed by the file's path, size and modification time and the transformers version."""
+    import transformers
+
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:20]
+    return cache_dir("tokenizers") / f"{path.stem}-{key}"
+
+
+def _save_tokenizer(tokenizer: Any, target: Path) -> None:
+    """Save into ``target`` whole or not at all (concurrent starts each write their own
+    temporary directory; the first rename wins). A cache that cannot be written is
+    skipped: the next start converts again."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                pass  # another process saved it first
+            else:
+                os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+    except OSError as exc:
+        logger.debug("could not cache the converted tokenizer in %s: %s", target, exc)
 
 
 def gguf_path_of(model: str, download_dir: str | None = None) -> Path | None:
@@ -125,10 +162,19 @@ class GGUFLoader(ModelLoader):
             from transformers import AutoTokenizer as cls
         kwargs.pop("use_fast", None)
         kwargs.pop("trust_remote_code", None)
+        kwargs.pop("revision", None)  # a local file has no revisions
+        cached = _tokenizer_cache(gguf.path)
+        if (cached / "tokenizer.json").is_file():
+            try:
+                return cls.from_pretrained(cached, **kwargs)
+            except (OSError, ValueError) as exc:
+                logger.warning("ignoring the cached tokenizer in %s: %s", cached, exc)
         try:
-            return cls.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name, **kwargs)
+            tokenizer = cls.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name, **kwargs)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot build the tokenizer of {gguf.path}: {exc}") from exc
+        _save_tokenizer(tokenizer, cached)
+        return tokenizer
 
     def iter_weights(
         self, model_config: ModelConfig, packed: set[str] | frozenset[str] = frozenset()

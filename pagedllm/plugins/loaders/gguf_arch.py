@@ -8,6 +8,7 @@ The names and hyper-parameters follow llama.cpp's ``convert_hf_to_gguf.py`` (and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -115,18 +116,44 @@ def _with_rope(params: dict[str, Any] | None, theta: float) -> dict[str, Any]:
     return {"rope_type": "default", **(params or {}), "rope_theta": theta}
 
 
-def _llama_config(gguf: GGUFFile) -> Any:
-    from transformers import LlamaConfig
+# LlamaConfig's fields and defaults (transformers 5), so that the default model's config
+# is built on PreTrainedConfig alone: importing LlamaConfig pulls in transformers'
+# activations, hub kernels and torch._dynamo (about 2 s and 150 MB at start-up).
+# tests/test_gguf_model.py checks the result against LlamaConfig itself.
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "pad_token_id": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pretraining_tp": 1,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+}
 
+
+@functools.cache
+def _config_class(model_type: str) -> type:
+    from transformers import PreTrainedConfig
+
+    return type(f"GGUF_{model_type}_Config", (PreTrainedConfig,), {"model_type": model_type})
+
+
+def _llama_config(gguf: GGUFFile) -> Any:
     md = _Metadata(gguf)
-    kwargs = md.common()
+    kwargs = {**_LLAMA_DEFAULTS, **md.common()}
     rope = _with_rope(md.rope_scaling(), md.rope_theta())
-    return LlamaConfig(
+    config = _config_class("llama")(
         head_dim=md.head_dim(kwargs["hidden_size"], kwargs["num_attention_heads"]),
         rope_parameters=rope,
         architectures=["LlamaForCausalLM"],
         **kwargs,
     )
+    # (The base class keeps no use_cache, which LlamaConfig declares as a field.)
+    config.use_cache = kwargs["use_cache"]
+    return config
 
 
 def _qwen2_config(gguf: GGUFFile) -> Any:

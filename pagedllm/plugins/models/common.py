@@ -52,7 +52,21 @@ class RMSNorm(nn.Module):
 SILU_NAMES = frozenset({"silu", "swish"})
 
 
+# The common activations, computed as transformers' ACT2FN computes them (the same
+# torch functions), without importing transformers.activations, which pulls in
+# torch._dynamo and hub kernels at start-up. tests/test_parity.py checks the table.
+_ACTIVATIONS: dict[str, Any] = {
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+}
+
+
 def activation(name: str) -> nn.Module:
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name]()
     from transformers.activations import ACT2FN
 
     if name not in ACT2FN:
