@@ -87,38 +87,47 @@ def test_silu_mul_matches_reference(ops):
 
 # (query_len, context_len, blocks): decodes, a prefill chunk after cached context, a whole
 # short prompt, and (for the backend) prompts past the kernel's query limit.
-SEQUENCES = [(1, 37, [5, 9, 2]), (4, 20, [7, 1]), (1, 1, [3]), (9, 9, [11])]
+# The last one's context spans several of the kernel's 64-key chunks (online softmax).
+SEQUENCES = [
+    (1, 37, [5, 9, 2]),
+    (4, 20, [7, 1]),
+    (1, 1, [3]),
+    (9, 9, [11]),
+    (2, 150, [30, 27, 28, 29, 31, 32, 39, 34, 35, 36]),
+]
 LONG = [(40, 40, [20, 21, 22]), (20, 50, [23, 24, 25, 26])]
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, D = 40, 16, 9, 3, 64
 
 
-def _batch(sequences, seed=4):
+def _batch(sequences, seed=4, heads=HEADS, kv_heads=KV_HEADS, d=D):
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, D, generator=g)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, d, generator=g)
     tokens = sum(s[0] for s in sequences)
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * D, generator=g)
-    q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=-1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     return cache, q, k, v
 
 
 def _reference_attention(cache, q, k, v, sequences, window):
     """Float64 softmax attention over each request's context, read slot by slot."""
-    flat = cache.double().clone().view(2, -1, KV_HEADS, D)
-    out = torch.empty(q.shape[0], HEADS * D, dtype=torch.float64)
+    kv_heads, d = cache.shape[-2:]
+    heads = q.shape[-1] // d
+    flat = cache.double().clone().view(2, -1, kv_heads, d)
+    out = torch.empty(q.shape[0], heads * d, dtype=torch.float64)
     offset = 0
     for query_len, context_len, blocks in sequences:
         slots = torch.tensor(
             [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context_len)]
         )
         new = slots[context_len - query_len :]
-        flat[0, new] = k[offset : offset + query_len].double().view(-1, KV_HEADS, D)
-        flat[1, new] = v[offset : offset + query_len].double().view(-1, KV_HEADS, D)
-        keys = flat[0, slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        values = flat[1, slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        flat[0, new] = k[offset : offset + query_len].double().view(-1, kv_heads, d)
+        flat[1, new] = v[offset : offset + query_len].double().view(-1, kv_heads, d)
+        keys = flat[0, slots].repeat_interleave(heads // kv_heads, dim=1)
+        values = flat[1, slots].repeat_interleave(heads // kv_heads, dim=1)
         for t in range(query_len):
             p = context_len - query_len + t
             scores = (
-                torch.einsum("hd,khd->hk", q[offset + t].double().view(HEADS, D), keys) * D**-0.5
+                torch.einsum("hd,khd->hk", q[offset + t].double().view(heads, d), keys) * d**-0.5
             )
             seen = torch.arange(context_len) <= p
             if window:
@@ -129,12 +138,20 @@ def _reference_attention(cache, q, k, v, sequences, window):
     return out.float(), flat.float()
 
 
+# (heads, KV heads, head size): every register tile shape of the AVX-512 path (4, 3, 2
+# and 1 heads of 64; 2 and 1 of 128; 256; up to 4 of 32 and 16) and a head size it does
+# not take (80: the generic loop).
+SHAPES = [(9, 3, 64), (7, 1, 64), (5, 1, 128), (4, 2, 256), (12, 2, 32), (6, 6, 16), (4, 2, 80)]
+
+
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_reference(ops, window):
-    cache, q, k, v = _batch(SEQUENCES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_paged_attention_matches_reference(ops, window, shape):
+    heads, kv_heads, d = shape
+    cache, q, k, v = _batch(SEQUENCES, heads=heads, kv_heads=kv_heads, d=d)
     expected, expected_cache = _reference_attention(cache, q, k, v, SEQUENCES, window)
     slots, ranges, offset = [], [[], [], []], 0
-    tables = torch.zeros(len(SEQUENCES), 4, dtype=torch.int32)
+    tables = torch.zeros(len(SEQUENCES), 10, dtype=torch.int32)
     for i, (query_len, context_len, blocks) in enumerate(SEQUENCES):
         slots += [
             blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
@@ -144,7 +161,7 @@ def test_paged_attention_matches_reference(ops, window):
             row.append(value)
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         offset += query_len
-    out = torch.full((offset, HEADS * D), math.nan)
+    out = torch.full((offset, heads * d), math.nan)
     ops.paged_attention(
         q,
         k,
@@ -153,14 +170,14 @@ def test_paged_attention_matches_reference(ops, window):
         torch.tensor(slots),
         torch.tensor(ranges),
         tables,
-        HEADS,
-        KV_HEADS,
-        D,
-        D**-0.5,
+        heads,
+        kv_heads,
+        d,
+        d**-0.5,
         window,
         out,
     )
-    assert torch.equal(cache.view(2, -1, KV_HEADS, D), expected_cache)
+    assert torch.equal(cache.view(2, -1, kv_heads, d), expected_cache)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -152,6 +152,134 @@ static inline void dot4_f32(const float *q, const float *k0, const float *k1, co
 }
 #pragma GCC pop_options
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define PREFETCH_KEYS 8
+/* One query token's GT heads (sharing a KV head) against its context, for head sizes of
+ * 16 * V: the queries and the output accumulators (GT x V vectors each) stay in
+ * registers, each key and value row is loaded once for the GT heads. GT and V are
+ * constants once inlined (ATTEND_TILE below instantiates the combinations with
+ * GT * V <= 16). The same online softmax as the generic loop. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline __attribute__((always_inline)) void attend_tile(
+    const int GT, const int V, const float *qt, const float *k_cache, const float *v_cache,
+    const int32_t *table, int64_t block_size, int64_t row, int64_t head_off, int64_t lo,
+    int64_t p, float scale, float *o) {
+    __m512 qv[4][16], acc[4][16];
+    float m[4], l[4];
+    float scores[4][CHUNK];
+    const float *krow[CHUNK];
+    const int64_t v_off = v_cache - k_cache;
+    for (int g = 0; g < GT; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int v = 0; v < V; v++) {
+            qv[g][v] = _mm512_loadu_ps(qt + g * 16 * V + 16 * v);
+            acc[g][v] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
+        const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
+        int64_t bi = j0 / block_size, off = j0 % block_size;
+        for (int64_t c = 0; c < n; c++) {
+            krow[c] = k_cache + ((int64_t)table[bi] * block_size + off) * row + head_off;
+            if (++off == block_size) {
+                off = 0;
+                bi++;
+            }
+        }
+        /* The rows are scattered over the cache (blocks, and KV heads within a slot):
+         * fetch a few keys ahead, a 64-byte line per 16 values. */
+        for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
+            for (int v = 0; v < V; v++) _mm_prefetch((const char *)(krow[c] + 16 * v), _MM_HINT_T0);
+        for (int64_t c = 0; c < n; c++) {
+            const float *kr = krow[c];
+            if (c + PREFETCH_KEYS < n)
+                for (int v = 0; v < V; v++) {
+                    _mm_prefetch((const char *)(krow[c + PREFETCH_KEYS] + 16 * v), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(krow[c] + v_off + 16 * v), _MM_HINT_T1);
+                }
+            __m512 s[4];
+            for (int g = 0; g < GT; g++) s[g] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kr));
+            for (int v = 1; v < V; v++) {
+                const __m512 kv = _mm512_loadu_ps(kr + 16 * v);
+                for (int g = 0; g < GT; g++) s[g] = _mm512_fmadd_ps(qv[g][v], kv, s[g]);
+            }
+            for (int g = 0; g < GT; g++) scores[g][c] = _mm512_reduce_add_ps(s[g]) * scale;
+        }
+        for (int g = 0; g < GT; g++) {
+            float *sc = scores[g];
+            float cmax = -INFINITY;
+            for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
+            if (cmax > m[g]) {
+                const __m512 corr = _mm512_set1_ps(fast_expf(m[g] - cmax));
+                l[g] *= fast_expf(m[g] - cmax);
+                for (int v = 0; v < V; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], corr);
+                m[g] = cmax;
+            }
+            const float mg = m[g];
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+            float sum = 0.0f;
+            for (int64_t c = 0; c < n; c++) sum += sc[c];
+            l[g] += sum;
+        }
+        for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
+            for (int v = 0; v < V; v++)
+                _mm_prefetch((const char *)(krow[c] + v_off + 16 * v), _MM_HINT_T0);
+        for (int64_t c = 0; c < n; c++) {
+            const float *vr = krow[c] + v_off;
+            if (c + PREFETCH_KEYS < n)
+                for (int v = 0; v < V; v++)
+                    _mm_prefetch((const char *)(krow[c + PREFETCH_KEYS] + v_off + 16 * v),
+                                 _MM_HINT_T0);
+            for (int v = 0; v < V; v++) {
+                const __m512 vv = _mm512_loadu_ps(vr + 16 * v);
+                for (int g = 0; g < GT; g++)
+                    acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][c]), vv, acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < GT; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+        for (int v = 0; v < V; v++) _mm512_storeu_ps(o + g * 16 * V + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    }
+}
+#pragma GCC pop_options
+
+/* Heads [0, group) of one item in tiles of up to 16 / V heads (4 at most); 0 where the
+ * head size is not 16, 32, 64, 128 or 256 (the generic loop then runs). */
+static int attend_item_avx512(int64_t group, int64_t head_dim, const float *qt,
+                              const float *k_cache, const float *v_cache, const int32_t *table,
+                              int64_t block_size, int64_t row, int64_t head_off, int64_t lo,
+                              int64_t p, float scale, float *o) {
+#define ATTEND(GT, V) attend_tile(GT, V, qt + g * head_dim, k_cache, v_cache, table, block_size, \
+                                  row, head_off, lo, p, scale, o + g * head_dim)
+#define TILES(V)                                                                             \
+    for (int64_t g = 0; g < group;) {                                                       \
+        const int64_t rem = group - g, gt = rem < 16 / (V) ? rem : 16 / (V);                 \
+        switch (gt > 4 ? 4 : gt) {                                                           \
+        case 4: ATTEND(4 > 16 / (V) ? 1 : 4, V); break;                                     \
+        case 3: ATTEND(3 > 16 / (V) ? 1 : 3, V); break;                                     \
+        case 2: ATTEND(2 > 16 / (V) ? 1 : 2, V); break;                                     \
+        default: ATTEND(1, V); break;                                                        \
+        }                                                                                    \
+        g += gt > 4 ? 4 : gt;                                                                \
+    }
+    switch (head_dim) {
+    case 16: TILES(1) return 1;
+    case 32: TILES(2) return 1;
+    case 64: TILES(4) return 1;
+    case 128: TILES(8) return 1;
+    case 256: TILES(16) return 1;
+    default: return 0;
+    }
+#undef TILES
+#undef ATTEND
+}
+#endif
+
 /* The step's keys and values go into the cache [2, num_slots, nk, head_dim] at their
  * slots; then every query token of the listed sequences attends to its sequence's context
  * read through the block table, with an online softmax over chunks of keys. The query
@@ -206,6 +334,12 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
             const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
             const float *qt = q + t * q_ts + kh * group * head_dim;
             const int32_t *table = block_tables + seq * bt_stride;
+#ifdef __AVX512F__
+            if (attend_item_avx512(group, head_dim, qt, k_cache, v_cache, table, block_size, row,
+                                   kh * head_dim, lo, p, scale,
+                                   out + t * o_ts + kh * group * head_dim))
+                continue;
+#endif
             for (int64_t g = 0; g < group; g++) {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;

@@ -343,7 +343,6 @@ static float dot(const float *a, const float *b, int64_t k) {
  * sum_i w_i x_i = d * sum_i q_i x_i + c * sum_i x_i, where c is the block's offset
  * (Q4_1/Q5_1: m; Q4_0: -8d; Q8_0: 0). The block sums of x are computed once per call.
  * Rounds differently from decode-then-dot, within float32 matmul tolerance. */
-#define MAX_FUSED_ROWS 8
 
 /* One block's 32 weights as two vectors of 16 (w = d * q + c, c the block's offset). */
 static inline void fused_block(int qtype, const uint8_t *blk, int qs_off, int has_min, __m512 *lo,
@@ -396,6 +395,78 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
     return _mm512_reduce_add_ps(sum) + ((off[0] + off[1]) + (off[2] + off[3]));
 }
 
+/* Several activation rows: the weights are decoded, two weight rows at a time, into a
+ * thread-local buffer exactly as dequantization gives them (w = d * q + c, rounded as
+ * the reference rounds it), then each tile of up to 8 activation rows takes its dot
+ * products with both rows: 16 independent accumulators in registers, two multiply-adds
+ * per 16 weights and row, each decoded weight reused by every activation row. */
+#define TILE_ROWS 8
+
+static inline void decoded_block(int qtype, const uint8_t *blk, float *out) {
+    const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
+    __m512 lo, hi;
+    if (qtype == T_Q8_0) {
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d);
+    } else if (qtype == T_Q4_1) {
+        q4_values(blk + 4, &lo, &hi);
+        const __m512 m = _mm512_set1_ps(f16_to_f32(blk + 2));
+        lo = _mm512_add_ps(_mm512_mul_ps(d, lo), m);
+        hi = _mm512_add_ps(_mm512_mul_ps(d, hi), m);
+    } else { /* Q4_0 */
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        q4_values(blk + 2, &lo, &hi);
+        lo = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
+        hi = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
+    }
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+/* rows x 2 outputs: y[i][0..1] = w0/w1 . x[i] for MR (a constant once inlined) rows. */
+static inline __attribute__((always_inline)) void tile_dot(const int MR, const float *w0,
+                                                           const float *w1, int64_t k,
+                                                           const float *x, int64_t xs,
+                                                           float *y, int64_t ys) {
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    for (int64_t c = 0; c < k; c += 32) {
+        const __m512 l0 = _mm512_loadu_ps(w0 + c), h0 = _mm512_loadu_ps(w0 + c + 16);
+        const __m512 l1 = _mm512_loadu_ps(w1 + c), h1 = _mm512_loadu_ps(w1 + c + 16);
+        for (int i = 0; i < MR; i++) {
+            const __m512 xl = _mm512_loadu_ps(x + i * xs + c);
+            const __m512 xh = _mm512_loadu_ps(x + i * xs + c + 16);
+            a0[i] = _mm512_fmadd_ps(l0, xl, a0[i]);
+            a1[i] = _mm512_fmadd_ps(l1, xl, a1[i]);
+            a0[i] = _mm512_fmadd_ps(h0, xh, a0[i]);
+            a1[i] = _mm512_fmadd_ps(h1, xh, a1[i]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
+        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
+#pragma GCC pop_options
+
+static void tile_rows(int mr, const float *w0, const float *w1, int64_t k, const float *x,
+                      int64_t xs, float *y, int64_t ys) {
+    switch (mr) {
+    case 1: tile_dot(1, w0, w1, k, x, xs, y, ys); break;
+    case 2: tile_dot(2, w0, w1, k, x, xs, y, ys); break;
+    case 3: tile_dot(3, w0, w1, k, x, xs, y, ys); break;
+    case 4: tile_dot(4, w0, w1, k, x, xs, y, ys); break;
+    case 5: tile_dot(5, w0, w1, k, x, xs, y, ys); break;
+    case 6: tile_dot(6, w0, w1, k, x, xs, y, ys); break;
+    case 7: tile_dot(7, w0, w1, k, x, xs, y, ys); break;
+    default: tile_dot(8, w0, w1, k, x, xs, y, ys); break;
+    }
+}
+
 static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
                         const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
                         int nthreads) {
@@ -406,17 +477,16 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
     case T_Q8_0: block_bytes = 34; qs_off = 2; has_min = 0; break;
     default: return -1;
     }
-    if (m > MAX_FUSED_ROWS || k % 32) return -1;
+    if (k % 32) return -1;
     const int64_t nb = k / 32;
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    if (xsum == NULL) return -2;
-    for (int64_t i = 0; i < m; i++)
+    if (m == 1) {
+        float *xsum = (float *)malloc(sizeof(float) * (size_t)nb);
+        if (xsum == NULL) return -2;
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.0f;
-            for (int l = 0; l < 32; l++) s += x[i * x_stride + b * 32 + l];
-            xsum[i * nb + b] = s;
+            for (int l = 0; l < 32; l++) s += x[b * 32 + l];
+            xsum[b] = s;
         }
-    if (m == 1) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t j = 0; j < n; j++)
             y[j] = fused_row_dot1(qtype, raw + j * row_bytes, block_bytes, qs_off, has_min, x,
@@ -424,29 +494,41 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         free(xsum);
         return 0;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *row = raw + j * row_bytes;
-        __m512 acc[MAX_FUSED_ROWS];
-        float offset[MAX_FUSED_ROWS];
-        for (int64_t i = 0; i < m; i++) { acc[i] = _mm512_setzero_ps(); offset[i] = 0.0f; }
-        for (int64_t b = 0; b < nb; b++) {
-            __m512 lo, hi;
-            float d, c;
-            fused_block(qtype, row + b * block_bytes, qs_off, has_min, &lo, &hi, &d, &c);
-            const __m512 vd = _mm512_set1_ps(d);
-            for (int64_t i = 0; i < m; i++) {
-                const float *xb = x + i * x_stride + b * 32;
-                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
-                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
-                acc[i] = _mm512_fmadd_ps(vd, t, acc[i]);
-                offset[i] += c * xsum[i * nb + b];
+    int failed = 0;
+    const int64_t pairs = (n + 1) / 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)(2 * k + 2 * TILE_ROWS));
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *pair_out = w + 2 * k; /* an odd n's last row writes its pair here */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (w == NULL) continue;
+            const int64_t j = 2 * p;
+            const int both = j + 1 < n;
+            for (int64_t b = 0; b < nb; b++) {
+                decoded_block(qtype, raw + j * row_bytes + b * block_bytes, w + b * 32);
+                if (both)
+                    decoded_block(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
+                                  w + k + b * 32);
+            }
+            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
+                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
+                if (both) {
+                    tile_rows(mr, w, w + k, k, x + i0 * x_stride, x_stride, y + i0 * y_stride + j,
+                              y_stride);
+                } else {
+                    tile_rows(mr, w, w, k, x + i0 * x_stride, x_stride, pair_out, 2);
+                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
+                }
             }
         }
-        for (int64_t i = 0; i < m; i++) y[i * y_stride + j] = _mm512_reduce_add_ps(acc[i]) + offset[i];
+        free(w);
     }
-    free(xsum);
-    return 0;
+    return failed ? -2 : 0;
 }
 #endif
 
