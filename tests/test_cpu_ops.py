@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.kernels.cpu_ops import CpuOps
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
 from pagedllm.plugins.devices import cpu_attention
@@ -146,10 +147,23 @@ SHAPES = [(9, 3, 64), (7, 1, 64), (5, 1, 128), (4, 2, 256), (12, 2, 32), (6, 6, 
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_paged_attention_matches_reference(ops, window, shape):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
+    """float32 queries over a float32 cache, or a bfloat16 one (``--dtype bfloat16``: keys
+    and values stored rounded as ``.to()`` rounds them, read back exactly)."""
     heads, kv_heads, d = shape
     cache, q, k, v = _batch(SEQUENCES, heads=heads, kv_heads=kv_heads, d=d)
-    expected, expected_cache = _reference_attention(cache, q, k, v, SEQUENCES, window)
+    if cache_dtype == torch.bfloat16:
+        if not CpuOps.bf16_cache_ok(64):
+            pytest.skip("the kernel reads bfloat16 caches on AVX-512 CPUs only")
+        # What the kernel sees and stores: the cache and the new rows in bfloat16.
+        cache = cache.bfloat16()
+        expected, expected_cache = _reference_attention(
+            cache.float(), q, k.bfloat16().float(), v.bfloat16().float(), SEQUENCES, window
+        )
+        expected_cache = expected_cache.bfloat16()
+    else:
+        expected, expected_cache = _reference_attention(cache, q, k, v, SEQUENCES, window)
     slots, ranges, offset = [], [[], [], []], 0
     tables = torch.zeros(len(SEQUENCES), 10, dtype=torch.int32)
     for i, (query_len, context_len, blocks) in enumerate(SEQUENCES):
@@ -162,6 +176,15 @@ def test_paged_attention_matches_reference(ops, window, shape):
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         offset += query_len
     out = torch.full((offset, heads * d), math.nan)
+    if cache_dtype == torch.bfloat16 and not CpuOps.bf16_cache_ok(d):
+        before = cache.clone()
+        with pytest.raises(ValueError, match="bfloat16 cache"):
+            ops.paged_attention(
+                q, k, v, cache, torch.tensor(slots), torch.tensor(ranges), tables,
+                heads, kv_heads, d, d**-0.5, window, out,
+            )  # fmt: skip
+        assert torch.equal(cache, before)  # refused before writing anything
+        return
     ops.paged_attention(
         q,
         k,
@@ -234,10 +257,28 @@ def test_backend_falls_back_without_the_kernel(monkeypatch):
     expected, _ = _reference_attention(cache, q, k, v, SEQUENCES, None)
     got = metadata.backend.forward(_Layer(None), q, k, v, metadata)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    # A half-precision cache takes the reference path too.
+    # A float16 cache takes the reference path too (bfloat16: below).
     monkeypatch.undo()
-    half = CpuPagedBackend().build_metadata(*args, [cache.bfloat16()], torch.device("cpu"))
+    half = CpuPagedBackend().build_metadata(*args, [cache.half()], torch.device("cpu"))
     assert isinstance(half, AttentionMetadata)
+
+
+def test_backend_bfloat16_model(ops):
+    """A bfloat16 model: its bfloat16 cache read by the kernel on AVX-512 (float32 inside),
+    else the reference path; either way the reference backend's cache, bit for bit, and
+    its outputs within bfloat16 rounding."""
+    sequences = SEQUENCES + LONG
+    cache, q, k, v = _batch(sequences, seed=8)
+    cache, q, k, v = cache.bfloat16(), q.bfloat16(), k.bfloat16(), v.bfloat16()
+    paged, got, expected, ours_cache, ref_cache = _both_backends(
+        sequences, cache, q, k, v, _Layer(None)
+    )
+    assert isinstance(paged, PagedMetadata) == CpuOps.bf16_cache_ok(D)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(ours_cache, ref_cache)
+    truth, _ = _reference_attention(cache.float(), q.float(), k.float(), v.float(), sequences, None)
+    assert torch.allclose(got.float(), truth, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(expected.float(), truth, rtol=2e-2, atol=2e-2)
 
 
 def test_backend_past_the_kernel_limits_uses_sdpa(ops):

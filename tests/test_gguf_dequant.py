@@ -144,6 +144,26 @@ def test_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
         gguf_linear(x[..., :32], raw_t, qtype, out_features, in_features)
 
 
+def test_gguf_linear_16_bit_activations():
+    """bfloat16/float16 rows: a few go through the float32 kernels on their exact widening
+    (rounded back once), many through the 16-bit GEMM; both near the float32 product."""
+    out_features, in_features = 70, 512
+    raw_t = torch.from_numpy(_quantized_blocks(T.Q4_0, (out_features, in_features), seed=3))
+    w = dequantize(raw_t, T.Q4_0, (out_features, in_features))
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in (3, 200):
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            got = gguf_linear(x, raw_t, T.Q4_0, out_features, in_features)
+            assert got.dtype == dtype
+            exact = F.linear(x.float(), w)
+            if rows == 3:  # the float32 path's result, rounded once
+                widened = gguf_linear(x.float(), raw_t, T.Q4_0, out_features, in_features)
+                assert torch.equal(got, widened.to(dtype))
+            scale = float(exact.abs().max())
+            torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2 * scale)
+
+
 # ---------------------------------------------------------------------------------------
 # Real data: a couple of tensors of the SmolLM2 Q4_1 file. gguf.GGUFReader parses all the
 # metadata (the 49k-token vocabulary) and takes seconds, so pagedllm's own header walk

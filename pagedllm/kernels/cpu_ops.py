@@ -15,13 +15,15 @@ import functools
 
 import torch
 
-from pagedllm.kernels.native import load_kernel_library
+from pagedllm.kernels.native import cpu_flags, load_kernel_library
 
-__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
+__all__ = ["BF16_HEAD_DIMS", "MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
 
 # Limits of the paged-attention kernel (csrc/cpu_ops.c).
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
+# Head sizes whose bfloat16 cache the kernel reads (its AVX-512 register tiles).
+BF16_HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -96,6 +98,8 @@ class CpuOps:
             i32,
         ]
         lib.pagedllm_paged_attention.restype = i32
+        lib.pagedllm_paged_attention_bf16.argtypes = lib.pagedllm_paged_attention.argtypes
+        lib.pagedllm_paged_attention_bf16.restype = i32
         self.lib = lib
 
     @staticmethod
@@ -206,6 +210,11 @@ class CpuOps:
         )
         return out
 
+    @staticmethod
+    def bf16_cache_ok(head_dim: int) -> bool:
+        """Whether the kernel takes a bfloat16 cache for this head size here."""
+        return head_dim in BF16_HEAD_DIMS and "avx512f" in cpu_flags().split()
+
     def paged_attention(
         self,
         query: torch.Tensor,
@@ -224,7 +233,10 @@ class CpuOps:
     ) -> None:
         """Writes ``key``/``value`` (``[T, kv_heads*d]``) at ``slot_mapping`` into
         ``kv_cache`` (``[2, blocks, block_size, kv_heads, d]``, contiguous), then attends
-        the query tokens of each sequence into ``out`` (``[T, heads*d]``).
+        the query tokens of each sequence into ``out`` (``[T, heads*d]``). Query, key,
+        value and ``out`` are float32; the cache float32, or bfloat16 where
+        :meth:`bf16_cache_ok` says so (written rounded to nearest even, as ``.to()``
+        rounds; read widened to float32).
 
         ``seq_ranges`` is int64 ``[3, S]``: each sequence's first and end token in the
         flat batch and its context length with this step's tokens; ``block_tables`` is
@@ -232,7 +244,13 @@ class CpuOps:
         but not attended."""
         _, num_blocks, block_size = kv_cache.shape[:3]
         num_seqs = seq_ranges.shape[1]
-        status = self.lib.pagedllm_paged_attention(
+        if kv_cache.dtype == torch.bfloat16:
+            kernel = self.lib.pagedllm_paged_attention_bf16
+        elif kv_cache.dtype == torch.float32:
+            kernel = self.lib.pagedllm_paged_attention
+        else:
+            raise ValueError(f"the paged-attention kernel takes no {kv_cache.dtype} cache")
+        status = kernel(
             query.data_ptr(),
             query.stride(0),
             key.data_ptr(),
@@ -259,6 +277,11 @@ class CpuOps:
             out.stride(0),
             torch.get_num_threads(),
         )
+        if status == -1 and kv_cache.dtype == torch.bfloat16:
+            raise ValueError(
+                f"heads of size {head_dim}: the paged-attention kernel takes a bfloat16 cache "
+                f"on AVX-512 CPUs for head sizes 16, 32, 64, 128 and 256"
+            )
         if status == -1:
             raise ValueError(
                 f"{num_heads} heads of size {head_dim} over {num_kv_heads} KV heads: the "

@@ -162,15 +162,30 @@ static inline void dot4_f32(const float *q, const float *k0, const float *k1, co
  * GT * V <= 16). The same online softmax as the generic loop. */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
+static inline __m512 load_row16(const void *base, int64_t index, const int BF) {
+    if (BF) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
+static inline void prefetch_row(const void *base, int64_t index, const int BF, int hint) {
+    const char *p = BF ? (const char *)((const uint16_t *)base + index)
+                       : (const char *)((const float *)base + index);
+    if (hint) _mm_prefetch(p, _MM_HINT_T1); else _mm_prefetch(p, _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
-    const int GT, const int V, const float *qt, const float *k_cache, const float *v_cache,
-    const int32_t *table, int64_t block_size, int64_t row, int64_t head_off, int64_t lo,
-    int64_t p, float scale, float *o) {
+    const int GT, const int V, const int BF, const float *qt, const void *k_cache,
+    const void *v_cache, const int32_t *table, int64_t block_size, int64_t row,
+    int64_t head_off, int64_t lo, int64_t p, float scale, float *o) {
     __m512 qv[4][16], acc[4][16];
     float m[4], l[4];
     float scores[4][CHUNK];
-    const float *krow[CHUNK];
-    const int64_t v_off = v_cache - k_cache;
+    int64_t krow[CHUNK]; /* element index of each key's (and value's) row */
+    /* (a line of 64 bytes: 16 float32 or 32 bfloat16 values) */
+    const int lines = BF ? (V + 1) / 2 : V, line = BF ? 32 : 16;
     for (int g = 0; g < GT; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -183,7 +198,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
         int64_t bi = j0 / block_size, off = j0 % block_size;
         for (int64_t c = 0; c < n; c++) {
-            krow[c] = k_cache + ((int64_t)table[bi] * block_size + off) * row + head_off;
+            krow[c] = ((int64_t)table[bi] * block_size + off) * row + head_off;
             if (++off == block_size) {
                 off = 0;
                 bi++;
@@ -192,18 +207,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         /* The rows are scattered over the cache (blocks, and KV heads within a slot):
          * fetch a few keys ahead, a 64-byte line per 16 values. */
         for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
-            for (int v = 0; v < V; v++) _mm_prefetch((const char *)(krow[c] + 16 * v), _MM_HINT_T0);
+            for (int v = 0; v < lines; v++) prefetch_row(k_cache, krow[c] + line * v, BF, 0);
         for (int64_t c = 0; c < n; c++) {
-            const float *kr = krow[c];
+            const int64_t kr = krow[c];
             if (c + PREFETCH_KEYS < n)
-                for (int v = 0; v < V; v++) {
-                    _mm_prefetch((const char *)(krow[c + PREFETCH_KEYS] + 16 * v), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(krow[c] + v_off + 16 * v), _MM_HINT_T1);
+                for (int v = 0; v < lines; v++) {
+                    prefetch_row(k_cache, krow[c + PREFETCH_KEYS] + line * v, BF, 0);
+                    prefetch_row(v_cache, kr + line * v, BF, 1);
                 }
             __m512 s[4];
-            for (int g = 0; g < GT; g++) s[g] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kr));
+            const __m512 k0 = load_row16(k_cache, kr, BF);
+            for (int g = 0; g < GT; g++) s[g] = _mm512_mul_ps(qv[g][0], k0);
             for (int v = 1; v < V; v++) {
-                const __m512 kv = _mm512_loadu_ps(kr + 16 * v);
+                const __m512 kv = load_row16(k_cache, kr + 16 * v, BF);
                 for (int g = 0; g < GT; g++) s[g] = _mm512_fmadd_ps(qv[g][v], kv, s[g]);
             }
             for (int g = 0; g < GT; g++) scores[g][c] = _mm512_reduce_add_ps(s[g]) * scale;
@@ -226,16 +242,14 @@ static inline __attribute__((always_inline)) void attend_tile(
             l[g] += sum;
         }
         for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
-            for (int v = 0; v < V; v++)
-                _mm_prefetch((const char *)(krow[c] + v_off + 16 * v), _MM_HINT_T0);
+            for (int v = 0; v < lines; v++) prefetch_row(v_cache, krow[c] + line * v, BF, 0);
         for (int64_t c = 0; c < n; c++) {
-            const float *vr = krow[c] + v_off;
+            const int64_t vr = krow[c];
             if (c + PREFETCH_KEYS < n)
-                for (int v = 0; v < V; v++)
-                    _mm_prefetch((const char *)(krow[c + PREFETCH_KEYS] + v_off + 16 * v),
-                                 _MM_HINT_T0);
+                for (int v = 0; v < lines; v++)
+                    prefetch_row(v_cache, krow[c + PREFETCH_KEYS] + line * v, BF, 0);
             for (int v = 0; v < V; v++) {
-                const __m512 vv = _mm512_loadu_ps(vr + 16 * v);
+                const __m512 vv = load_row16(v_cache, vr + 16 * v, BF);
                 for (int g = 0; g < GT; g++)
                     acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][c]), vv, acc[g][v]);
             }
@@ -250,12 +264,12 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 /* Heads [0, group) of one item in tiles of up to 16 / V heads (4 at most); 0 where the
  * head size is not 16, 32, 64, 128 or 256 (the generic loop then runs). */
-static int attend_item_avx512(int64_t group, int64_t head_dim, const float *qt,
-                              const float *k_cache, const float *v_cache, const int32_t *table,
-                              int64_t block_size, int64_t row, int64_t head_off, int64_t lo,
-                              int64_t p, float scale, float *o) {
-#define ATTEND(GT, V) attend_tile(GT, V, qt + g * head_dim, k_cache, v_cache, table, block_size, \
-                                  row, head_off, lo, p, scale, o + g * head_dim)
+static inline __attribute__((always_inline)) int attend_item(
+    const int BF, int64_t group, int64_t head_dim, const float *qt, const void *k_cache,
+    const void *v_cache, const int32_t *table, int64_t block_size, int64_t row,
+    int64_t head_off, int64_t lo, int64_t p, float scale, float *o) {
+#define ATTEND(GT, V) attend_tile(GT, V, BF, qt + g * head_dim, k_cache, v_cache, table,       \
+                                  block_size, row, head_off, lo, p, scale, o + g * head_dim)
 #define TILES(V)                                                                             \
     for (int64_t g = 0; g < group;) {                                                       \
         const int64_t rem = group - g, gt = rem < 16 / (V) ? rem : 16 / (V);                 \
@@ -291,22 +305,50 @@ static int attend_item_avx512(int64_t group, int64_t head_dim, const float *qt,
  * sees positions [max(0, p - window + 1), p] (window <= 0: no window). Block table rows
  * are int32 with row stride bt_stride. Returns 0; -1 for a head size over 512 or more
  * than 16 query heads per KV head (the caller then uses its reference). */
-int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64_t k_ts,
-                             const float *v, int64_t v_ts, float *cache, int64_t num_slots,
-                             int64_t block_size, const int64_t *slot_mapping, int64_t tokens,
-                             int64_t nq, int64_t nk, int64_t head_dim, int64_t num_seqs,
-                             const int64_t *q_start, const int64_t *q_end,
-                             const int64_t *ctx_len, const int32_t *block_tables,
-                             int64_t bt_stride, float scale, int64_t window, float *out,
-                             int64_t o_ts, int nthreads) {
+/* float32 -> bfloat16 rounded to nearest even, as torch converts (NaN -> 0x7FC0). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define PAGED_ATTENTION_ARGS                                                                  \
+    const float *q, int64_t q_ts, const float *k, int64_t k_ts, const float *v, int64_t v_ts,  \
+        void *cache, int64_t num_slots, int64_t block_size, const int64_t *slot_mapping,        \
+        int64_t tokens, int64_t nq, int64_t nk, int64_t head_dim, int64_t num_seqs,             \
+        const int64_t *q_start, const int64_t *q_end, const int64_t *ctx_len,                   \
+        const int32_t *block_tables, int64_t bt_stride, float scale, int64_t window,            \
+        float *out, int64_t o_ts, int nthreads
+
+/* BF: the cache holds bfloat16 (written rounded to nearest even, read widened to float32;
+ * queries, scores and outputs stay float32), AVX-512 and head sizes 16..256 only. */
+static inline __attribute__((always_inline)) int paged_attention(const int BF,
+                                                                 PAGED_ATTENTION_ARGS) {
     const int64_t group = nq / nk;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return -1;
+#ifdef __AVX512F__
+    if (BF && head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 &&
+        head_dim != 256)
+        return -1;
+#else
+    if (BF) return -1;
+#endif
     const int64_t row = nk * head_dim;
-    float *k_cache = cache, *v_cache = cache + num_slots * row;
+    const size_t elem = BF ? 2 : 4;
+    void *k_cache = cache, *v_cache = (char *)cache + (size_t)(num_slots * row) * elem;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slot_mapping[t];
-        memcpy(k_cache + slot * row, k + t * k_ts, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slot * row, v + t * v_ts, sizeof(float) * (size_t)row);
+        if (BF) {
+            uint16_t *kd = (uint16_t *)k_cache + slot * row, *vd = (uint16_t *)v_cache + slot * row;
+            for (int64_t i = 0; i < row; i++) {
+                kd[i] = to_bf16(k[t * k_ts + i]);
+                vd[i] = to_bf16(v[t * v_ts + i]);
+            }
+        } else {
+            memcpy((float *)k_cache + slot * row, k + t * k_ts, sizeof(float) * (size_t)row);
+            memcpy((float *)v_cache + slot * row, v + t * v_ts, sizeof(float) * (size_t)row);
+        }
     }
     /* Work items: (sequence, query token, KV head); a prefix sum finds an item's sequence. */
     int64_t total = 0;
@@ -335,11 +377,12 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
             const float *qt = q + t * q_ts + kh * group * head_dim;
             const int32_t *table = block_tables + seq * bt_stride;
 #ifdef __AVX512F__
-            if (attend_item_avx512(group, head_dim, qt, k_cache, v_cache, table, block_size, row,
-                                   kh * head_dim, lo, p, scale,
-                                   out + t * o_ts + kh * group * head_dim))
+            if (attend_item(BF, group, head_dim, qt, k_cache, v_cache, table, block_size, row,
+                            kh * head_dim, lo, p, scale, out + t * o_ts + kh * group * head_dim))
                 continue;
 #endif
+            if (BF) continue; /* (excluded above) */
+            const float *fk = (const float *)k_cache, *fv = (const float *)v_cache;
             for (int64_t g = 0; g < group; g++) {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;
@@ -361,11 +404,11 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
                     float *sc = scores[g];
                     int64_t c = 0;
                     for (; c + 4 <= n; c += 4)
-                        dot4_f32(qh, k_cache + slots[c], k_cache + slots[c + 1],
-                                 k_cache + slots[c + 2], k_cache + slots[c + 3], head_dim, sc + c);
+                        dot4_f32(qh, fk + slots[c], fk + slots[c + 1],
+                                 fk + slots[c + 2], fk + slots[c + 3], head_dim, sc + c);
                     for (; c < n; c++) {
                         float four[4];
-                        const float *kc = k_cache + slots[c];
+                        const float *kc = fk + slots[c];
                         dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
                         sc[c] = four[0];
                     }
@@ -386,7 +429,7 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
                     for (c = 0; c < n; c++) l[g] += sc[c];
                 }
                 for (int64_t c = 0; c < n; c++) {
-                    const float *vc = v_cache + slots[c];
+                    const float *vc = fv + slots[c];
                     for (int64_t g = 0; g < group; g++) axpy_f32(acc[g], scores[g][c], vc, head_dim);
                 }
             }
@@ -399,4 +442,16 @@ int pagedllm_paged_attention(const float *q, int64_t q_ts, const float *k, int64
     }
     free(first);
     return 0;
+}
+
+int pagedllm_paged_attention(PAGED_ATTENTION_ARGS) {
+    return paged_attention(0, q, q_ts, k, k_ts, v, v_ts, cache, num_slots, block_size,
+                           slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,
+                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads);
+}
+
+int pagedllm_paged_attention_bf16(PAGED_ATTENTION_ARGS) {
+    return paged_attention(1, q, q_ts, k, k_ts, v, v_ts, cache, num_slots, block_size,
+                           slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,
+                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads);
 }

@@ -4,9 +4,10 @@ table, with no gather of the context and no padding to the longest one.
 
 Decodes and short prefill chunks (up to :data:`KERNEL_MAX_QUERY` tokens) go to the
 kernel, all of them in one call; longer prefills to ``scaled_dot_product_attention`` as
-in the reference backend, whose GEMM-based kernel is faster over many query rows. Where
-the kernel cannot run (not built, or a KV cache that is not float32) every step takes the
-reference path.
+in the reference backend, whose GEMM-based kernel is faster over many query rows. A
+bfloat16 cache (``--dtype bfloat16``) is read and written by the kernel on AVX-512 CPUs
+for head sizes 16 to 256 (queries and outputs in float32). Where the kernel cannot run
+(not built, or another cache type) every step takes the reference path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.core.attention.metadata import PrefillSequence
 from pagedllm.core.attention.torch_backend import TorchSDPABackend, prefill_attention
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
+from pagedllm.kernels.native import cpu_flags
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 
@@ -59,7 +61,7 @@ class CpuPagedBackend(TorchSDPABackend):
         device: torch.device,
     ) -> Any:
         ops = cpu_ops()
-        if ops is None or not kv_caches or kv_caches[0].dtype != torch.float32:
+        if ops is None or not kv_caches or not _kernel_cache(kv_caches[0]):
             return super().build_metadata(
                 query_lens, context_lens, block_tables, block_size, kv_caches, device
             )
@@ -112,13 +114,32 @@ class CpuPagedBackend(TorchSDPABackend):
     ) -> torch.Tensor:
         if not isinstance(metadata, PagedMetadata):
             return super().forward(layer, query, key, value, metadata)
-        if not _dense_rows(query, key, value):
-            raise TypeError("the paged-attention kernel needs float32 query, key and value")
+        if not all(t.stride(-1) == 1 for t in (query, key, value)):
+            raise TypeError("the paged-attention kernel needs rows of contiguous values")
         num_tokens = query.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         kv_cache = metadata.kv_caches[layer.layer_index]
+        if query.dtype != torch.float32:
+            # (bfloat16 models: the kernel computes in float32 over the bfloat16 cache.)
+            if kv_cache.dtype == torch.bfloat16 and metadata.ops.bf16_cache_ok(head_dim):
+                out = self.forward(layer, query.float(), key.float(), value.float(), metadata)
+                return out.to(query.dtype)
+            out = query.new_empty((num_tokens, heads * head_dim))
+            write_kv_cache(
+                key.view(num_tokens, kv_heads, head_dim),
+                value.view(num_tokens, kv_heads, head_dim),
+                kv_cache,
+                metadata.slot_mapping,
+            )
+            for seq in [*_kernel_sequences(metadata, kv_cache.shape[2]), *metadata.prefills]:
+                _sdpa(layer, query, key, value, kv_cache, seq, out)
+            return out
         out = query.new_empty((num_tokens, heads * head_dim))
-        if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
+        if (
+            head_dim > MAX_HEAD_DIM
+            or heads // kv_heads > MAX_GROUP
+            or (kv_cache.dtype == torch.bfloat16 and not metadata.ops.bf16_cache_ok(head_dim))
+        ):
             # Past the kernel's limits: every request through SDPA.
             write_kv_cache(
                 key.view(num_tokens, kv_heads, head_dim),
@@ -182,5 +203,9 @@ def _kernel_sequences(metadata: PagedMetadata, block_size: int) -> list[PrefillS
     return sequences
 
 
-def _dense_rows(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+def _kernel_cache(cache: torch.Tensor) -> bool:
+    """A cache type the kernel reads (bfloat16 only on AVX-512 CPUs; the head size is
+    checked per layer)."""
+    return cache.dtype == torch.float32 or (
+        cache.dtype == torch.bfloat16 and "avx512f" in cpu_flags().split()
+    )
