@@ -118,9 +118,12 @@ class BenchCLI(Engine):
 
     def latency(self, args, output_len: int) -> float:
         """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
-        new ones (``bench latency``, batch 1)."""
+        new ones (``bench latency``, batch 1). ``bench latency`` sends the same prompt at
+        every iteration: prefix caching is off so that each one computes its prefill, as
+        llama-bench's pp does (with it on, the prompt's full blocks come from the cache)."""
         data = self.bench(
             "latency",
+            "--no-enable-prefix-caching",
             "--batch-size",
             "1",
             "--input-len",

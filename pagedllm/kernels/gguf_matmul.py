@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_dequant import bytes_per_row, dequantize
+from pagedllm.kernels.native import cpu_flags
 
 __all__ = [
     "ACTIVATIONS_ENV",
@@ -49,15 +50,16 @@ DEFAULT_CHUNK_ROWS = 1024
 # Up to this many activation rows the row-decoding kernel beats dequantize-then-GEMM
 # (measured on AVX-512: the GEMM's cost per weight falls with more rows, the kernel's not).
 GEMV_MAX_ROWS = 4
-# The types with a fused decode-and-dot kernel (and an 8-bit-activation kernel). It
-# decodes two weight rows at a time once and multiplies them with tiles of 8 activation
-# rows held in registers; it stays ahead of dequantize-then-GEMM up to 64 rows (AVX-512
-# EPYC, a 1536 x 576 Q4_1 weight: 0.15 vs 0.41 ms at 8 rows, 0.83 vs 0.97 ms at 64, behind
-# from 128; the 49152-row Q8_0 LM head: 32 vs 68 ms at 64 rows).
+# The types with a fused decode-and-dot kernel (and an 8-bit-activation kernel). On
+# AVX-512 it decodes two weight rows at a time once and multiplies them with tiles of 8
+# activation rows held in registers, and stays ahead of dequantize-then-GEMM up to 64 rows
+# (AVX-512 EPYC, a 1536 x 576 Q4_1 weight: 0.15 vs 0.41 ms at 8 rows, 0.83 vs 0.97 ms at
+# 64, behind from 128; the 49152-row Q8_0 LM head: 32 vs 68 ms at 64 rows). Without
+# AVX-512 the row-buffer kernel runs, measured ahead up to 8 rows.
 FUSED_TYPES = INT8_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
-FUSED_MAX_ROWS = 64
+FUSED_MAX_ROWS = 64 if "avx512f" in cpu_flags().split() else 8
 ACTIVATIONS_ENV = "PAGEDLLM_GGUF_ACTIVATIONS"
 
 
