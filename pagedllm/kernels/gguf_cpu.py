@@ -29,6 +29,8 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_matmul.restype = i32
         lib.pagedllm_gguf_matmul_q8.argtypes = lib.pagedllm_gguf_matmul.argtypes
         lib.pagedllm_gguf_matmul_q8.restype = i32
+        lib.pagedllm_gguf_matmul_bf16.argtypes = lib.pagedllm_gguf_matmul.argtypes
+        lib.pagedllm_gguf_matmul_bf16.restype = i32
         self.lib = lib
 
     def supports(self, qtype: int) -> bool:
@@ -73,6 +75,22 @@ class GGUFCpuKernels:
             return None
         if status != 0:
             raise MemoryError("the 8-bit GGUF matmul could not allocate its buffers")
+        return y
+
+    def matmul_bf16(
+        self, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+    ) -> torch.Tensor | None:
+        """float32 ``x @ W.T`` for bfloat16 ``x`` ``[m, k]``, the weights rounded to
+        bfloat16 and multiplied in pairs into float32 sums (AVX512-BF16's dpbf16ps), as a
+        bfloat16 GEMM of the dequantized weight computes; None where it does not apply
+        (not Q4_0/Q4_1/Q8_0, or a CPU without AVX512-BF16)."""
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"matmul_bf16 takes bfloat16 activations, not {x.dtype}")
+        y, status = self._product(self.lib.pagedllm_gguf_matmul_bf16, x, raw, qtype, n, k)
+        if status == -1:
+            return None
+        if status != 0:
+            raise MemoryError("the bfloat16 GGUF matmul could not allocate its row buffer")
         return y
 
     @staticmethod

@@ -112,13 +112,22 @@ def gguf_linear(
     kernels = cpu_kernels() if x.device.type == "cpu" and decode is None else None
     out = None
     if kernels is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # (16-bit activations of a few rows: the float32 kernels on their exact widening,
-        # the result rounded back; many rows take the 16-bit GEMM below.)
+        # (16-bit activations of a few rows: bfloat16 ones multiplied in bfloat16 with
+        # float32 sums where the CPU has AVX512-BF16, else the float32 kernels on their
+        # exact widening; the result rounded back once. Many rows take the 16-bit GEMM
+        # below.)
         rows = flat if x.dtype == torch.float32 else None
         if qtype in INT8_TYPES and int8_activations():
             rows = flat.float()
             out = kernels.matmul_q8(rows, raw, qtype, out_features, in_features)
         max_rows = FUSED_MAX_ROWS if qtype in FUSED_TYPES else GEMV_MAX_ROWS
+        if (
+            out is None
+            and x.dtype == torch.bfloat16
+            and qtype in FUSED_TYPES
+            and flat.shape[0] <= FUSED_MAX_ROWS
+        ):
+            out = kernels.matmul_bf16(flat, raw, qtype, out_features, in_features)
         if out is None and flat.shape[0] <= max_rows and kernels.supports(qtype):
             rows = flat.float() if rows is None else rows
             out = kernels.matmul(rows, raw, qtype, out_features, in_features)

@@ -162,7 +162,8 @@ static inline void dot4_f32(const float *q, const float *k0, const float *k1, co
  * GT * V <= 16). The same online softmax as the generic loop. */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-static inline __m512 load_row16(const void *base, int64_t index, const int BF) {
+static inline __attribute__((always_inline)) __m512 load_row16(const void *base, int64_t index,
+                                                                 const int BF) {
     if (BF) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -170,7 +171,8 @@ static inline __m512 load_row16(const void *base, int64_t index, const int BF) {
     return _mm512_loadu_ps((const float *)base + index);
 }
 
-static inline void prefetch_row(const void *base, int64_t index, const int BF, int hint) {
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t index,
+                                                               const int BF, const int hint) {
     const char *p = BF ? (const char *)((const uint16_t *)base + index)
                        : (const char *)((const float *)base + index);
     if (hint) _mm_prefetch(p, _MM_HINT_T1); else _mm_prefetch(p, _MM_HINT_T0);

@@ -532,6 +532,115 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
 }
 #endif
 
+/* ---- bfloat16 activations (bfloat16 models) ----------------------------------------------
+ *
+ * y[m, n] (float32) = x[m, k] (bfloat16) . W[n, k] for Q4_0/Q4_1/Q8_0 weights, on CPUs
+ * with AVX512-BF16: the weights are decoded as dequantization gives them, rounded to
+ * bfloat16 (nearest even, as .to(torch.bfloat16) rounds), two rows at a time into a
+ * thread-local buffer; tiles of 8 activation rows meet them with dpbf16ps (pairs of
+ * bfloat16 products, exact in float32, summed into float32 lanes): the product a bfloat16
+ * GEMM of the dequantized weight computes, up to the order of the float32 sums.
+ * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline void decoded_block_bf16(int qtype, const uint8_t *blk, uint16_t *out) {
+    float tmp[32];
+    decoded_block(qtype, blk, tmp);
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + 16), _mm512_loadu_ps(tmp));
+    _mm512_storeu_si512((void *)out, (__m512i)v);
+}
+
+static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, const uint16_t *w0,
+                                                                const uint16_t *w1, int64_t k,
+                                                                const uint16_t *x, int64_t xs,
+                                                                float *y, int64_t ys) {
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    for (int64_t c = 0; c < k; c += 32) {
+        const __m512bh l0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c));
+        const __m512bh l1 = (__m512bh)_mm512_loadu_si512((const void *)(w1 + c));
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + c));
+            a0[i] = _mm512_dpbf16_ps(a0[i], l0, xv);
+            a1[i] = _mm512_dpbf16_ps(a1[i], l1, xv);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
+        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
+
+static void tile_rows_bf16(int mr, const uint16_t *w0, const uint16_t *w1, int64_t k,
+                           const uint16_t *x, int64_t xs, float *y, int64_t ys) {
+    switch (mr) {
+    case 1: tile_dot_bf16(1, w0, w1, k, x, xs, y, ys); break;
+    case 2: tile_dot_bf16(2, w0, w1, k, x, xs, y, ys); break;
+    case 3: tile_dot_bf16(3, w0, w1, k, x, xs, y, ys); break;
+    case 4: tile_dot_bf16(4, w0, w1, k, x, xs, y, ys); break;
+    case 5: tile_dot_bf16(5, w0, w1, k, x, xs, y, ys); break;
+    case 6: tile_dot_bf16(6, w0, w1, k, x, xs, y, ys); break;
+    case 7: tile_dot_bf16(7, w0, w1, k, x, xs, y, ys); break;
+    default: tile_dot_bf16(8, w0, w1, k, x, xs, y, ys); break;
+    }
+}
+
+int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                              int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
+                              float *y, int64_t y_stride, int nthreads) {
+    int block_bytes;
+    switch (qtype) {
+    case T_Q4_0: block_bytes = 18; break;
+    case T_Q4_1: block_bytes = 20; break;
+    case T_Q8_0: block_bytes = 34; break;
+    default: return -1;
+    }
+    if (k % 32) return -1;
+    const int64_t nb = k / 32, pairs = (n + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *w = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(2 * k));
+        float pair_out[2 * TILE_ROWS];
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (w == NULL) continue;
+            const int64_t j = 2 * p;
+            const int both = j + 1 < n;
+            for (int64_t b = 0; b < nb; b++) {
+                decoded_block_bf16(qtype, raw + j * row_bytes + b * block_bytes, w + b * 32);
+                if (both)
+                    decoded_block_bf16(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
+                                       w + k + b * 32);
+            }
+            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
+                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
+                if (both) {
+                    tile_rows_bf16(mr, w, w + k, k, x + i0 * x_stride, x_stride,
+                                   y + i0 * y_stride + j, y_stride);
+                } else {
+                    tile_rows_bf16(mr, w, w, k, x + i0 * x_stride, x_stride, pair_out, 2);
+                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
+                }
+            }
+        }
+        free(w);
+    }
+    return failed ? -2 : 0;
+}
+#else
+int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                              int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
+                              float *y, int64_t y_stride, int nthreads) {
+    (void)qtype; (void)raw; (void)n; (void)row_bytes; (void)k; (void)x; (void)m;
+    (void)x_stride; (void)y; (void)y_stride; (void)nthreads;
+    return -1;
+}
+#endif
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] for the n x k weight W given packed, m activation
  * rows (row strides in elements). Each thread decodes whole weight rows into its own
  * buffer. */
