@@ -71,6 +71,21 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 1800
     return result.stdout + result.stderr
 
 
+def random_workload(args, num_prompts: int) -> list[str]:
+    """vLLM's ``bench`` arguments for ``num_prompts`` random prompts of ``args.input_len``
+    tokens asking for ``args.output_len``."""
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(num_prompts),
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,6 +177,8 @@ class PagedLLM(BenchCLI):
         if source is not None:  # another checkout (a baseline), run from its tree
             self.name = f"pagedllm@{source.name}"
             self.env["PYTHONPATH"] = f"{source}:{source / 'tests/plugins/dummy_plugin'}"
+            # (``python -m`` would put the working directory, this checkout, first.)
+            self.env["PYTHONSAFEPATH"] = "1"
         self.served_model = "pagedllm-model"
 
     def model_args(self, dtype):
@@ -231,16 +248,7 @@ class VLLM(BenchCLI):
         return ["--model", str(self.hf_dir), "--dtype", dtype or "float32"]
 
     def throughput_args(self, args):
-        return [
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            str(args.input_len),
-            "--random-output-len",
-            str(args.output_len),
-            "--num-prompts",
-            str(args.num_prompts),
-        ]
+        return random_workload(args, args.num_prompts)
 
     def batch1(self, args):
         return {"request_s": self.latency(args, args.output_len)}
@@ -372,14 +380,7 @@ def serve(engine: Engine, args, tokenizer: str) -> dict[str, Any]:
                         engine.served_model,
                         "--tokenizer",
                         tokenizer,
-                        "--dataset-name",
-                        "random",
-                        "--random-input-len",
-                        str(args.input_len),
-                        "--random-output-len",
-                        str(args.output_len),
-                        "--num-prompts",
-                        str(max(2 * c, args.min_serve_prompts)),
+                        *random_workload(args, max(2 * c, args.min_serve_prompts)),
                         "--max-concurrency",
                         str(c),
                         "--ignore-eos",

@@ -453,18 +453,77 @@ static inline __attribute__((always_inline)) void tile_dot(const int MR, const f
 }
 #pragma GCC pop_options
 
-static void tile_rows(int mr, const float *w0, const float *w1, int64_t k, const float *x,
-                      int64_t xs, float *y, int64_t ys) {
-    switch (mr) {
-    case 1: tile_dot(1, w0, w1, k, x, xs, y, ys); break;
-    case 2: tile_dot(2, w0, w1, k, x, xs, y, ys); break;
-    case 3: tile_dot(3, w0, w1, k, x, xs, y, ys); break;
-    case 4: tile_dot(4, w0, w1, k, x, xs, y, ys); break;
-    case 5: tile_dot(5, w0, w1, k, x, xs, y, ys); break;
-    case 6: tile_dot(6, w0, w1, k, x, xs, y, ys); break;
-    case 7: tile_dot(7, w0, w1, k, x, xs, y, ys); break;
-    default: tile_dot(8, w0, w1, k, x, xs, y, ys); break;
+/* The tile function for a row count known only at run time: each count its own
+ * instance of TILE (an always-inline function of a constant MR), T the element type. */
+#define TILE_ROWS_FN(name, TILE, T)                                                          \
+    static void name(int mr, const void *w0v, const void *w1v, int64_t k, const void *xv,    \
+                     int64_t xs, float *y, int64_t ys) {                                     \
+        const T *w0 = (const T *)w0v, *w1 = (const T *)w1v, *x = (const T *)xv;               \
+        switch (mr) {                                                                        \
+        case 1: TILE(1, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 2: TILE(2, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 3: TILE(3, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 4: TILE(4, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 5: TILE(5, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 6: TILE(6, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 7: TILE(7, w0, w1, k, x, xs, y, ys); break;                                    \
+        default: TILE(8, w0, w1, k, x, xs, y, ys); break;                                   \
+        }                                                                                    \
     }
+
+TILE_ROWS_FN(tile_rows, tile_dot, float)
+
+typedef void (*decode_fn)(int qtype, const uint8_t *blk, void *out);
+typedef void (*tiles_fn)(int mr, const void *w0, const void *w1, int64_t k, const void *x,
+                         int64_t xs, float *y, int64_t ys);
+
+static void decode_f32(int qtype, const uint8_t *blk, void *out) {
+    decoded_block(qtype, blk, (float *)out);
+}
+
+/* y[m, n] = x[m, k] . W[n, k]: weight rows decoded in pairs (elements of w_elem bytes) by
+ * decode, then every tile of up to TILE_ROWS activation rows (elements of x_elem bytes)
+ * multiplied with the pair by tiles. 0, or -2 when a buffer cannot be allocated. */
+static int pair_tiles(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
+                      int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
+                      int64_t x_stride, float *y, int64_t y_stride, int nthreads, size_t w_elem,
+                      decode_fn decode, tiles_fn tiles) {
+    const int64_t nb = k / 32, pairs = (n + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *w = (char *)malloc(w_elem * (size_t)(2 * k));
+        float pair_out[2 * TILE_ROWS]; /* an odd n's last row writes its pair here */
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (w == NULL) continue;
+            const int64_t j = 2 * p;
+            const int both = j + 1 < n;
+            for (int64_t b = 0; b < nb; b++) {
+                decode(qtype, raw + j * row_bytes + b * block_bytes, w + w_elem * (size_t)(b * 32));
+                if (both)
+                    decode(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
+                           w + w_elem * (size_t)(k + b * 32));
+            }
+            const void *w1 = both ? (const void *)(w + w_elem * (size_t)k) : (const void *)w;
+            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
+                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
+                const void *xt = (const char *)x + x_elem * (size_t)(i0 * x_stride);
+                if (both) {
+                    tiles(mr, w, w1, k, xt, x_stride, y + i0 * y_stride + j, y_stride);
+                } else {
+                    tiles(mr, w, w1, k, xt, x_stride, pair_out, 2);
+                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
+                }
+            }
+        }
+        free(w);
+    }
+    return failed ? -2 : 0;
 }
 
 static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
@@ -494,41 +553,8 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         free(xsum);
         return 0;
     }
-    int failed = 0;
-    const int64_t pairs = (n + 1) / 2;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *w = (float *)malloc(sizeof(float) * (size_t)(2 * k + 2 * TILE_ROWS));
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        float *pair_out = w + 2 * k; /* an odd n's last row writes its pair here */
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            if (w == NULL) continue;
-            const int64_t j = 2 * p;
-            const int both = j + 1 < n;
-            for (int64_t b = 0; b < nb; b++) {
-                decoded_block(qtype, raw + j * row_bytes + b * block_bytes, w + b * 32);
-                if (both)
-                    decoded_block(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
-                                  w + k + b * 32);
-            }
-            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
-                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
-                if (both) {
-                    tile_rows(mr, w, w + k, k, x + i0 * x_stride, x_stride, y + i0 * y_stride + j,
-                              y_stride);
-                } else {
-                    tile_rows(mr, w, w, k, x + i0 * x_stride, x_stride, pair_out, 2);
-                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
-                }
-            }
-        }
-        free(w);
-    }
-    return failed ? -2 : 0;
+    return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride, y,
+                      y_stride, nthreads, sizeof(float), decode_f32, tile_rows);
 }
 #endif
 
@@ -542,11 +568,11 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
  * GEMM of the dequantized weight computes, up to the order of the float32 sums.
  * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static inline void decoded_block_bf16(int qtype, const uint8_t *blk, uint16_t *out) {
+static void decode_bf16(int qtype, const uint8_t *blk, void *out) {
     float tmp[32];
     decoded_block(qtype, blk, tmp);
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + 16), _mm512_loadu_ps(tmp));
-    _mm512_storeu_si512((void *)out, (__m512i)v);
+    _mm512_storeu_si512(out, (__m512i)v);
 }
 
 static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, const uint16_t *w0,
@@ -570,19 +596,7 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, co
     }
 }
 
-static void tile_rows_bf16(int mr, const uint16_t *w0, const uint16_t *w1, int64_t k,
-                           const uint16_t *x, int64_t xs, float *y, int64_t ys) {
-    switch (mr) {
-    case 1: tile_dot_bf16(1, w0, w1, k, x, xs, y, ys); break;
-    case 2: tile_dot_bf16(2, w0, w1, k, x, xs, y, ys); break;
-    case 3: tile_dot_bf16(3, w0, w1, k, x, xs, y, ys); break;
-    case 4: tile_dot_bf16(4, w0, w1, k, x, xs, y, ys); break;
-    case 5: tile_dot_bf16(5, w0, w1, k, x, xs, y, ys); break;
-    case 6: tile_dot_bf16(6, w0, w1, k, x, xs, y, ys); break;
-    case 7: tile_dot_bf16(7, w0, w1, k, x, xs, y, ys); break;
-    default: tile_dot_bf16(8, w0, w1, k, x, xs, y, ys); break;
-    }
-}
+TILE_ROWS_FN(tile_rows_bf16, tile_dot_bf16, uint16_t)
 
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
                               int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
@@ -595,41 +609,8 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
     default: return -1;
     }
     if (k % 32) return -1;
-    const int64_t nb = k / 32, pairs = (n + 1) / 2;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        uint16_t *w = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(2 * k));
-        float pair_out[2 * TILE_ROWS];
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            if (w == NULL) continue;
-            const int64_t j = 2 * p;
-            const int both = j + 1 < n;
-            for (int64_t b = 0; b < nb; b++) {
-                decoded_block_bf16(qtype, raw + j * row_bytes + b * block_bytes, w + b * 32);
-                if (both)
-                    decoded_block_bf16(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
-                                       w + k + b * 32);
-            }
-            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
-                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
-                if (both) {
-                    tile_rows_bf16(mr, w, w + k, k, x + i0 * x_stride, x_stride,
-                                   y + i0 * y_stride + j, y_stride);
-                } else {
-                    tile_rows_bf16(mr, w, w, k, x + i0 * x_stride, x_stride, pair_out, 2);
-                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
-                }
-            }
-        }
-        free(w);
-    }
-    return failed ? -2 : 0;
+    return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m, x_stride,
+                      y, y_stride, nthreads, sizeof(uint16_t), decode_bf16, tile_rows_bf16);
 }
 #else
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,

@@ -119,26 +119,17 @@ class CpuPagedBackend(TorchSDPABackend):
         num_tokens = query.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         kv_cache = metadata.kv_caches[layer.layer_index]
-        if query.dtype != torch.float32:
+        kernel_reads_cache = kv_cache.dtype == torch.float32 or metadata.ops.bf16_cache_ok(head_dim)
+        if query.dtype != torch.float32 and kernel_reads_cache:
             # (bfloat16 models: the kernel computes in float32 over the bfloat16 cache.)
-            if kv_cache.dtype == torch.bfloat16 and metadata.ops.bf16_cache_ok(head_dim):
-                out = self.forward(layer, query.float(), key.float(), value.float(), metadata)
-                return out.to(query.dtype)
-            out = query.new_empty((num_tokens, heads * head_dim))
-            write_kv_cache(
-                key.view(num_tokens, kv_heads, head_dim),
-                value.view(num_tokens, kv_heads, head_dim),
-                kv_cache,
-                metadata.slot_mapping,
-            )
-            for seq in [*_kernel_sequences(metadata, kv_cache.shape[2]), *metadata.prefills]:
-                _sdpa(layer, query, key, value, kv_cache, seq, out)
-            return out
+            out = self.forward(layer, query.float(), key.float(), value.float(), metadata)
+            return out.to(query.dtype)
         out = query.new_empty((num_tokens, heads * head_dim))
         if (
-            head_dim > MAX_HEAD_DIM
+            query.dtype != torch.float32
+            or not kernel_reads_cache
+            or head_dim > MAX_HEAD_DIM
             or heads // kv_heads > MAX_GROUP
-            or (kv_cache.dtype == torch.bfloat16 and not metadata.ops.bf16_cache_ok(head_dim))
         ):
             # Past the kernel's limits: every request through SDPA.
             write_kv_cache(
