@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
-from pagedllm.kernels.cpu_ops import CpuOps
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
 from pagedllm.plugins.devices import cpu_attention
@@ -154,7 +153,7 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
     heads, kv_heads, d = shape
     cache, q, k, v = _batch(SEQUENCES, heads=heads, kv_heads=kv_heads, d=d)
     if cache_dtype == torch.bfloat16:
-        if not CpuOps.bf16_cache_ok(64):
+        if not ops.bf16_cache_ok(64):
             pytest.skip("the kernel reads bfloat16 caches on AVX-512 CPUs only")
         # What the kernel sees and stores: the cache and the new rows in bfloat16.
         cache = cache.bfloat16()
@@ -176,7 +175,7 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         offset += query_len
     out = torch.full((offset, heads * d), math.nan)
-    if cache_dtype == torch.bfloat16 and not CpuOps.bf16_cache_ok(d):
+    if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(d):
         before = cache.clone()
         with pytest.raises(ValueError, match="bfloat16 cache"):
             ops.paged_attention(
@@ -273,7 +272,7 @@ def test_backend_bfloat16_model(ops):
     paged, got, expected, ours_cache, ref_cache = _both_backends(
         sequences, cache, q, k, v, _Layer(None)
     )
-    assert isinstance(paged, PagedMetadata) == CpuOps.bf16_cache_ok(D)
+    assert isinstance(paged, PagedMetadata) == ops.bf16_cache_ok(D)
     assert got.dtype == torch.bfloat16
     assert torch.equal(ours_cache, ref_cache)
     truth, _ = _reference_attention(cache.float(), q.float(), k.float(), v.float(), sequences, None)

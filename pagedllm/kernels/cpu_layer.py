@@ -5,7 +5,7 @@ on the CPU with GGUF weights.
 when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weight, packed
 output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE in
 float32), else None. Calling it runs the layer for a step of at most
-:data:`~pagedllm.kernels.gguf_matmul.FUSED_MAX_ROWS` tokens whose attention is all in the
+:func:`~pagedllm.kernels.gguf_matmul.fused_max_rows` tokens whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
 the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM
-from pagedllm.kernels.gguf_matmul import FUSED_MAX_ROWS, FUSED_TYPES, int8_activations
+from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_activations
 from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["NativeDecoderLayer", "native_decoder_layer"]
@@ -138,7 +138,7 @@ class NativeDecoderLayer:
             not isinstance(metadata, PagedMetadata)
             or metadata.prefills
             or hidden.dim() != 2
-            or hidden.shape[0] > FUSED_MAX_ROWS
+            or hidden.shape[0] > fused_max_rows()
             or hidden.dtype != torch.float32
             or not hidden.is_contiguous()
             or [t.data_ptr() for t in self.tensors] != self.pointers

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from pagedllm.kernels.native import cpu_flags, load_kernel_library
+from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["BF16_HEAD_DIMS", "MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
 
@@ -100,6 +100,9 @@ class CpuOps:
         lib.pagedllm_paged_attention.restype = i32
         lib.pagedllm_paged_attention_bf16.argtypes = lib.pagedllm_paged_attention.argtypes
         lib.pagedllm_paged_attention_bf16.restype = i32
+        lib.pagedllm_attention_bf16_cache.argtypes = []
+        lib.pagedllm_attention_bf16_cache.restype = i32
+        self.bf16_cache = bool(lib.pagedllm_attention_bf16_cache())
         self.lib = lib
 
     @staticmethod
@@ -210,10 +213,9 @@ class CpuOps:
         )
         return out
 
-    @staticmethod
-    def bf16_cache_ok(head_dim: int) -> bool:
-        """Whether the kernel takes a bfloat16 cache for this head size here."""
-        return head_dim in BF16_HEAD_DIMS and "avx512f" in cpu_flags().split()
+    def bf16_cache_ok(self, head_dim: int) -> bool:
+        """Whether this build's kernel takes a bfloat16 cache for this head size."""
+        return self.bf16_cache and head_dim in BF16_HEAD_DIMS
 
     def paged_attention(
         self,

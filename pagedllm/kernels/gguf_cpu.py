@@ -31,6 +31,11 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_matmul_q8.restype = i32
         lib.pagedllm_gguf_matmul_bf16.argtypes = lib.pagedllm_gguf_matmul.argtypes
         lib.pagedllm_gguf_matmul_bf16.restype = i32
+        lib.pagedllm_gguf_features.argtypes = []
+        lib.pagedllm_gguf_features.restype = i32
+        features = lib.pagedllm_gguf_features()
+        # The build's register-tile product of several rows (AVX-512) and bfloat16 one.
+        self.row_tiles, self.bf16 = bool(features & 1), bool(features & 2)
         self.lib = lib
 
     def supports(self, qtype: int) -> bool:

@@ -2,7 +2,7 @@
 
 Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias)``:
 
-- up to :data:`FUSED_MAX_ROWS` activation rows (decode steps) with Q4_0/Q4_1/Q8_0
+- up to :func:`fused_max_rows` activation rows (decode steps) with Q4_0/Q4_1/Q8_0
   weights, or :data:`GEMV_MAX_ROWS` with the others: the compiled CPU kernel decodes a
   weight row (or two) at a time into a small buffer and takes its dot products there
   (``gguf_cpu``);
@@ -33,7 +33,6 @@ from gguf import GGMLQuantizationType
 
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_dequant import bytes_per_row, dequantize
-from pagedllm.kernels.native import cpu_flags
 
 __all__ = [
     "ACTIVATIONS_ENV",
@@ -54,12 +53,20 @@ GEMV_MAX_ROWS = 4
 # AVX-512 it decodes two weight rows at a time once and multiplies them with tiles of 8
 # activation rows held in registers, and stays ahead of dequantize-then-GEMM up to 64 rows
 # (AVX-512 EPYC, a 1536 x 576 Q4_1 weight: 0.15 vs 0.41 ms at 8 rows, 0.83 vs 0.97 ms at
-# 64, behind from 128; the 49152-row Q8_0 LM head: 32 vs 68 ms at 64 rows). Without
-# AVX-512 the row-buffer kernel runs, measured ahead up to 8 rows.
+# 64, behind from 128; the 49152-row Q8_0 LM head: 32 vs 68 ms at 64 rows). A build
+# without AVX-512 runs the row-buffer kernel, measured ahead up to 8 rows.
 FUSED_TYPES = INT8_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
-FUSED_MAX_ROWS = 64 if "avx512f" in cpu_flags().split() else 8
+TILED_MAX_ROWS, UNTILED_MAX_ROWS = 64, 8
+
+
+def fused_max_rows() -> int:
+    """Up to how many rows the fused kernel beats dequantize-then-GEMM with this build."""
+    kernels = cpu_kernels()
+    return TILED_MAX_ROWS if kernels is not None and kernels.row_tiles else UNTILED_MAX_ROWS
+
+
 ACTIVATIONS_ENV = "PAGEDLLM_GGUF_ACTIVATIONS"
 
 
@@ -120,12 +127,13 @@ def gguf_linear(
         if qtype in INT8_TYPES and int8_activations():
             rows = flat.float()
             out = kernels.matmul_q8(rows, raw, qtype, out_features, in_features)
-        max_rows = FUSED_MAX_ROWS if qtype in FUSED_TYPES else GEMV_MAX_ROWS
+        max_rows = fused_max_rows() if qtype in FUSED_TYPES else GEMV_MAX_ROWS
         if (
             out is None
             and x.dtype == torch.bfloat16
+            and kernels.bf16
             and qtype in FUSED_TYPES
-            and flat.shape[0] <= FUSED_MAX_ROWS
+            and flat.shape[0] <= max_rows
         ):
             out = kernels.matmul_bf16(flat, raw, qtype, out_features, in_features)
         if out is None and flat.shape[0] <= max_rows and kernels.supports(qtype):

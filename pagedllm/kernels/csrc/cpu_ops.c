@@ -446,6 +446,15 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
     return 0;
 }
 
+/* Whether this build's paged attention reads a bfloat16 cache (its AVX-512 tiles). */
+int pagedllm_attention_bf16_cache(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int pagedllm_paged_attention(PAGED_ATTENTION_ARGS) {
     return paged_attention(0, q, q_ts, k, k_ts, v, v_ts, cache, num_slots, block_size,
                            slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,

@@ -253,6 +253,19 @@ static int type_info(int qtype, row_fn *fn, int *block_values) {
     }
 }
 
+/* What this build has: bit 0 the register-tile product of several rows (AVX-512), bit 1
+ * the bfloat16 product (AVX512-BF16). */
+int pagedllm_gguf_features(void) {
+    int features = 0;
+#ifdef __AVX512F__
+    features |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    features |= 2;
+#endif
+    return features;
+}
+
 int pagedllm_gguf_supported(int qtype) {
     row_fn fn;
     int bv;

@@ -21,7 +21,6 @@ from pagedllm.core.attention.metadata import PrefillSequence
 from pagedllm.core.attention.torch_backend import TorchSDPABackend, prefill_attention
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
-from pagedllm.kernels.native import cpu_flags
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 
@@ -61,7 +60,7 @@ class CpuPagedBackend(TorchSDPABackend):
         device: torch.device,
     ) -> Any:
         ops = cpu_ops()
-        if ops is None or not kv_caches or not _kernel_cache(kv_caches[0]):
+        if ops is None or not kv_caches or not _kernel_cache(ops, kv_caches[0]):
             return super().build_metadata(
                 query_lens, context_lens, block_tables, block_size, kv_caches, device
             )
@@ -194,9 +193,7 @@ def _kernel_sequences(metadata: PagedMetadata, block_size: int) -> list[PrefillS
     return sequences
 
 
-def _kernel_cache(cache: torch.Tensor) -> bool:
-    """A cache type the kernel reads (bfloat16 only on AVX-512 CPUs; the head size is
+def _kernel_cache(ops: CpuOps, cache: torch.Tensor) -> bool:
+    """A cache type the kernel reads (bfloat16 with an AVX-512 build; the head size is
     checked per layer)."""
-    return cache.dtype == torch.float32 or (
-        cache.dtype == torch.bfloat16 and "avx512f" in cpu_flags().split()
-    )
+    return cache.dtype == torch.float32 or (cache.dtype == torch.bfloat16 and ops.bf16_cache)
