@@ -75,12 +75,9 @@ class GGUFCpuKernels:
         """``x @ W.T`` with ``x`` quantized to 8 bits per block of 32 and integer dot
         products (Q4_0, Q4_1, Q8_0 weights on AVX2 or newer); None where it does not apply
         (another type, or a CPU without AVX2)."""
-        y, status = self._product(self.lib.pagedllm_gguf_matmul_q8, x, raw, qtype, n, k)
-        if status == -1:
-            return None
-        if status != 0:
-            raise MemoryError("the 8-bit GGUF matmul could not allocate its buffers")
-        return y
+        return self._optional_product(
+            self.lib.pagedllm_gguf_matmul_q8, "8-bit", x, raw, qtype, n, k
+        )
 
     def matmul_bf16(
         self, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
@@ -91,11 +88,20 @@ class GGUFCpuKernels:
         (not Q4_0/Q4_1/Q8_0, or a CPU without AVX512-BF16)."""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"matmul_bf16 takes bfloat16 activations, not {x.dtype}")
-        y, status = self._product(self.lib.pagedllm_gguf_matmul_bf16, x, raw, qtype, n, k)
+        return self._optional_product(
+            self.lib.pagedllm_gguf_matmul_bf16, "bfloat16", x, raw, qtype, n, k
+        )
+
+    @classmethod
+    def _optional_product(
+        cls, fn: Any, kind: str, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+    ) -> torch.Tensor | None:
+        """``fn``'s product, or None where the kernel does not apply (status -1)."""
+        y, status = cls._product(fn, x, raw, qtype, n, k)
         if status == -1:
             return None
         if status != 0:
-            raise MemoryError("the bfloat16 GGUF matmul could not allocate its row buffer")
+            raise MemoryError(f"the {kind} GGUF matmul could not allocate its buffers")
         return y
 
     @staticmethod

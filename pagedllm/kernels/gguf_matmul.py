@@ -123,10 +123,9 @@ def gguf_linear(
         # float32 sums where the CPU has AVX512-BF16, else the float32 kernels on their
         # exact widening; the result rounded back once. Many rows take the 16-bit GEMM
         # below.)
-        rows = flat if x.dtype == torch.float32 else None
+        # (``.float()`` of float32 rows is the rows themselves.)
         if qtype in INT8_TYPES and int8_activations():
-            rows = flat.float()
-            out = kernels.matmul_q8(rows, raw, qtype, out_features, in_features)
+            out = kernels.matmul_q8(flat.float(), raw, qtype, out_features, in_features)
         max_rows = fused_max_rows() if qtype in FUSED_TYPES else GEMV_MAX_ROWS
         if (
             out is None
@@ -137,8 +136,7 @@ def gguf_linear(
         ):
             out = kernels.matmul_bf16(flat, raw, qtype, out_features, in_features)
         if out is None and flat.shape[0] <= max_rows and kernels.supports(qtype):
-            rows = flat.float() if rows is None else rows
-            out = kernels.matmul(rows, raw, qtype, out_features, in_features)
+            out = kernels.matmul(flat.float(), raw, qtype, out_features, in_features)
         if out is not None:
             out = out.to(x.dtype)
     if out is None:

@@ -266,6 +266,17 @@ int pagedllm_gguf_features(void) {
     return features;
 }
 
+/* Block layout of the types with fused kernels: bytes per block, offset of the packed
+ * values, whether a min follows the scale. -1 for any other type. */
+static inline int fused_layout(int qtype, int *block_bytes, int *qs_off, int *has_min) {
+    switch (qtype) {
+    case T_Q4_0: *block_bytes = 18; *qs_off = 2; *has_min = 0; return 0;
+    case T_Q4_1: *block_bytes = 20; *qs_off = 4; *has_min = 1; return 0;
+    case T_Q8_0: *block_bytes = 34; *qs_off = 2; *has_min = 0; return 0;
+    default: return -1;
+    }
+}
+
 int pagedllm_gguf_supported(int qtype) {
     row_fn fn;
     int bv;
@@ -280,41 +291,41 @@ static inline void q4_values(const uint8_t *qs, __m512 *lo, __m512 *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
 }
 
-/* Vectorised decoders for the common 32-value types, bit-exact with the scalar ones
- * (each IEEE multiply and add rounds the same in a vector lane). */
-static void row_q4_0_avx512(const uint8_t *row, int64_t nblocks, float *out) {
-    for (int64_t i = 0; i < nblocks; i++) {
-        const uint8_t *b = row + i * 18;
-        __m512 lo, hi;
-        q4_values(b + 2, &lo, &hi);
-        const __m512 d = _mm512_set1_ps(f16_to_f32(b)), eight = _mm512_set1_ps(8.0f);
-        _mm512_storeu_ps(out + 32 * i, _mm512_mul_ps(d, _mm512_sub_ps(lo, eight)));
-        _mm512_storeu_ps(out + 32 * i + 16, _mm512_mul_ps(d, _mm512_sub_ps(hi, eight)));
+/* One block of a common 32-value type, vectorised and bit-exact with the scalar decoders
+ * (each IEEE multiply and add rounds the same in a vector lane; built without
+ * contraction): w = d * q + c exactly as dequantization gives it. */
+static inline void decoded_block(int qtype, const uint8_t *blk, float *out) {
+    const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
+    __m512 lo, hi;
+    if (qtype == T_Q8_0) {
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d);
+        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d);
+    } else if (qtype == T_Q4_1) {
+        q4_values(blk + 4, &lo, &hi);
+        const __m512 m = _mm512_set1_ps(f16_to_f32(blk + 2));
+        lo = _mm512_add_ps(_mm512_mul_ps(d, lo), m);
+        hi = _mm512_add_ps(_mm512_mul_ps(d, hi), m);
+    } else { /* Q4_0 */
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        q4_values(blk + 2, &lo, &hi);
+        lo = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
+        hi = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
     }
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
 }
 
-static void row_q4_1_avx512(const uint8_t *row, int64_t nblocks, float *out) {
-    for (int64_t i = 0; i < nblocks; i++) {
-        const uint8_t *b = row + i * 20;
-        __m512 lo, hi;
-        q4_values(b + 4, &lo, &hi);
-        const __m512 d = _mm512_set1_ps(f16_to_f32(b)), m = _mm512_set1_ps(f16_to_f32(b + 2));
-        _mm512_storeu_ps(out + 32 * i, _mm512_add_ps(_mm512_mul_ps(d, lo), m));
-        _mm512_storeu_ps(out + 32 * i + 16, _mm512_add_ps(_mm512_mul_ps(d, hi), m));
+/* Whole rows of them (the block decoder inlined with its type a constant). */
+#define ROW_AVX512(name, qtype, bytes)                                                        \
+    static void name(const uint8_t *row, int64_t nblocks, float *out) {                     \
+        for (int64_t i = 0; i < nblocks; i++) decoded_block(qtype, row + i * (bytes), out + 32 * i); \
     }
-}
 
-static void row_q8_0_avx512(const uint8_t *row, int64_t nblocks, float *out) {
-    for (int64_t i = 0; i < nblocks; i++) {
-        const uint8_t *b = row + i * 34;
-        const __m512 d = _mm512_set1_ps(f16_to_f32(b));
-        const __m128i r0 = _mm_loadu_si128((const __m128i *)(b + 2));
-        const __m128i r1 = _mm_loadu_si128((const __m128i *)(b + 18));
-        _mm512_storeu_ps(out + 32 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d));
-        _mm512_storeu_ps(out + 32 * i + 16,
-                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d));
-    }
-}
+ROW_AVX512(row_q4_0_avx512, T_Q4_0, 18)
+ROW_AVX512(row_q4_1_avx512, T_Q4_1, 20)
+ROW_AVX512(row_q8_0_avx512, T_Q8_0, 34)
 #endif
 
 /* rows x k values from rows x row_bytes packed bytes. */
@@ -414,29 +425,6 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
  * products with both rows: 16 independent accumulators in registers, two multiply-adds
  * per 16 weights and row, each decoded weight reused by every activation row. */
 #define TILE_ROWS 8
-
-static inline void decoded_block(int qtype, const uint8_t *blk, float *out) {
-    const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
-    __m512 lo, hi;
-    if (qtype == T_Q8_0) {
-        const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d);
-        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d);
-    } else if (qtype == T_Q4_1) {
-        q4_values(blk + 4, &lo, &hi);
-        const __m512 m = _mm512_set1_ps(f16_to_f32(blk + 2));
-        lo = _mm512_add_ps(_mm512_mul_ps(d, lo), m);
-        hi = _mm512_add_ps(_mm512_mul_ps(d, hi), m);
-    } else { /* Q4_0 */
-        const __m512 eight = _mm512_set1_ps(8.0f);
-        q4_values(blk + 2, &lo, &hi);
-        lo = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
-        hi = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
-    }
-    _mm512_storeu_ps(out, lo);
-    _mm512_storeu_ps(out + 16, hi);
-}
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
@@ -543,13 +531,7 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
                         const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
                         int nthreads) {
     int block_bytes, qs_off, has_min;
-    switch (qtype) {
-    case T_Q4_0: block_bytes = 18; qs_off = 2; has_min = 0; break;
-    case T_Q4_1: block_bytes = 20; qs_off = 4; has_min = 1; break;
-    case T_Q8_0: block_bytes = 34; qs_off = 2; has_min = 0; break;
-    default: return -1;
-    }
-    if (k % 32) return -1;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
     const int64_t nb = k / 32;
     if (m == 1) {
         float *xsum = (float *)malloc(sizeof(float) * (size_t)nb);
@@ -614,14 +596,8 @@ TILE_ROWS_FN(tile_rows_bf16, tile_dot_bf16, uint16_t)
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
                               int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
                               float *y, int64_t y_stride, int nthreads) {
-    int block_bytes;
-    switch (qtype) {
-    case T_Q4_0: block_bytes = 18; break;
-    case T_Q4_1: block_bytes = 20; break;
-    case T_Q8_0: block_bytes = 34; break;
-    default: return -1;
-    }
-    if (k % 32) return -1;
+    int block_bytes, qs_off, has_min;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
     return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m, x_stride,
                       y, y_stride, nthreads, sizeof(uint16_t), decode_bf16, tile_rows_bf16);
 }
@@ -758,14 +734,8 @@ static inline int hsum_epi32(__m256i v) {
 int pagedllm_gguf_matmul_q8(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
                             int64_t k, const float *x, int64_t m, int64_t x_stride, float *y,
                             int64_t y_stride, int nthreads) {
-    int block_bytes, qs_off;
-    switch (qtype) {
-    case T_Q4_0: block_bytes = 18; qs_off = 2; break;
-    case T_Q4_1: block_bytes = 20; qs_off = 4; break;
-    case T_Q8_0: block_bytes = 34; qs_off = 2; break;
-    default: return -1;
-    }
-    if (k % 32) return -1;
+    int block_bytes, qs_off, has_min;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
     const int64_t nb = k / 32, nb8 = nb - nb % 8;
     int8_t *qx = (int8_t *)malloc((size_t)(m * k));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * nb));

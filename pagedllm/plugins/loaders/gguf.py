@@ -9,6 +9,7 @@ some machines, several times the memory).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -60,14 +61,13 @@ def _save_tokenizer(tokenizer: Any, target: Path) -> None:
     skipped: the next start converts again."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        # (Once renamed, the temporary directory is gone: nothing for its clean-up.)
+        with tempfile.TemporaryDirectory(dir=target.parent, ignore_cleanup_errors=True) as tmp:
             tokenizer.save_pretrained(tmp)
-            try:
+            # A start that finds target already there (OSError) leaves its copy to the
+            # clean-up.
+            with contextlib.suppress(OSError):
                 os.rename(tmp, target)
-            except OSError:
-                pass  # another process saved it first
-            else:
-                os.mkdir(tmp)  # for TemporaryDirectory's clean-up
     except OSError as exc:
         logger.debug("could not cache the converted tokenizer in %s: %s", target, exc)
 
