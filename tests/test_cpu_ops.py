@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import skip_unless_build_failed
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
@@ -23,7 +24,7 @@ def ops():
 
     loaded = cpu_ops()
     if loaded is None:
-        pytest.skip("no C compiler: the CPU kernels are not built (the torch path is used)")
+        skip_unless_build_failed()
     return loaded
 
 

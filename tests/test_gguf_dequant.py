@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
+from kernel_checks import skip_unless_build_failed
 
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row, dequantize
-from pagedllm.kernels.gguf_matmul import gguf_linear, gguf_linear_reference
+from pagedllm.kernels.gguf_matmul import fused_max_rows, gguf_linear, gguf_linear_reference
 from pagedllm.plugins.loaders.gguf_file import GGUFFile, installed_file
 
 T = GGMLQuantizationType
@@ -145,8 +146,10 @@ def test_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
 
 
 def test_gguf_linear_16_bit_activations():
-    """bfloat16/float16 rows: a few go through the float32 kernels on their exact widening
-    (rounded back once), many through the 16-bit GEMM; both near the float32 product."""
+    """bfloat16/float16 rows: those the fused kernels take (every count on AVX-512, a few
+    elsewhere) go through the bfloat16 product (AVX512-BF16) or the float32 kernels on
+    their exact widening, rounded back once; others through the 16-bit GEMM; all near the
+    float32 product."""
     out_features, in_features = 70, 512
     raw_t = torch.from_numpy(_quantized_blocks(T.Q4_0, (out_features, in_features), seed=3))
     w = dequantize(raw_t, T.Q4_0, (out_features, in_features))
@@ -158,12 +161,13 @@ def test_gguf_linear_16_bit_activations():
             assert got.dtype == dtype
             exact = F.linear(x.float(), w)
             kernels = cpu_kernels_or_none()
-            bf16 = kernels is not None and dtype == torch.bfloat16
-            if rows == 3 and bf16 and kernels.bf16:
+            limit = fused_max_rows()
+            fused = kernels is not None and (limit is None or rows <= limit)
+            if fused and dtype == torch.bfloat16 and kernels.bf16:
                 # AVX512-BF16: the bfloat16 product, rounded once.
                 direct = kernels.matmul_bf16(x, raw_t, T.Q4_0, out_features, in_features)
                 assert torch.equal(got, direct.to(dtype))
-            elif rows == 3:  # the float32 path's result, rounded once
+            elif fused:  # the float32 path's result, rounded once
                 widened = gguf_linear(x.float(), raw_t, T.Q4_0, out_features, in_features)
                 assert torch.equal(got, widened.to(dtype))
             scale = float(exact.abs().max())
@@ -188,12 +192,17 @@ def test_bf16_product_is_the_bfloat16_gemm(qtype):
     g = torch.Generator().manual_seed(3)
     if kernels is None or not kernels.bf16:
         pytest.skip("no AVX512-BF16 kernel on this CPU")
-    for rows in (1, 3, 8, 11, 21):
+    for rows in (1, 3, 8, 13, 25, 250):
         x = torch.randn(rows, in_features, generator=g).bfloat16()
         got = kernels.matmul_bf16(x, raw, qtype, out_features, in_features)
         expected = F.linear(x.float(), w)
         scale = float(expected.abs().max())
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale)
+        # bfloat16 out: the same sums, rounded as .to() rounds them.
+        rounded = kernels.matmul_bf16(
+            x, raw, qtype, out_features, in_features, out_dtype=torch.bfloat16
+        )
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
     with pytest.raises(TypeError, match="bfloat16"):
         kernels.matmul_bf16(x.float(), raw, qtype, out_features, in_features)
 
@@ -237,7 +246,7 @@ def cpu_kernels():
 
     kernels = load()
     if kernels is None:
-        pytest.skip("no C compiler: the CPU kernels are not built (the torch path is used)")
+        skip_unless_build_failed()
     return kernels
 
 
@@ -267,10 +276,11 @@ def test_cpu_kernel_matmul_matches_dequantized_matmul(cpu_kernels, qtype, extra_
     w = dequantize(raw, qtype, (out_features, in_features))
     g = torch.Generator().manual_seed(1)
     # Q4_0/Q4_1/Q8_0 take the fused kernels: one row with four accumulators over blocks
-    # (17 blocks of 32 leave one over), more rows in tiles of 8 against pairs of decoded
-    # weight rows (37 outputs: an odd last row; 11 and 21 rows: ragged last tiles); the
+    # (17 blocks of 32 leave one over); more rows, on AVX-512, in tiles of up to 12 rows
+    # against panels of 32 decoded weight rows (37 outputs: a part-filled last panel; 13
+    # and 25 rows: tiles of unequal sizes; 250 rows: two blocks of activation rows); the
     # other types decode a row into a buffer.
-    for rows in (1, 2, 3, 8, 11, 21):
+    for rows in (1, 2, 3, 8, 13, 25, 250):
         x = torch.randn(rows, in_features, generator=g)
         expected = F.linear(x, w)
         got = cpu_kernels.matmul(x, raw, qtype, out_features, in_features)

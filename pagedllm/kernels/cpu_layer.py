@@ -5,7 +5,8 @@ on the CPU with GGUF weights.
 when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weight, packed
 output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE in
 float32), else None. Calling it runs the layer for a step of at most
-:func:`~pagedllm.kernels.gguf_matmul.fused_max_rows` tokens whose attention is all in the
+:func:`~pagedllm.kernels.gguf_matmul.fused_max_rows` tokens (:data:`MAX_STEP_TOKENS` where
+that has no limit) whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
 the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results.
@@ -26,6 +27,9 @@ from pagedllm.kernels.native import load_kernel_library
 __all__ = ["NativeDecoderLayer", "native_decoder_layer"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# The most tokens a native step takes where the products have no row limit (AVX-512): its
+# float32 buffers are about 15 rows of the hidden size per token.
+MAX_STEP_TOKENS = 1024
 
 
 class _StepArgs(ctypes.Structure):
@@ -138,7 +142,7 @@ class NativeDecoderLayer:
             not isinstance(metadata, PagedMetadata)
             or metadata.prefills
             or hidden.dim() != 2
-            or hidden.shape[0] > fused_max_rows()
+            or hidden.shape[0] > (fused_max_rows() or MAX_STEP_TOKENS)
             or hidden.dtype != torch.float32
             or not hidden.is_contiguous()
             or [t.data_ptr() for t in self.tensors] != self.pointers

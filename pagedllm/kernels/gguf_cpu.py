@@ -29,7 +29,7 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_matmul.restype = i32
         lib.pagedllm_gguf_matmul_q8.argtypes = lib.pagedllm_gguf_matmul.argtypes
         lib.pagedllm_gguf_matmul_q8.restype = i32
-        lib.pagedllm_gguf_matmul_bf16.argtypes = lib.pagedllm_gguf_matmul.argtypes
+        lib.pagedllm_gguf_matmul_bf16.argtypes = [*lib.pagedllm_gguf_matmul.argtypes, i32]
         lib.pagedllm_gguf_matmul_bf16.restype = i32
         lib.pagedllm_gguf_features.argtypes = []
         lib.pagedllm_gguf_features.restype = i32
@@ -80,24 +80,50 @@ class GGUFCpuKernels:
         )
 
     def matmul_bf16(
-        self, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+        self,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor | None:
-        """float32 ``x @ W.T`` for bfloat16 ``x`` ``[m, k]``, the weights rounded to
-        bfloat16 and multiplied in pairs into float32 sums (AVX512-BF16's dpbf16ps), as a
-        bfloat16 GEMM of the dequantized weight computes; None where it does not apply
-        (not Q4_0/Q4_1/Q8_0, or a CPU without AVX512-BF16)."""
+        """``x @ W.T`` for bfloat16 ``x`` ``[m, k]``, the weights rounded to bfloat16 and
+        multiplied in pairs into float32 sums (AVX512-BF16's dpbf16ps), as a bfloat16 GEMM
+        of the dequantized weight computes; in float32, or in bfloat16 rounded as
+        ``.to()`` rounds. None where it does not apply (not Q4_0/Q4_1/Q8_0, or a CPU
+        without AVX512-BF16)."""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"matmul_bf16 takes bfloat16 activations, not {x.dtype}")
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"matmul_bf16 gives float32 or bfloat16, not {out_dtype}")
         return self._optional_product(
-            self.lib.pagedllm_gguf_matmul_bf16, "bfloat16", x, raw, qtype, n, k
+            self.lib.pagedllm_gguf_matmul_bf16,
+            "bfloat16",
+            x,
+            raw,
+            qtype,
+            n,
+            k,
+            out_dtype,
+            int(out_dtype == torch.bfloat16),
         )
 
     @classmethod
     def _optional_product(
-        cls, fn: Any, kind: str, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+        cls,
+        fn: Any,
+        kind: str,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype = torch.float32,
+        *extra: int,
     ) -> torch.Tensor | None:
         """``fn``'s product, or None where the kernel does not apply (status -1)."""
-        y, status = cls._product(fn, x, raw, qtype, n, k)
+        y, status = cls._product(fn, x, raw, qtype, n, k, out_dtype, *extra)
         if status == -1:
             return None
         if status != 0:
@@ -106,14 +132,22 @@ class GGUFCpuKernels:
 
     @staticmethod
     def _product(
-        fn: Any, x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int
+        fn: Any,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype = torch.float32,
+        *extra: int,
     ) -> tuple[torch.Tensor, int]:
         """``fn``'s product of ``x`` ``[m, k]`` and packed ``raw`` ``[n, row_bytes]`` into a
-        new ``[m, n]``, and its status."""
+        new ``[m, n]`` of ``out_dtype``, and its status (``extra``: arguments after the
+        thread count)."""
         x = x.contiguous()
         raw = raw.contiguous()
         m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=out_dtype)
         status = fn(
             int(qtype),
             raw.data_ptr(),
@@ -126,6 +160,7 @@ class GGUFCpuKernels:
             y.data_ptr(),
             n,
             torch.get_num_threads(),
+            *extra,
         )
         return y, status
 

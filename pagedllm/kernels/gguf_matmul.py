@@ -2,12 +2,13 @@
 
 Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias)``:
 
-- up to :func:`fused_max_rows` activation rows (decode steps) with Q4_0/Q4_1/Q8_0
-  weights, or :data:`GEMV_MAX_ROWS` with the others: the compiled CPU kernel decodes a
-  weight row (or two) at a time into a small buffer and takes its dot products there
-  (``gguf_cpu``);
-- many rows (prefill, large batches), or any rows on a GPU: a chunk of weight rows is
-  dequantized (the compiled CPU kernel, the Triton kernels on GPUs, else the torch
+- on CPUs with AVX-512, Q4_0/Q4_1/Q8_0 weights at every row count: the compiled kernel
+  decodes panels of 32 weight rows into a small buffer and multiplies them with tiles of
+  activation rows held in registers, a GEMM micro-kernel that never materialises the float
+  weight (``gguf_cpu``); elsewhere the same for up to :func:`fused_max_rows` rows (decode
+  steps), or :data:`GEMV_MAX_ROWS` with the other types, one weight row at a time;
+- many rows otherwise (prefill, large batches), or any rows on a GPU: a chunk of weight
+  rows is dequantized (the compiled CPU kernel, the Triton kernels on GPUs, else the torch
   reference) and multiplied with the BLAS GEMM, so the extra memory is one chunk rather
   than the whole float weight.
 
@@ -50,21 +51,22 @@ DEFAULT_CHUNK_ROWS = 1024
 # (measured on AVX-512: the GEMM's cost per weight falls with more rows, the kernel's not).
 GEMV_MAX_ROWS = 4
 # The types with a fused decode-and-dot kernel (and an 8-bit-activation kernel). On
-# AVX-512 it decodes two weight rows at a time once and multiplies them with tiles of 8
-# activation rows held in registers, and stays ahead of dequantize-then-GEMM up to 64 rows
-# (AVX-512 EPYC, a 1536 x 576 Q4_1 weight: 0.15 vs 0.41 ms at 8 rows, 0.83 vs 0.97 ms at
-# 64, behind from 128; the 49152-row Q8_0 LM head: 32 vs 68 ms at 64 rows). A build
-# without AVX-512 runs the row-buffer kernel, measured ahead up to 8 rows.
+# AVX-512 it is a panel GEMM (32 weight rows decoded once per block of activation rows,
+# tiles of 12 rows x 32 outputs in registers) ahead of dequantize-then-GEMM at every row
+# count (AVX-512 EPYC, float32, 1536 x 576 Q4_1: 0.56 vs 0.86 ms at 64 rows, 4.3 vs 6.2 ms
+# at 512; bfloat16 300-400 GFLOP/s against the bfloat16 GEMM's 230-370). A build without
+# AVX-512 runs the row-buffer kernel, measured ahead up to 8 rows.
 FUSED_TYPES = INT8_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )
-TILED_MAX_ROWS, UNTILED_MAX_ROWS = 64, 8
+UNTILED_MAX_ROWS = 8
 
 
-def fused_max_rows() -> int:
-    """Up to how many rows the fused kernel beats dequantize-then-GEMM with this build."""
+def fused_max_rows() -> int | None:
+    """Up to how many rows the fused kernel beats dequantize-then-GEMM with this build
+    (None: at every count)."""
     kernels = cpu_kernels()
-    return TILED_MAX_ROWS if kernels is not None and kernels.row_tiles else UNTILED_MAX_ROWS
+    return None if kernels is not None and kernels.row_tiles else UNTILED_MAX_ROWS
 
 
 ACTIVATIONS_ENV = "PAGEDLLM_GGUF_ACTIVATIONS"
@@ -119,23 +121,26 @@ def gguf_linear(
     kernels = cpu_kernels() if x.device.type == "cpu" and decode is None else None
     out = None
     if kernels is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        # (16-bit activations of a few rows: bfloat16 ones multiplied in bfloat16 with
-        # float32 sums where the CPU has AVX512-BF16, else the float32 kernels on their
-        # exact widening; the result rounded back once. Many rows take the 16-bit GEMM
-        # below.)
+        # (16-bit activations: bfloat16 ones multiplied in bfloat16 with float32 sums
+        # where the CPU has AVX512-BF16, else the float32 kernels on their exact
+        # widening; the result rounded back once. Rows past the kernel's limit take the
+        # 16-bit GEMM below.)
         # (``.float()`` of float32 rows is the rows themselves.)
         if qtype in INT8_TYPES and int8_activations():
             out = kernels.matmul_q8(flat.float(), raw, qtype, out_features, in_features)
         max_rows = fused_max_rows() if qtype in FUSED_TYPES else GEMV_MAX_ROWS
+        fits = max_rows is None or flat.shape[0] <= max_rows
         if (
             out is None
             and x.dtype == torch.bfloat16
             and kernels.bf16
             and qtype in FUSED_TYPES
-            and flat.shape[0] <= max_rows
+            and fits
         ):
-            out = kernels.matmul_bf16(flat, raw, qtype, out_features, in_features)
-        if out is None and flat.shape[0] <= max_rows and kernels.supports(qtype):
+            out = kernels.matmul_bf16(
+                flat, raw, qtype, out_features, in_features, out_dtype=torch.bfloat16
+            )
+        if out is None and fits and kernels.supports(qtype):
             out = kernels.matmul(flat.float(), raw, qtype, out_features, in_features)
         if out is not None:
             out = out.to(x.dtype)

@@ -23,7 +23,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["CSRC", "cpu_flags", "cpuinfo_field", "kernels_disabled", "load_kernel_library"]
+__all__ = [
+    "CSRC",
+    "c_compiler",
+    "cpu_flags",
+    "cpuinfo_field",
+    "kernels_disabled",
+    "load_kernel_library",
+]
 
 logger = logging.getLogger("pagedllm.kernels")
 
@@ -65,8 +72,13 @@ def cpu_flags() -> str:
     return cpuinfo_field("flags") or ""
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with (``$CC``, else ``cc`` or ``gcc``)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(source: Path) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
     # Every file of csrc/ is part of the key: a source may #include the others.

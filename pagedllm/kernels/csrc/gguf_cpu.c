@@ -4,9 +4,10 @@
  * Dequantization follows gguf.quants operation by operation (fp16 scales widened to
  * float32 first, the same products and sums in the same order) and is built with
  * -ffp-contract=off, so its float32 results are bit-exact with the torch reference in
- * gguf_dequant.py. The matmul decodes one weight row at a time into a thread-local
- * buffer and takes its dot product with every activation row, so the weight is read
- * once, packed, and never exists in float form as a whole.
+ * gguf_dequant.py. The matmul decodes the weight a few rows at a time into a
+ * thread-local buffer (panels of 32 rows for the common 32-value types on AVX-512, single
+ * rows otherwise) and multiplies them with every activation row, so the weight is read
+ * packed and never exists in float form as a whole.
  *
  * Plain C, no torch headers: called through ctypes with raw pointers.
  */
@@ -419,110 +420,181 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
     return _mm512_reduce_add_ps(sum) + ((off[0] + off[1]) + (off[2] + off[3]));
 }
 
-/* Several activation rows: the weights are decoded, two weight rows at a time, into a
- * thread-local buffer exactly as dequantization gives them (w = d * q + c, rounded as
- * the reference rounds it), then each tile of up to 8 activation rows takes its dot
- * products with both rows: 16 independent accumulators in registers, two multiply-adds
- * per 16 weights and row, each decoded weight reused by every activation row. */
-#define TILE_ROWS 8
+/* Several activation rows: a GEMM micro-kernel over panels of 32 weight rows. Each
+ * thread decodes a panel exactly as dequantization gives it (w = d * q + c, rounded as the
+ * reference rounds it) into a buffer laid out k-major, P[c][32] (16 x 16 transposes of
+ * decoded blocks), and every tile of up to 12 activation rows meets it with 24 vector
+ * accumulators that stay in registers: per k, two weight loads, one broadcast per row, two
+ * multiply-adds per row. No horizontal sums; each output is one multiply-add chain over k
+ * in order, so a row's result does not depend on the rows beside it. Rows are taken in
+ * blocks of PANEL_MBLOCK so that a block of activations stays in the cache while every
+ * panel meets it (the panel is decoded again per block: a few % of the work). */
+#define PANEL 32
+#define PANEL_MR 12
+#define PANEL_MBLOCK 240
+
+/* In-register transpose of 16 x 16 32-bit elements. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 16; h += 8) {
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0x88);
+            t[h + 4 + i] = _mm512_shuffle_f32x4(r[h + i], r[h + 4 + i], 0xdd);
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+
+/* Block b of the panel's rows 16 * half .. 16 * half + 15 (rows past `rows` are zeros):
+ * lo[i], hi[i] the two halves of row i's 32 decoded weights. */
+static inline void panel_blocks(int qtype, int block_bytes, const uint8_t *raw,
+                                int64_t row_bytes, int64_t b, int half, int rows, __m512 lo[16],
+                                __m512 hi[16]) {
+    float tmp[32];
+    for (int i = 0; i < 16; i++) {
+        const int row = 16 * half + i;
+        if (row < rows) {
+            decoded_block(qtype, raw + row * row_bytes + b * block_bytes, tmp);
+            lo[i] = _mm512_loadu_ps(tmp);
+            hi[i] = _mm512_loadu_ps(tmp + 16);
+        } else {
+            lo[i] = hi[i] = _mm512_setzero_ps();
+        }
+    }
+}
+
+/* float32 panel: P[c * 32 + j] = w[j][c]. */
+static void panel_decode_f32(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
+                             int64_t k, int rows, void *out) {
+    float *P = (float *)out;
+    for (int half = 0; half < 2; half++) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m512 lo[16], hi[16];
+            panel_blocks(qtype, block_bytes, raw, row_bytes, b, half, rows, lo, hi);
+            transpose16(lo);
+            transpose16(hi);
+            for (int c = 0; c < 16; c++) {
+                _mm512_storeu_ps(P + (b * 32 + c) * PANEL + 16 * half, lo[c]);
+                _mm512_storeu_ps(P + (b * 32 + 16 + c) * PANEL + 16 * half, hi[c]);
+            }
+        }
+    }
+}
+
+/* Masks of the valid outputs in the panel's two halves. */
+static inline void panel_masks(int cols, __mmask16 *m0, __mmask16 *m1) {
+    *m0 = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    *m1 = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+}
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-/* rows x 2 outputs: y[i][0..1] = w0/w1 . x[i] for MR (a constant once inlined) rows. */
-static inline __attribute__((always_inline)) void tile_dot(const int MR, const float *w0,
-                                                           const float *w1, int64_t k,
-                                                           const float *x, int64_t xs,
-                                                           float *y, int64_t ys) {
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+/* y[i][0..cols) = P . x[i] for MR (a constant once inlined) rows. */
+static inline __attribute__((always_inline)) void panel_tile_f32(const int MR, const void *Pv,
+                                                                 int64_t k, const void *xv,
+                                                                 int64_t xs, void *yv,
+                                                                 int64_t ys, int cols,
+                                                                 int out16) {
+    const float *P = (const float *)Pv, *x = (const float *)xv;
+    float *y = (float *)yv;
+    (void)out16; /* float32 out only */
+    __m512 a0[PANEL_MR], a1[PANEL_MR];
     for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
-    for (int64_t c = 0; c < k; c += 32) {
-        const __m512 l0 = _mm512_loadu_ps(w0 + c), h0 = _mm512_loadu_ps(w0 + c + 16);
-        const __m512 l1 = _mm512_loadu_ps(w1 + c), h1 = _mm512_loadu_ps(w1 + c + 16);
+    for (int64_t c = 0; c < k; c++) {
+        const __m512 w0 = _mm512_loadu_ps(P + c * PANEL), w1 = _mm512_loadu_ps(P + c * PANEL + 16);
         for (int i = 0; i < MR; i++) {
-            const __m512 xl = _mm512_loadu_ps(x + i * xs + c);
-            const __m512 xh = _mm512_loadu_ps(x + i * xs + c + 16);
-            a0[i] = _mm512_fmadd_ps(l0, xl, a0[i]);
-            a1[i] = _mm512_fmadd_ps(l1, xl, a1[i]);
-            a0[i] = _mm512_fmadd_ps(h0, xh, a0[i]);
-            a1[i] = _mm512_fmadd_ps(h1, xh, a1[i]);
+            const __m512 xb = _mm512_set1_ps(x[i * xs + c]);
+            a0[i] = _mm512_fmadd_ps(w0, xb, a0[i]);
+            a1[i] = _mm512_fmadd_ps(w1, xb, a1[i]);
         }
     }
+    __mmask16 m0, m1;
+    panel_masks(cols, &m0, &m1);
     for (int i = 0; i < MR; i++) {
-        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
-        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+        _mm512_mask_storeu_ps(y + i * ys, m0, a0[i]);
+        _mm512_mask_storeu_ps(y + i * ys + 16, m1, a1[i]);
     }
 }
 #pragma GCC pop_options
 
-/* The tile function for a row count known only at run time: each count its own
- * instance of TILE (an always-inline function of a constant MR), T the element type. */
-#define TILE_ROWS_FN(name, TILE, T)                                                          \
-    static void name(int mr, const void *w0v, const void *w1v, int64_t k, const void *xv,    \
-                     int64_t xs, float *y, int64_t ys) {                                     \
-        const T *w0 = (const T *)w0v, *w1 = (const T *)w1v, *x = (const T *)xv;               \
+/* The tile function for a row count known only at run time: each count its own instance
+ * of TILE (an always-inline function of a constant MR). */
+#define PANEL_ROWS_FN(name, TILE)                                                            \
+    static void name(int mr, const void *P, int64_t k, const void *x, int64_t xs, void *y,   \
+                     int64_t ys, int cols, int out16) {                                      \
         switch (mr) {                                                                        \
-        case 1: TILE(1, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 2: TILE(2, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 3: TILE(3, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 4: TILE(4, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 5: TILE(5, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 6: TILE(6, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 7: TILE(7, w0, w1, k, x, xs, y, ys); break;                                    \
-        default: TILE(8, w0, w1, k, x, xs, y, ys); break;                                   \
+        case 1: TILE(1, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 2: TILE(2, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 3: TILE(3, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 4: TILE(4, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 5: TILE(5, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 6: TILE(6, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 7: TILE(7, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 8: TILE(8, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 9: TILE(9, P, k, x, xs, y, ys, cols, out16); break;                             \
+        case 10: TILE(10, P, k, x, xs, y, ys, cols, out16); break;                           \
+        case 11: TILE(11, P, k, x, xs, y, ys, cols, out16); break;                           \
+        default: TILE(12, P, k, x, xs, y, ys, cols, out16); break;                           \
         }                                                                                    \
     }
 
-TILE_ROWS_FN(tile_rows, tile_dot, float)
+PANEL_ROWS_FN(panel_rows_f32, panel_tile_f32)
 
-typedef void (*decode_fn)(int qtype, const uint8_t *blk, void *out);
-typedef void (*tiles_fn)(int mr, const void *w0, const void *w1, int64_t k, const void *x,
-                         int64_t xs, float *y, int64_t ys);
+typedef void (*panel_decode_fn)(int qtype, int block_bytes, const uint8_t *raw,
+                                int64_t row_bytes, int64_t k, int rows, void *P);
+typedef void (*panel_rows_fn)(int mr, const void *P, int64_t k, const void *x, int64_t xs,
+                              void *y, int64_t ys, int cols, int out16);
 
-static void decode_f32(int qtype, const uint8_t *blk, void *out) {
-    decoded_block(qtype, blk, (float *)out);
-}
-
-/* y[m, n] = x[m, k] . W[n, k]: weight rows decoded in pairs (elements of w_elem bytes) by
- * decode, then every tile of up to TILE_ROWS activation rows (elements of x_elem bytes)
- * multiplied with the pair by tiles. 0, or -2 when a buffer cannot be allocated. */
-static int pair_tiles(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
-                      int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
-                      int64_t x_stride, float *y, int64_t y_stride, int nthreads, size_t w_elem,
-                      decode_fn decode, tiles_fn tiles) {
-    const int64_t nb = k / 32, pairs = (n + 1) / 2;
+/* y[m, n] = x[m, k] . W[n, k]: panels of 32 weight rows decoded by decode into a
+ * p_bytes buffer, tiles of up to PANEL_MR activation rows (elements of x_elem bytes)
+ * multiplied with them by rows. 0, or -2 when a buffer cannot be allocated. */
+static int panel_matmul(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
+                        int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
+                        int64_t x_stride, void *y, size_t y_elem, int64_t y_stride,
+                        int nthreads, size_t p_bytes, panel_decode_fn decode,
+                        panel_rows_fn rows) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        char *w = (char *)malloc(w_elem * (size_t)(2 * k));
-        float pair_out[2 * TILE_ROWS]; /* an odd n's last row writes its pair here */
-        if (w == NULL) {
+        void *P = aligned_alloc(64, (p_bytes + 63) / 64 * 64);
+        if (P == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+        for (int64_t r0 = 0; r0 < m; r0 += PANEL_MBLOCK) {
+            const int64_t mb = m - r0 < PANEL_MBLOCK ? m - r0 : PANEL_MBLOCK;
+            const int64_t tiles = (mb + PANEL_MR - 1) / PANEL_MR;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            if (w == NULL) continue;
-            const int64_t j = 2 * p;
-            const int both = j + 1 < n;
-            for (int64_t b = 0; b < nb; b++) {
-                decode(qtype, raw + j * row_bytes + b * block_bytes, w + w_elem * (size_t)(b * 32));
-                if (both)
-                    decode(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
-                           w + w_elem * (size_t)(k + b * 32));
-            }
-            const void *w1 = both ? (const void *)(w + w_elem * (size_t)k) : (const void *)w;
-            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
-                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
-                const void *xt = (const char *)x + x_elem * (size_t)(i0 * x_stride);
-                if (both) {
-                    tiles(mr, w, w1, k, xt, x_stride, y + i0 * y_stride + j, y_stride);
-                } else {
-                    tiles(mr, w, w1, k, xt, x_stride, pair_out, 2);
-                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
+            for (int64_t pi = 0; pi < panels; pi++) {
+                if (P == NULL) continue;
+                const int64_t j0 = pi * PANEL;
+                const int cols = (int)(n - j0 < PANEL ? n - j0 : PANEL);
+                decode(qtype, block_bytes, raw + j0 * row_bytes, row_bytes, k, cols, P);
+                int64_t i0 = r0;
+                for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
+                    const int64_t mr = (r0 + mb - i0) / (tiles - t);
+                    rows((int)mr, P, k, (const char *)x + x_elem * (size_t)(i0 * x_stride),
+                         x_stride, (char *)y + y_elem * (size_t)(i0 * y_stride + j0), y_stride,
+                         cols, y_elem == sizeof(uint16_t));
+                    i0 += mr;
                 }
             }
         }
-        free(w);
+        free(P);
     }
     return failed ? -2 : 0;
 }
@@ -548,65 +620,95 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         free(xsum);
         return 0;
     }
-    return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride, y,
-                      y_stride, nthreads, sizeof(float), decode_f32, tile_rows);
+    return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
+                        y, sizeof(float), y_stride, nthreads, sizeof(float) * (size_t)(k * PANEL),
+                        panel_decode_f32, panel_rows_f32);
 }
 #endif
 
 /* ---- bfloat16 activations (bfloat16 models) ----------------------------------------------
  *
  * y[m, n] (float32) = x[m, k] (bfloat16) . W[n, k] for Q4_0/Q4_1/Q8_0 weights, on CPUs
- * with AVX512-BF16: the weights are decoded as dequantization gives them, rounded to
- * bfloat16 (nearest even, as .to(torch.bfloat16) rounds), two rows at a time into a
- * thread-local buffer; tiles of 8 activation rows meet them with dpbf16ps (pairs of
- * bfloat16 products, exact in float32, summed into float32 lanes): the product a bfloat16
- * GEMM of the dequantized weight computes, up to the order of the float32 sums.
+ * with AVX512-BF16: panels of 32 weight rows are decoded as dequantization gives them and
+ * rounded to bfloat16 (nearest even, as .to(torch.bfloat16) rounds), and tiles of up to
+ * 12 activation rows meet them with dpbf16ps (pairs of bfloat16 products, exact in
+ * float32, summed into float32 lanes): the product a bfloat16 GEMM of the dequantized
+ * weight computes, up to the order of the float32 sums; y in float32, or (y_bf16) rounded
+ * to bfloat16 as .to(torch.bfloat16) rounds.
  * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static void decode_bf16(int qtype, const uint8_t *blk, void *out) {
-    float tmp[32];
-    decoded_block(qtype, blk, tmp);
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + 16), _mm512_loadu_ps(tmp));
-    _mm512_storeu_si512(out, (__m512i)v);
-}
-
-static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, const uint16_t *w0,
-                                                                const uint16_t *w1, int64_t k,
-                                                                const uint16_t *x, int64_t xs,
-                                                                float *y, int64_t ys) {
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
-    for (int64_t c = 0; c < k; c += 32) {
-        const __m512bh l0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c));
-        const __m512bh l1 = (__m512bh)_mm512_loadu_si512((const void *)(w1 + c));
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + c));
-            a0[i] = _mm512_dpbf16_ps(a0[i], l0, xv);
-            a1[i] = _mm512_dpbf16_ps(a1[i], l1, xv);
+/* bfloat16 panel: pairs of k, P[(c / 2) * 32 + j] = (w[j][c], w[j][c + 1]) as one 32-bit
+ * element, the layout dpbf16ps multiplies with a broadcast pair of activations. */
+static void panel_decode_bf16(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
+                              int64_t k, int rows, void *out) {
+    float *P = (float *)out; /* 32-bit elements, each a pair of bfloat16 */
+    for (int half = 0; half < 2; half++) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m512 lo[16], hi[16];
+            panel_blocks(qtype, block_bytes, raw, row_bytes, b, half, rows, lo, hi);
+            for (int i = 0; i < 16; i++) lo[i] = (__m512)_mm512_cvtne2ps_pbh(hi[i], lo[i]);
+            transpose16(lo);
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_ps(P + (b * 16 + p) * PANEL + 16 * half, lo[p]);
         }
     }
-    for (int i = 0; i < MR; i++) {
-        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
-        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+}
+
+static inline __attribute__((always_inline)) void panel_tile_bf16(const int MR, const void *Pv,
+                                                                  int64_t k, const void *xv,
+                                                                  int64_t xs, void *y,
+                                                                  int64_t ys, int cols,
+                                                                  int out16) {
+    const float *P = (const float *)Pv;
+    const uint16_t *x = (const uint16_t *)xv;
+    __m512 a0[PANEL_MR], a1[PANEL_MR];
+    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    for (int64_t p = 0; p < k / 2; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_ps(P + p * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_ps(P + p * PANEL + 16);
+        for (int i = 0; i < MR; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * xs + 2 * p, sizeof(pair));
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            a0[i] = _mm512_dpbf16_ps(a0[i], w0, xb);
+            a1[i] = _mm512_dpbf16_ps(a1[i], w1, xb);
+        }
+    }
+    __mmask16 m0, m1;
+    panel_masks(cols, &m0, &m1);
+    if (out16) { /* rounded to bfloat16, nearest even (as .to(torch.bfloat16)) */
+        uint16_t *yh = (uint16_t *)y;
+        for (int i = 0; i < MR; i++) {
+            _mm256_mask_storeu_epi16(yh + i * ys, m0, (__m256i)_mm512_cvtneps_pbh(a0[i]));
+            _mm256_mask_storeu_epi16(yh + i * ys + 16, m1, (__m256i)_mm512_cvtneps_pbh(a1[i]));
+        }
+    } else {
+        float *yf = (float *)y;
+        for (int i = 0; i < MR; i++) {
+            _mm512_mask_storeu_ps(yf + i * ys, m0, a0[i]);
+            _mm512_mask_storeu_ps(yf + i * ys + 16, m1, a1[i]);
+        }
     }
 }
 
-TILE_ROWS_FN(tile_rows_bf16, tile_dot_bf16, uint16_t)
+PANEL_ROWS_FN(panel_rows_bf16, panel_tile_bf16)
 
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
                               int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
-                              float *y, int64_t y_stride, int nthreads) {
+                              void *y, int64_t y_stride, int nthreads, int y_bf16) {
     int block_bytes, qs_off, has_min;
     if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
-    return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m, x_stride,
-                      y, y_stride, nthreads, sizeof(uint16_t), decode_bf16, tile_rows_bf16);
+    return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m,
+                        x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,
+                        nthreads, sizeof(uint16_t) * (size_t)(k * PANEL), panel_decode_bf16,
+                        panel_rows_bf16);
 }
 #else
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
                               int64_t k, const uint16_t *x, int64_t m, int64_t x_stride,
-                              float *y, int64_t y_stride, int nthreads) {
+                              void *y, int64_t y_stride, int nthreads, int y_bf16) {
     (void)qtype; (void)raw; (void)n; (void)row_bytes; (void)k; (void)x; (void)m;
-    (void)x_stride; (void)y; (void)y_stride; (void)nthreads;
+    (void)x_stride; (void)y; (void)y_stride; (void)nthreads; (void)y_bf16;
     return -1;
 }
 #endif
