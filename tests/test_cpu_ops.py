@@ -86,6 +86,52 @@ def test_silu_mul_matches_reference(ops):
     assert torch.allclose(ops.silu_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
 
 
+def _bf16_mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Share of elements that differ, each by at most one bfloat16 step."""
+    assert got.dtype == expected.dtype == torch.bfloat16
+    diff = (got.float() - expected.float()).abs()
+    step = expected.float().abs() * 2**-7 + 1e-30
+    assert bool((diff <= step).all()), float((diff / step).max())
+    return float((diff > 0).float().mean())
+
+
+def test_bfloat16_elementwise_kernels_round_like_the_reference(ops):
+    """bfloat16 rows: the kernels compute in float32 and round where torch's bfloat16 ops
+    round. RoPE is bit-exact; RMSNorm (its RMS summed in another order) and SiLU (another
+    exp) may differ from torch by one bfloat16 step in a few elements."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(33, 576, generator=g) * 3).bfloat16()
+    residual = torch.randn(33, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    for offset in (0.0, 1.0):
+        got = ops.rms_norm(x, w, 1e-5, offset)
+        assert got.dtype == torch.bfloat16
+        assert _bf16_mismatch(got, rms_norm(x, w, 1e-5, offset)) < 0.01
+    total, normed = ops.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(total, residual + x)
+    assert _bf16_mismatch(normed, rms_norm(residual + x, w, 1e-6)) < 0.01
+    with pytest.raises(TypeError, match="one dtype"):
+        ops.rms_norm(x, w.float(), 1e-5)
+
+    gate_up = (torch.randn(70, 2 * 1536, generator=g) * 6).bfloat16()
+    gate, up = gate_up.split([1536, 1536], dim=-1)
+    got = ops.silu_mul(gate, up)
+    assert got.dtype == torch.bfloat16
+    assert _bf16_mismatch(got, F.silu(gate) * up) < 0.01
+
+    tokens, heads, kv_heads, d = 7, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    angles = torch.randn(200, d, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 5, 9, 199, 3, 2, 1])
+    c, s_ = cos[positions].bfloat16(), sin[positions].bfloat16()
+    expected_q, expected_k = apply_rotary(q, c, s_), apply_rotary(k, c, s_)
+    ops.rotary_neox_(q, k, positions, cos, sin, d)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
 # (query_len, context_len, blocks): decodes, a prefill chunk after cached context, a whole
 # short prompt, and (for the backend) prompts past the kernel's query limit.
 # The last one's context spans several of the kernel's 64-key chunks (online softmax).

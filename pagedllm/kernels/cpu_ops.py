@@ -1,5 +1,6 @@
 """ctypes bindings of ``csrc/cpu_ops.c``: RMSNorm (with the residual add), NeoX rotary
-embedding, SiLU·mul and paged attention, for float32 tensors on the CPU.
+embedding, SiLU·mul and paged attention, for float32 tensors on the CPU (the elementwise
+ones for bfloat16 too, rounded where the torch reference in bfloat16 rounds).
 
 :func:`cpu_ops` returns the bindings, or None when the library cannot be built (or
 ``PAGEDLLM_DISABLE_CPU_KERNELS=1``); callers then use the torch references in
@@ -70,6 +71,11 @@ class CpuOps:
         lib.pagedllm_rotary_neox.restype = None
         lib.pagedllm_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
         lib.pagedllm_silu_mul.restype = None
+        # The bfloat16 forms take the same arguments.
+        for name in ("rms_norm", "rotary_neox", "silu_mul"):
+            bf16 = getattr(lib, f"pagedllm_{name}_bf16")
+            bf16.argtypes = getattr(lib, f"pagedllm_{name}").argtypes
+            bf16.restype = None
         lib.pagedllm_paged_attention.argtypes = [
             ptr,
             i64,
@@ -107,10 +113,10 @@ class CpuOps:
 
     @staticmethod
     def rows_ok(x: torch.Tensor) -> bool:
-        """Whether ``x`` is a float32 CPU tensor of evenly strided, dense rows: contiguous,
-        or 2-D with a dense last dimension."""
+        """Whether ``x`` is a float32 or bfloat16 CPU tensor of evenly strided, dense rows:
+        contiguous, or 2-D with a dense last dimension."""
         return (
-            x.dtype == torch.float32
+            x.dtype in (torch.float32, torch.bfloat16)
             and x.device.type == "cpu"
             and (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1))
         )
@@ -119,8 +125,8 @@ class CpuOps:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
     ) -> torch.Tensor:
         """RMSNorm of the rows of ``x`` (``[..., h]``, see :meth:`rows_ok`); ``weight``
-        float32, contiguous; ``offset`` is added to it (Gemma)."""
-        out = torch.empty(x.shape, dtype=torch.float32)
+        contiguous, of ``x``'s dtype; ``offset`` is added to it (Gemma)."""
+        out = torch.empty(x.shape, dtype=x.dtype)
         self._rms_norm(x, None, None, weight, eps, offset, out)
         return out
 
@@ -133,9 +139,9 @@ class CpuOps:
         offset: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual + x, rms_norm(residual + x))``; ``residual`` contiguous, of the
-        shape of ``x``."""
-        total = torch.empty(x.shape, dtype=torch.float32)
-        out = torch.empty(x.shape, dtype=torch.float32)
+        shape and dtype of ``x``."""
+        total = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype)
         self._rms_norm(x, residual, total, weight, eps, offset, out)
         return total, out
 
@@ -151,7 +157,9 @@ class CpuOps:
     ) -> None:
         h = x.shape[-1]
         rows, x_stride = _rows(x)
-        self.lib.pagedllm_rms_norm(
+        if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+            raise TypeError("rms_norm takes x, residual and weight of one dtype")
+        self._kernel("rms_norm", x)(
             x.data_ptr(),
             x_stride,
             None if residual is None else residual.data_ptr(),
@@ -179,7 +187,9 @@ class CpuOps:
         (heads adjacent, tokens evenly strided) with rows ``positions`` of ``cos``/``sin``
         (``[max_positions, rotary_dim]``, contiguous)."""
         tokens, heads, head_dim = query.shape
-        self.lib.pagedllm_rotary_neox(
+        if key.dtype != query.dtype or cos.dtype != torch.float32:
+            raise TypeError("rotary_neox_ takes query and key of one dtype, float32 tables")
+        self._kernel("rotary_neox", query)(
             query.data_ptr(),
             query.stride(0),
             heads,
@@ -197,10 +207,12 @@ class CpuOps:
         )
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``[T, n]`` rows (each evenly strided)."""
+        """``silu(gate) * up`` for ``[T, n]`` rows (each evenly strided, one dtype)."""
         tokens, n = gate.shape
-        out = torch.empty(tokens, n, dtype=torch.float32)
-        self.lib.pagedllm_silu_mul(
+        if up.dtype != gate.dtype:
+            raise TypeError("silu_mul takes gate and up of one dtype")
+        out = torch.empty(tokens, n, dtype=gate.dtype)
+        self._kernel("silu_mul", gate)(
             gate.data_ptr(),
             gate.stride(0),
             up.data_ptr(),
@@ -212,6 +224,14 @@ class CpuOps:
             torch.get_num_threads(),
         )
         return out
+
+    def _kernel(self, name: str, x: torch.Tensor):
+        """The float32 or bfloat16 form of an elementwise kernel, for ``x``'s dtype."""
+        if x.dtype == torch.bfloat16:
+            return getattr(self.lib, f"pagedllm_{name}_bf16")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} takes float32 or bfloat16 tensors, not {x.dtype}")
+        return getattr(self.lib, f"pagedllm_{name}")
 
     def bf16_cache_ok(self, head_dim: int) -> bool:
         """Whether this build's kernel takes a bfloat16 cache for this head size."""

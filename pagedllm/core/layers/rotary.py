@@ -89,12 +89,14 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``.
 
-        Float32 CPU tensors whose heads are adjacent are rotated in place by the compiled
-        kernel (bit-exact with :func:`apply_rotary`); others by the torch reference."""
+        Float32 and bfloat16 CPU tensors whose heads are adjacent are rotated in place by
+        the compiled kernel (bit-exact with :func:`apply_rotary`); others by the torch
+        reference."""
         if (
             query.device.type == "cpu"
             and _heads_dense(query)
             and _heads_dense(key)
+            and key.dtype == query.dtype
             and positions.dtype == torch.long
             and positions.is_contiguous()
         ):
@@ -118,10 +120,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def _heads_dense(x: torch.Tensor) -> bool:
-    """``[T, heads, d]`` float32 with each token's heads side by side."""
+    """``[T, heads, d]`` float32 or bfloat16 with each token's heads side by side."""
     return (
         x.dim() == 3
-        and x.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.bfloat16)
         and x.stride(2) == 1
         and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
     )

@@ -2,7 +2,8 @@
  * builds and loads this file on first use, with -march=native for the CPU it runs on, so
  * the loops below are vectorised for AVX-512 or AVX2, whichever this machine has).
  *
- * Float32 only; each has a torch reference (kernels/norms.py, kernels/rotary.py,
+ * Float32, and bfloat16 for the elementwise ones (float32 inside, rounded where the torch
+ * reference in bfloat16 rounds); each has a torch reference (kernels/norms.py, kernels/rotary.py,
  * kernels/attention.py) and a test against it. Built with -ffp-contract=off, so the
  * elementwise kernels round exactly like the reference, operation by operation (RoPE is
  * bit-exact); reductions (the RMS, attention's dot products and softmax) are summed in
@@ -40,6 +41,24 @@ static inline float fast_expf(float x) {
     return p * scale.f;
 }
 
+/* float32 -> bfloat16 rounded to nearest even, as torch converts (NaN -> 0x7FC0). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x rounded to bfloat16 and widened back: the value a bfloat16 tensor holds. */
+static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
+
 /* ---- RMSNorm ------------------------------------------------------------------------- */
 
 /* out = (offset + w) * (r / sqrt(mean(r^2) + eps)) per row, where r = x, or with a
@@ -75,6 +94,41 @@ void pagedllm_rms_norm(const float *x, int64_t x_stride, const float *residual, 
     }
 }
 
+/* bfloat16 rows (bfloat16 models), rounded as the torch reference (kernels/norms.py) in
+ * bfloat16 rounds: the residual sum rounded once and stored; the RMS in float32 (summed in
+ * double); then w * round(r / rms) rounded, or with an offset round(r / rms * (offset + w)). */
+void pagedllm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                            uint16_t *sum, const uint16_t *w, float offset, float eps,
+                            uint16_t *out, int64_t o_stride, int64_t rows, int64_t h,
+                            int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = x + r * x_stride;
+        if (residual != NULL) {
+            const uint16_t *res = residual + r * h;
+            uint16_t *total = sum + r * h;
+            for (int64_t i = 0; i < h; i++) total[i] = to_bf16(from_bf16(res[i]) + from_bf16(src[i]));
+            src = total;
+        }
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; i++) {
+            const float v = from_bf16(src[i]);
+            ss += (double)(v * v);
+        }
+        const float var = (float)(ss / (double)h);
+        const float inv = 1.0f / sqrtf(var + eps);
+        uint16_t *dst = out + r * o_stride;
+        if (offset != 0.0f) {
+            for (int64_t i = 0; i < h; i++)
+                dst[i] = to_bf16((from_bf16(src[i]) * inv) * (offset + from_bf16(w[i])));
+        } else {
+            for (int64_t i = 0; i < h; i++)
+                dst[i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(src[i]) * inv));
+        }
+    }
+}
+
 /* ---- Rotary embedding (NeoX layout), in place ---------------------------------------- */
 
 /* Rotates heads of q [T, nq, head_dim] and k [T, nk, head_dim] (token strides q_ts, k_ts)
@@ -103,6 +157,33 @@ void pagedllm_rotary_neox(float *q, int64_t q_ts, int64_t nq, float *k, int64_t 
     }
 }
 
+/* bfloat16 heads, rounded as the torch reference in bfloat16 rounds: the table rows
+ * rounded to bfloat16, each product and the sum rounded (bit-exact with it). */
+static inline void rotate_head_bf16(uint16_t *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = from_bf16(x[i]), x2 = from_bf16(x[i + half]);
+        const float a = round_bf16(x1 * round_bf16(c[i])), b = round_bf16(-x2 * round_bf16(s[i]));
+        const float a2 = round_bf16(x2 * round_bf16(c[i + half]));
+        const float b2 = round_bf16(x1 * round_bf16(s[i + half]));
+        x[i] = to_bf16(a + b);
+        x[i + half] = to_bf16(a2 + b2);
+    }
+}
+
+void pagedllm_rotary_neox_bf16(uint16_t *q, int64_t q_ts, int64_t nq, uint16_t *k, int64_t k_ts,
+                               int64_t nk, int64_t head_dim, const int64_t *pos, int64_t tokens,
+                               const float *cos_table, const float *sin_table,
+                               int64_t table_stride, int64_t rot_dim, int nthreads) {
+    const int64_t half = rot_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + pos[t] * table_stride;
+        const float *s = sin_table + pos[t] * table_stride;
+        for (int64_t h = 0; h < nq; h++) rotate_head_bf16(q + t * q_ts + h * head_dim, c, s, half);
+        for (int64_t h = 0; h < nk; h++) rotate_head_bf16(k + t * k_ts + h * head_dim, c, s, half);
+    }
+}
+
 /* ---- SiLU(gate) * up ------------------------------------------------------------------ */
 
 static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
@@ -118,6 +199,22 @@ void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
     for (int64_t t = 0; t < tokens; t++)
         silu_mul_row(gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
+}
+
+/* bfloat16 rows: SiLU rounded to bfloat16, then the product rounded, as torch's
+ * silu(gate) * up rounds in bfloat16. */
+void pagedllm_silu_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up, int64_t u_ts,
+                            uint16_t *out, int64_t o_ts, int64_t tokens, int64_t n,
+                            int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *g = gate + t * g_ts, *u = up + t * u_ts;
+        uint16_t *o = out + t * o_ts;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = from_bf16(g[i]);
+            o[i] = to_bf16(round_bf16(v / (1.0f + fast_expf(-v))) * from_bf16(u[i]));
+        }
+    }
 }
 
 /* ---- Paged attention ------------------------------------------------------------------- */
@@ -307,13 +404,6 @@ static inline __attribute__((always_inline)) int attend_item(
  * sees positions [max(0, p - window + 1), p] (window <= 0: no window). Block table rows
  * are int32 with row stride bt_stride. Returns 0; -1 for a head size over 512 or more
  * than 16 query heads per KV head (the caller then uses its reference). */
-/* float32 -> bfloat16 rounded to nearest even, as torch converts (NaN -> 0x7FC0). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 #define PAGED_ATTENTION_ARGS                                                                  \
     const float *q, int64_t q_ts, const float *k, int64_t k_ts, const float *v, int64_t v_ts,  \

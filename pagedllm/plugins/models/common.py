@@ -17,7 +17,8 @@ from pagedllm.kernels.norms import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; float32 CPU rows go to the compiled kernel (:mod:`pagedllm.kernels.cpu_ops`)."""
+    """RMSNorm; float32 and bfloat16 CPU rows go to the compiled kernel
+    (:mod:`pagedllm.kernels.cpu_ops`)."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -27,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cpu_ops() if x.device.type == "cpu" else None
-        if ops is not None and ops.rows_ok(x) and self.weight.dtype == torch.float32:
+        if ops is not None and ops.rows_ok(x) and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm(x, self.weight, self.eps, self.offset)
 
@@ -40,9 +41,9 @@ class RMSNorm(nn.Module):
             ops is not None
             and ops.rows_ok(x)
             and residual.is_contiguous()
-            and residual.dtype == torch.float32
+            and residual.dtype == x.dtype
             and residual.shape == x.shape
-            and self.weight.dtype == torch.float32
+            and self.weight.dtype == x.dtype
         ):
             return ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
         total = residual + x

@@ -93,11 +93,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        # The kernel saves two torch calls on the few rows of a decode step; over many rows
-        # (prefill) torch's own vectorised SiLU is faster.
-        small = gate.dim() == 2 and gate.shape[0] <= SILU_KERNEL_MAX_ROWS
-        ops = cpu_ops() if small and self.silu and gate.device.type == "cpu" else None
-        if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up):
+        # The kernel saves two torch calls on the few rows of a decode step; over many
+        # float32 rows (prefill) torch's own vectorised SiLU is faster, over bfloat16 ones
+        # (which torch widens and narrows op by op) the kernel.
+        fits = gate.shape[0] <= SILU_KERNEL_MAX_ROWS or gate.dtype == torch.bfloat16
+        use = gate.dim() == 2 and fits and self.silu and gate.device.type == "cpu"
+        ops = cpu_ops() if use else None
+        if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
             return self.down_proj(ops.silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
