@@ -229,12 +229,16 @@ def test_packed_layers_of_one_type_are_fused_when_built():
         assert torch.allclose(out, expected, atol=1e-4)
 
 
-def test_native_decoder_layers_match_the_module_path():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decoder_layers_match_the_module_path(dtype):
     """Decode steps of the Q4_1 Llama layers run as one native call per layer; their
-    tokens and logprobs are bit-identical to the op-by-op path they replace."""
-    llm = LLM(
-        str(SMOLLM2_GGUF), dtype="float32", disable_log_stats=True, enable_prefix_caching=False
-    )
+    tokens and logprobs are bit-identical to the op-by-op path they replace (bfloat16:
+    where the CPU has the bfloat16 products and cache, AVX512-BF16)."""
+    from pagedllm.kernels.gguf_cpu import cpu_kernels
+
+    if dtype == "bfloat16" and (cpu_kernels() is None or not cpu_kernels().bf16):
+        pytest.skip("no bfloat16 GGUF products on this CPU (AVX512-BF16)")
+    llm = LLM(str(SMOLLM2_GGUF), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
     layers = llm.llm_engine.runner.model.model.layers
     prompts = [{"prompt_token_ids": list(range(1000, 1100))}, {"prompt_token_ids": [5, 6, 7]}]
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0, logprobs=3)

@@ -3,8 +3,9 @@ on the CPU with GGUF weights.
 
 :func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
 when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weight, packed
-output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE in
-float32), else None. Calling it runs the layer for a step of at most
+output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE
+tables in float32; a float32 model, or a bfloat16 one where the CPU has the bfloat16
+products and attention cache), else None. Calling it runs the layer for a step of at most
 :func:`~pagedllm.kernels.gguf_matmul.fused_max_rows` tokens (:data:`MAX_STEP_TOKENS` where
 that has no limit) whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM
+from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, cpu_ops
+from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_activations
 from pagedllm.kernels.native import load_kernel_library
 
@@ -68,8 +70,9 @@ class _LayerArgs(ctypes.Structure):
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel_library("cpu_layer")
     if lib is not None:
-        lib.pagedllm_llama_layer.argtypes = [_ptr, _ptr, _ptr, _ptr]
-        lib.pagedllm_llama_layer.restype = ctypes.c_int
+        for fn in (lib.pagedllm_llama_layer, lib.pagedllm_llama_layer_bf16):
+            fn.argtypes = [_ptr, _ptr, _ptr, _ptr]
+            fn.restype = ctypes.c_int
     return lib
 
 
@@ -92,10 +95,10 @@ def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, 
     return weight, int(qtype)
 
 
-def _plain_norm(norm: Any) -> bool:
+def _plain_norm(norm: Any, dtype: torch.dtype) -> bool:
     return (
         getattr(norm, "offset", None) == 0.0
-        and norm.weight.dtype == torch.float32
+        and norm.weight.dtype == dtype
         and norm.weight.is_contiguous()
     )
 
@@ -104,6 +107,13 @@ class NativeDecoderLayer:
     def __init__(self, lib: ctypes.CDLL, layer: Any, rotary: Any, parts: dict[str, Any]) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.lib = lib
+        # float32, or bfloat16 (hidden states, norms and KV cache; AVX512-BF16 products).
+        self.dtype = layer.input_layernorm.weight.dtype
+        self.call = (
+            lib.pagedllm_llama_layer_bf16
+            if self.dtype == torch.bfloat16
+            else lib.pagedllm_llama_layer
+        )
         self.layer_index = attn.attn.layer_index
         self.rotary = rotary
         # Kept so the pointers below stay valid (and are checked against on every call).
@@ -143,7 +153,7 @@ class NativeDecoderLayer:
             or metadata.prefills
             or hidden.dim() != 2
             or hidden.shape[0] > (fused_max_rows() or MAX_STEP_TOKENS)
-            or hidden.dtype != torch.float32
+            or hidden.dtype != self.dtype
             or not hidden.is_contiguous()
             or [t.data_ptr() for t in self.tensors] != self.pointers
         ):
@@ -152,14 +162,16 @@ class NativeDecoderLayer:
         if step is None or step[0] is not positions:
             step = metadata.native_step = (positions, *self._step_args(positions, metadata))
         cache = metadata.kv_caches[self.layer_index]
-        if cache.dtype != torch.float32 or not cache.is_contiguous():
+        if cache.dtype != self.dtype or not cache.is_contiguous():
             return None
+        if self.dtype == torch.bfloat16 and int8_activations():
+            return None  # (the modules' 8-bit products widen bfloat16 rows: not here)
         args = self.args
         args.cache = cache.data_ptr()
         args.num_slots = cache.shape[1] * cache.shape[2]
         args.block_size = cache.shape[2]
         out = torch.empty_like(hidden)
-        status = self.lib.pagedllm_llama_layer(
+        status = self.call(
             ctypes.addressof(args), ctypes.addressof(step[1]), hidden.data_ptr(), out.data_ptr()
         )
         if status == -2:
@@ -195,7 +207,22 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
         return None
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None
-    if not (_plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm)):
+    dtype = layer.input_layernorm.weight.dtype
+    if dtype == torch.bfloat16:
+        # The bfloat16 layer needs the bfloat16 products and a bfloat16 cache the
+        # attention kernel reads.
+        kernels, ops = cpu_kernels(), cpu_ops()
+        if (
+            kernels is None
+            or not kernels.bf16
+            or ops is None
+            or not ops.bf16_cache_ok(attn.head_dim)
+        ):
+            return None
+    elif dtype != torch.float32:
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(_plain_norm(norm, dtype) for norm in norms):
         return None
     cos = getattr(rotary, "cos", None)
     if cos is None or cos.dtype != torch.float32 or not cos.is_contiguous():

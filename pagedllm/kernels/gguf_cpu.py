@@ -34,7 +34,8 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_features.argtypes = []
         lib.pagedllm_gguf_features.restype = i32
         features = lib.pagedllm_gguf_features()
-        # The build's register-tile product of several rows (AVX-512) and bfloat16 one.
+        # The build's panel product of many rows (AVX-512, or AVX2 with FMA) and its
+        # bfloat16 one (AVX512-BF16).
         self.row_tiles, self.bf16 = bool(features & 1), bool(features & 2)
         self.lib = lib
 

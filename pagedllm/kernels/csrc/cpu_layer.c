@@ -27,13 +27,13 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
-    const float *ln1, *ln2;
+    const void *ln1, *ln2; /* float32, or bfloat16 for the bfloat16 layer */
     const uint8_t *qkv, *o, *gate_up, *down;
     int64_t qkv_type, o_type, gate_up_type, down_type;
     int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
     const float *cos_table, *sin_table;
     int64_t table_stride, rot_dim;
-    float *cache;
+    void *cache; /* float32, or bfloat16 for the bfloat16 layer */
     int64_t num_slots, block_size, window;
     float eps1, eps2, scale, pad;
 } layer_args;
@@ -59,7 +59,7 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     float *sum = o + T * H, *normed2 = sum + T * H, *gu = normed2 + T * H, *act = gu + T * 2 * I;
     float *down = y; /* the down projection lands in y, then the residual is added */
     int status;
-    pagedllm_rms_norm(x, H, NULL, NULL, L->ln1, 0.0f, L->eps1, normed, H, T, H, nt);
+    pagedllm_rms_norm(x, H, NULL, NULL, (const float *)L->ln1, 0.0f, L->eps1, normed, H, T, H, nt);
     status = product(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     pagedllm_rotary_neox(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
@@ -72,7 +72,7 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     if (status != 0) goto done;
     status = product(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
     if (status != 0) goto done;
-    pagedllm_rms_norm(o, H, x, sum, L->ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
+    pagedllm_rms_norm(o, H, x, sum, (const float *)L->ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
     status = product(S, L->gate_up_type, L->gate_up, 2 * I, L->gate_up_row_bytes, H, normed2, T, gu);
     if (status != 0) goto done;
     pagedllm_silu_mul(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
@@ -81,5 +81,59 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     for (int64_t i = 0; i < T * H; i++) y[i] = sum[i] + down[i];
 done:
     free(buf);
+    return status;
+}
+
+/* The same layer for bfloat16 models (hidden states, weights' products, norms and the KV
+ * cache in bfloat16; AVX512-BF16): the bfloat16 kernels the modules call one by one, in
+ * the same order, rounding where they round: norms, products, RoPE and SiLU-mul in
+ * bfloat16; attention on the queries, keys and values widened to float32 (as the cpu
+ * backend widens them), its output rounded; the closing residual add rounded once. */
+int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uint16_t *x,
+                              uint16_t *y) {
+    const int64_t T = S->tokens, H = L->hidden, D = L->head_dim;
+    const int64_t nq = L->heads * D, nkv = L->kv_heads * D, nqkv = nq + 2 * nkv, I = L->inter;
+    const int nt = (int)S->nthreads;
+    const uint16_t *ln1 = (const uint16_t *)L->ln1, *ln2 = (const uint16_t *)L->ln2;
+    /* bfloat16 buffers, then the float32 ones of the attention */
+    const size_t halves = (size_t)(T * (H + nqkv + nq + H + H + H + 2 * I + I + H));
+    const size_t floats = (size_t)(T * (nqkv + nq));
+    uint16_t *hbuf = (uint16_t *)malloc(sizeof(uint16_t) * halves);
+    float *fbuf = (float *)malloc(sizeof(float) * floats);
+    int status = -2;
+    if (hbuf == NULL || fbuf == NULL) goto done;
+    uint16_t *normed = hbuf, *qkv = normed + T * H, *attn = qkv + T * nqkv, *o = attn + T * nq;
+    uint16_t *sum = o + T * H, *normed2 = sum + T * H, *gu = normed2 + T * H, *act = gu + T * 2 * I;
+    uint16_t *down = act + T * I;
+    float *qkv32 = fbuf, *attn32 = qkv32 + T * nqkv;
+    pagedllm_rms_norm_bf16(x, H, NULL, NULL, ln1, 0.0f, L->eps1, normed, H, T, H, nt);
+    status = pagedllm_gguf_matmul_bf16((int)L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed,
+                                       T, H, qkv, nqkv, nt, 1);
+    if (status != 0) goto done;
+    pagedllm_rotary_neox_bf16(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
+                              L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
+    for (int64_t i = 0; i < T * nqkv; i++) qkv32[i] = from_bf16(qkv[i]);
+    status = pagedllm_paged_attention_bf16(qkv32, nqkv, qkv32 + nq, nqkv, qkv32 + nq + nkv, nqkv,
+                                           L->cache, L->num_slots, L->block_size, S->slot_mapping,
+                                           T, L->heads, L->kv_heads, D, S->num_seqs, S->q_start,
+                                           S->q_end, S->ctx_len, S->block_tables, S->bt_stride,
+                                           L->scale, L->window, attn32, nq, nt);
+    if (status != 0) goto done;
+    for (int64_t i = 0; i < T * nq; i++) attn[i] = to_bf16(attn32[i]);
+    status = pagedllm_gguf_matmul_bf16((int)L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, nq, o,
+                                       H, nt, 1);
+    if (status != 0) goto done;
+    pagedllm_rms_norm_bf16(o, H, x, sum, ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
+    status = pagedllm_gguf_matmul_bf16((int)L->gate_up_type, L->gate_up, 2 * I,
+                                       L->gate_up_row_bytes, H, normed2, T, H, gu, 2 * I, nt, 1);
+    if (status != 0) goto done;
+    pagedllm_silu_mul_bf16(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    status = pagedllm_gguf_matmul_bf16((int)L->down_type, L->down, H, L->down_row_bytes, I, act, T,
+                                       I, down, H, nt, 1);
+    if (status != 0) goto done;
+    for (int64_t i = 0; i < T * H; i++) y[i] = to_bf16(from_bf16(sum[i]) + from_bf16(down[i]));
+done:
+    free(hbuf);
+    free(fbuf);
     return status;
 }

@@ -254,11 +254,11 @@ static int type_info(int qtype, row_fn *fn, int *block_values) {
     }
 }
 
-/* What this build has: bit 0 the register-tile product of several rows (AVX-512), bit 1
- * the bfloat16 product (AVX512-BF16). */
+/* What this build has: bit 0 the panel product of many rows for Q4_0/Q4_1/Q8_0 (AVX-512,
+ * or AVX2 with FMA), bit 1 the bfloat16 product (AVX512-BF16). */
 int pagedllm_gguf_features(void) {
     int features = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     features |= 1;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -283,6 +283,63 @@ int pagedllm_gguf_supported(int qtype) {
     int bv;
     return type_info(qtype, &fn, &bv) == 0;
 }
+
+/* ---- Panels: the GEMM micro-kernel's driver (AVX-512 and AVX2 kernels below) -------------
+ *
+ * Each thread decodes a panel of weight rows, k-major, into its buffer; tiles of
+ * activation rows meet it with vector accumulators held in registers. Rows are taken in
+ * blocks of PANEL_MBLOCK so that a block of activations stays in the cache while every
+ * panel meets it (the panel is decoded again per block: a few % of the work). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PANEL_MBLOCK 240
+
+typedef void (*panel_decode_fn)(int qtype, int block_bytes, const uint8_t *raw,
+                                int64_t row_bytes, int64_t k, int rows, void *P);
+typedef void (*panel_rows_fn)(int mr, const void *P, int64_t k, const void *x, int64_t xs,
+                              void *y, int64_t ys, int cols, int out16);
+
+/* y[m, n] = x[m, k] . W[n, k]: panels of `panel` weight rows decoded by decode into a
+ * p_bytes buffer, tiles of up to mr_max activation rows (elements of x_elem bytes)
+ * multiplied with them by rows, in blocks of PANEL_MBLOCK rows (see above). 0, or -2 when
+ * a buffer cannot be allocated. */
+static int panel_matmul(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
+                        int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
+                        int64_t x_stride, void *y, size_t y_elem, int64_t y_stride,
+                        int nthreads, size_t p_bytes, panel_decode_fn decode,
+                        panel_rows_fn rows, int panel, int mr_max) {
+    const int64_t panels = (n + panel - 1) / panel;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        void *P = aligned_alloc(64, (p_bytes + 63) / 64 * 64);
+        if (P == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += PANEL_MBLOCK) {
+            const int64_t mb = m - r0 < PANEL_MBLOCK ? m - r0 : PANEL_MBLOCK;
+            const int64_t tiles = (mb + mr_max - 1) / mr_max;
+#pragma omp for schedule(static)
+            for (int64_t pi = 0; pi < panels; pi++) {
+                if (P == NULL) continue;
+                const int64_t j0 = pi * panel;
+                const int cols = (int)(n - j0 < panel ? n - j0 : panel);
+                decode(qtype, block_bytes, raw + j0 * row_bytes, row_bytes, k, cols, P);
+                int64_t i0 = r0;
+                for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
+                    const int64_t mr = (r0 + mb - i0) / (tiles - t);
+                    rows((int)mr, P, k, (const char *)x + x_elem * (size_t)(i0 * x_stride),
+                         x_stride, (char *)y + y_elem * (size_t)(i0 * y_stride + j0), y_stride,
+                         cols, y_elem == sizeof(uint16_t));
+                    i0 += mr;
+                }
+            }
+        }
+        free(P);
+    }
+    return failed ? -2 : 0;
+}
+#endif
 
 #ifdef __AVX512F__
 static inline void q4_values(const uint8_t *qs, __m512 *lo, __m512 *hi) {
@@ -426,12 +483,9 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
  * decoded blocks), and every tile of up to 12 activation rows meets it with 24 vector
  * accumulators that stay in registers: per k, two weight loads, one broadcast per row, two
  * multiply-adds per row. No horizontal sums; each output is one multiply-add chain over k
- * in order, so a row's result does not depend on the rows beside it. Rows are taken in
- * blocks of PANEL_MBLOCK so that a block of activations stays in the cache while every
- * panel meets it (the panel is decoded again per block: a few % of the work). */
+ * in order, so a row's result does not depend on the rows beside it. */
 #define PANEL 32
 #define PANEL_MR 12
-#define PANEL_MBLOCK 240
 
 /* In-register transpose of 16 x 16 32-bit elements. */
 static inline void transpose16(__m512 r[16]) {
@@ -553,52 +607,6 @@ static inline __attribute__((always_inline)) void panel_tile_f32(const int MR, c
 
 PANEL_ROWS_FN(panel_rows_f32, panel_tile_f32)
 
-typedef void (*panel_decode_fn)(int qtype, int block_bytes, const uint8_t *raw,
-                                int64_t row_bytes, int64_t k, int rows, void *P);
-typedef void (*panel_rows_fn)(int mr, const void *P, int64_t k, const void *x, int64_t xs,
-                              void *y, int64_t ys, int cols, int out16);
-
-/* y[m, n] = x[m, k] . W[n, k]: panels of 32 weight rows decoded by decode into a
- * p_bytes buffer, tiles of up to PANEL_MR activation rows (elements of x_elem bytes)
- * multiplied with them by rows. 0, or -2 when a buffer cannot be allocated. */
-static int panel_matmul(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
-                        int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
-                        int64_t x_stride, void *y, size_t y_elem, int64_t y_stride,
-                        int nthreads, size_t p_bytes, panel_decode_fn decode,
-                        panel_rows_fn rows) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        void *P = aligned_alloc(64, (p_bytes + 63) / 64 * 64);
-        if (P == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += PANEL_MBLOCK) {
-            const int64_t mb = m - r0 < PANEL_MBLOCK ? m - r0 : PANEL_MBLOCK;
-            const int64_t tiles = (mb + PANEL_MR - 1) / PANEL_MR;
-#pragma omp for schedule(static)
-            for (int64_t pi = 0; pi < panels; pi++) {
-                if (P == NULL) continue;
-                const int64_t j0 = pi * PANEL;
-                const int cols = (int)(n - j0 < PANEL ? n - j0 : PANEL);
-                decode(qtype, block_bytes, raw + j0 * row_bytes, row_bytes, k, cols, P);
-                int64_t i0 = r0;
-                for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
-                    const int64_t mr = (r0 + mb - i0) / (tiles - t);
-                    rows((int)mr, P, k, (const char *)x + x_elem * (size_t)(i0 * x_stride),
-                         x_stride, (char *)y + y_elem * (size_t)(i0 * y_stride + j0), y_stride,
-                         cols, y_elem == sizeof(uint16_t));
-                    i0 += mr;
-                }
-            }
-        }
-        free(P);
-    }
-    return failed ? -2 : 0;
-}
-
 static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
                         const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
                         int nthreads) {
@@ -622,8 +630,109 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
     }
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
                         y, sizeof(float), y_stride, nthreads, sizeof(float) * (size_t)(k * PANEL),
-                        panel_decode_f32, panel_rows_f32);
+                        panel_decode_f32, panel_rows_f32, PANEL, PANEL_MR);
 }
+#endif
+
+/* ---- AVX2 panels (CPUs without AVX-512) ---------------------------------------------------
+ *
+ * The same micro-kernel in 256-bit registers: panels of 16 weight rows (decoded by the
+ * scalar, bit-exact block decoders, stored k-major), tiles of up to 6 activation rows,
+ * 12 accumulators. For Q4_0/Q4_1/Q8_0 from PANEL2_MIN_ROWS rows. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define PANEL2 16
+#define PANEL2_MR 6
+#define PANEL2_MIN_ROWS 2
+
+static void panel2_decode(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
+                          int64_t k, int rows, void *out) {
+    float *P = (float *)out, tmp[PANEL2][32];
+    row_fn fn = row_q4_0;
+    int bv = 32;
+    type_info(qtype, &fn, &bv); /* a fused type (checked by the caller): 32-value blocks */
+    for (int64_t b = 0; b < k / 32; b++) {
+        for (int r = 0; r < PANEL2; r++) {
+            if (r < rows)
+                fn(raw + r * row_bytes + b * block_bytes, 1, tmp[r]);
+            else
+                memset(tmp[r], 0, sizeof(tmp[r]));
+        }
+        /* k-major: one 64-byte line of P per k */
+        for (int l = 0; l < 32; l++)
+            for (int r = 0; r < PANEL2; r++) P[(b * 32 + l) * PANEL2 + r] = tmp[r][l];
+    }
+}
+
+/* (Named accumulators, not arrays: GCC keeps arrays of 256-bit vectors in memory here.) */
+#define PANEL2_STEP(i, A0, A1)                                                               \
+    if (MR > i) {                                                                            \
+        const __m256 xb = _mm256_broadcast_ss(x + i * xs + c);                              \
+        A0 = _mm256_fmadd_ps(w0, xb, A0);                                                    \
+        A1 = _mm256_fmadd_ps(w1, xb, A1);                                                    \
+    }
+#define PANEL2_STORE(i, A0, A1)                                                              \
+    if (MR > i) {                                                                            \
+        _mm256_maskstore_ps(y + i * ys, m0, A0);                                             \
+        _mm256_maskstore_ps(y + i * ys + 8, m1, A1);                                         \
+    }
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline __attribute__((always_inline)) void panel2_tile(const int MR, const void *Pv,
+                                                              int64_t k, const void *xv,
+                                                              int64_t xs, void *yv, int64_t ys,
+                                                              int cols, int out16) {
+    const float *P = (const float *)Pv, *x = (const float *)xv;
+    float *y = (float *)yv;
+    (void)out16; /* float32 out only */
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int64_t c = 0; c < k; c++) {
+        const __m256 w0 = _mm256_loadu_ps(P + c * PANEL2), w1 = _mm256_loadu_ps(P + c * PANEL2 + 8);
+        PANEL2_STEP(0, a00, a01)
+        PANEL2_STEP(1, a10, a11)
+        PANEL2_STEP(2, a20, a21)
+        PANEL2_STEP(3, a30, a31)
+        PANEL2_STEP(4, a40, a41)
+        PANEL2_STEP(5, a50, a51)
+    }
+    /* lanes below cols: mask lanes whose index is less than cols (sign bit set) */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
+    PANEL2_STORE(0, a00, a01)
+    PANEL2_STORE(1, a10, a11)
+    PANEL2_STORE(2, a20, a21)
+    PANEL2_STORE(3, a30, a31)
+    PANEL2_STORE(4, a40, a41)
+    PANEL2_STORE(5, a50, a51)
+}
+#pragma GCC pop_options
+
+static void panel2_rows(int mr, const void *P, int64_t k, const void *x, int64_t xs, void *y,
+                        int64_t ys, int cols, int out16) {
+    switch (mr) {
+    case 1: panel2_tile(1, P, k, x, xs, y, ys, cols, out16); break;
+    case 2: panel2_tile(2, P, k, x, xs, y, ys, cols, out16); break;
+    case 3: panel2_tile(3, P, k, x, xs, y, ys, cols, out16); break;
+    case 4: panel2_tile(4, P, k, x, xs, y, ys, cols, out16); break;
+    case 5: panel2_tile(5, P, k, x, xs, y, ys, cols, out16); break;
+    default: panel2_tile(6, P, k, x, xs, y, ys, cols, out16); break;
+    }
+}
+
+static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
+                        const float *x, int64_t m, int64_t x_stride, float *y, int64_t y_stride,
+                        int nthreads) {
+    int block_bytes, qs_off, has_min;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+    if (m < PANEL2_MIN_ROWS) return -1;
+    return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
+                        y, sizeof(float), y_stride, nthreads, sizeof(float) * (size_t)(k * PANEL2),
+                        panel2_decode, panel2_rows, PANEL2, PANEL2_MR);
+}
+#define HAVE_FUSED_MATMUL 1
 #endif
 
 /* ---- bfloat16 activations (bfloat16 models) ----------------------------------------------
@@ -701,7 +810,7 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m,
                         x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,
                         nthreads, sizeof(uint16_t) * (size_t)(k * PANEL), panel_decode_bf16,
-                        panel_rows_bf16);
+                        panel_rows_bf16, PANEL, PANEL_MR);
 }
 #else
 int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
@@ -722,7 +831,7 @@ int pagedllm_gguf_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_b
     row_fn fn;
     int bv;
     if (type_info(qtype, &fn, &bv) != 0) return -1;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(HAVE_FUSED_MATMUL)
     const int fused = fused_matmul(qtype, raw, n, row_bytes, k, x, m, x_stride, y, y_stride,
                                    nthreads);
     if (fused != -1) return fused;
