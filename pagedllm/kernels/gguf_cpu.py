@@ -11,9 +11,14 @@ from typing import Any
 
 import torch
 
+from pagedllm.kernels.gguf_dequant import check_raw
 from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["GGUFCpuKernels", "cpu_kernels"]
+
+
+# GGML types of the optional products (8-bit and bfloat16 activations): Q4_0, Q4_1, Q8_0.
+_OPTIONAL_TYPES = frozenset({2, 3, 8})
 
 
 class GGUFCpuKernels:
@@ -44,7 +49,8 @@ class GGUFCpuKernels:
 
     def dequantize(self, raw: torch.Tensor, qtype: int, rows: int, k: int) -> torch.Tensor:
         """float32 ``[rows, k]`` from uint8 ``[rows, row_bytes]`` (contiguous, on the cpu)."""
-        raw = raw.contiguous()
+        check_raw(raw, qtype, (rows, k))  # the kernel trusts the sizes it is given
+        raw = raw.contiguous().view(rows, -1)
         out = torch.empty(rows, k, dtype=torch.float32)
         status = self.lib.pagedllm_gguf_dequant(
             int(qtype),
@@ -123,7 +129,10 @@ class GGUFCpuKernels:
         out_dtype: torch.dtype = torch.float32,
         *extra: int,
     ) -> torch.Tensor | None:
-        """``fn``'s product, or None where the kernel does not apply (status -1)."""
+        """``fn``'s product, or None where the kernel does not apply (status -1; any type
+        but Q4_0/Q4_1/Q8_0)."""
+        if int(qtype) not in _OPTIONAL_TYPES:
+            return None
         y, status = cls._product(fn, x, raw, qtype, n, k, out_dtype, *extra)
         if status == -1:
             return None
@@ -145,8 +154,11 @@ class GGUFCpuKernels:
         """``fn``'s product of ``x`` ``[m, k]`` and packed ``raw`` ``[n, row_bytes]`` into a
         new ``[m, n]`` of ``out_dtype``, and its status (``extra``: arguments after the
         thread count)."""
+        check_raw(raw, qtype, (n, k))  # the kernel trusts the sizes it is given
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"activations of shape {tuple(x.shape)} for {k} input features")
         x = x.contiguous()
-        raw = raw.contiguous()
+        raw = raw.contiguous().view(n, -1)
         m = x.shape[0]
         y = torch.empty(m, n, dtype=out_dtype)
         status = fn(

@@ -2,11 +2,12 @@
 
 Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias)``:
 
-- on CPUs with AVX-512, Q4_0/Q4_1/Q8_0 weights at every row count: the compiled kernel
-  decodes panels of 32 weight rows into a small buffer and multiplies them with tiles of
-  activation rows held in registers, a GEMM micro-kernel that never materialises the float
-  weight (``gguf_cpu``); elsewhere the same for up to :func:`fused_max_rows` rows (decode
-  steps), or :data:`GEMV_MAX_ROWS` with the other types, one weight row at a time;
+- on CPUs with AVX-512 or AVX2+FMA, Q4_0/Q4_1/Q8_0 weights at every row count: the
+  compiled kernel decodes panels of weight rows into a small buffer and multiplies them
+  with tiles of activation rows held in registers, a GEMM micro-kernel that never
+  materialises the float weight (``gguf_cpu``); elsewhere the same for up to
+  :func:`fused_max_rows` rows (decode steps), or :data:`GEMV_MAX_ROWS` with the other
+  types, one weight row at a time;
 - many rows otherwise (prefill, large batches), or any rows on a GPU: a chunk of weight
   rows is dequantized (the compiled CPU kernel, the Triton kernels on GPUs, else the torch
   reference) and multiplied with the BLAS GEMM, so the extra memory is one chunk rather
@@ -51,11 +52,13 @@ DEFAULT_CHUNK_ROWS = 1024
 # (measured on AVX-512: the GEMM's cost per weight falls with more rows, the kernel's not).
 GEMV_MAX_ROWS = 4
 # The types with a fused decode-and-dot kernel (and an 8-bit-activation kernel). On
-# AVX-512 it is a panel GEMM (32 weight rows decoded once per block of activation rows,
-# tiles of 12 rows x 32 outputs in registers) ahead of dequantize-then-GEMM at every row
-# count (AVX-512 EPYC, float32, 1536 x 576 Q4_1: 0.56 vs 0.86 ms at 64 rows, 4.3 vs 6.2 ms
-# at 512; bfloat16 300-400 GFLOP/s against the bfloat16 GEMM's 230-370). A build without
-# AVX-512 runs the row-buffer kernel, measured ahead up to 8 rows.
+# AVX-512, up to 8 rows (decode steps of a few sequences) decode two weight rows at a time
+# and meet them with a register tile of the rows; more rows take a panel GEMM (32 weight
+# rows decoded k-major once per block of rows, tiles of 12 rows x 32 outputs in
+# registers), ahead of dequantize-then-GEMM at every row count (AVX-512 EPYC, a 1536 x 576
+# Q4_1 weight: float32 0.63 vs 1.04 ms at 64 rows, 4.9 vs 5.5 ms at 512; bfloat16 0.33 vs
+# 0.50 ms at 64). On AVX2 with FMA the same panels in 256-bit registers (16 weight rows,
+# 6-row tiles); without either, the row-buffer kernel up to 8 rows.
 FUSED_TYPES = INT8_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 )

@@ -477,6 +477,117 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
     return _mm512_reduce_add_ps(sum) + ((off[0] + off[1]) + (off[2] + off[3]));
 }
 
+/* A few activation rows (up to PAIR_MAX_ROWS: decode steps of a few sequences), where
+ * decoding the weights is most of the work and the panels' transposes do not pay: the
+ * weights are decoded, two weight rows at a time, into a thread-local buffer exactly as
+ * dequantization gives them, then the tile of up to 8 activation rows takes its dot
+ * products with both rows: 16 independent accumulators in registers, summed across lanes
+ * at the end. */
+#define PAIR_MAX_ROWS 8
+#define TILE_ROWS 8
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+/* rows x 2 outputs: y[i][0..1] = w0/w1 . x[i] for MR (a constant once inlined) rows. */
+static inline __attribute__((always_inline)) void tile_dot(const int MR, const float *w0,
+                                                           const float *w1, int64_t k,
+                                                           const float *x, int64_t xs,
+                                                           float *y, int64_t ys) {
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    for (int64_t c = 0; c < k; c += 32) {
+        const __m512 l0 = _mm512_loadu_ps(w0 + c), h0 = _mm512_loadu_ps(w0 + c + 16);
+        const __m512 l1 = _mm512_loadu_ps(w1 + c), h1 = _mm512_loadu_ps(w1 + c + 16);
+        for (int i = 0; i < MR; i++) {
+            const __m512 xl = _mm512_loadu_ps(x + i * xs + c);
+            const __m512 xh = _mm512_loadu_ps(x + i * xs + c + 16);
+            a0[i] = _mm512_fmadd_ps(l0, xl, a0[i]);
+            a1[i] = _mm512_fmadd_ps(l1, xl, a1[i]);
+            a0[i] = _mm512_fmadd_ps(h0, xh, a0[i]);
+            a1[i] = _mm512_fmadd_ps(h1, xh, a1[i]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
+        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
+#pragma GCC pop_options
+
+/* The tile function for a row count known only at run time: each count its own
+ * instance of TILE (an always-inline function of a constant MR), T the element type. */
+#define TILE_ROWS_FN(name, TILE, T)                                                          \
+    static void name(int mr, const void *w0v, const void *w1v, int64_t k, const void *xv,    \
+                     int64_t xs, float *y, int64_t ys) {                                     \
+        const T *w0 = (const T *)w0v, *w1 = (const T *)w1v, *x = (const T *)xv;               \
+        switch (mr) {                                                                        \
+        case 1: TILE(1, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 2: TILE(2, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 3: TILE(3, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 4: TILE(4, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 5: TILE(5, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 6: TILE(6, w0, w1, k, x, xs, y, ys); break;                                    \
+        case 7: TILE(7, w0, w1, k, x, xs, y, ys); break;                                    \
+        default: TILE(8, w0, w1, k, x, xs, y, ys); break;                                   \
+        }                                                                                    \
+    }
+
+TILE_ROWS_FN(tile_rows, tile_dot, float)
+
+typedef void (*decode_fn)(int qtype, const uint8_t *blk, void *out);
+typedef void (*tiles_fn)(int mr, const void *w0, const void *w1, int64_t k, const void *x,
+                         int64_t xs, float *y, int64_t ys);
+
+static void decode_f32(int qtype, const uint8_t *blk, void *out) {
+    decoded_block(qtype, blk, (float *)out);
+}
+
+/* y[m, n] = x[m, k] . W[n, k]: weight rows decoded in pairs (elements of w_elem bytes) by
+ * decode, then every tile of up to TILE_ROWS activation rows (elements of x_elem bytes)
+ * multiplied with the pair by tiles. 0, or -2 when a buffer cannot be allocated. */
+static int pair_tiles(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
+                      int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
+                      int64_t x_stride, float *y, int64_t y_stride, int nthreads, size_t w_elem,
+                      decode_fn decode, tiles_fn tiles) {
+    const int64_t nb = k / 32, pairs = (n + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *w = (char *)malloc(w_elem * (size_t)(2 * k));
+        float pair_out[2 * TILE_ROWS]; /* an odd n's last row writes its pair here */
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (w == NULL) continue;
+            const int64_t j = 2 * p;
+            const int both = j + 1 < n;
+            for (int64_t b = 0; b < nb; b++) {
+                decode(qtype, raw + j * row_bytes + b * block_bytes, w + w_elem * (size_t)(b * 32));
+                if (both)
+                    decode(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
+                           w + w_elem * (size_t)(k + b * 32));
+            }
+            const void *w1 = both ? (const void *)(w + w_elem * (size_t)k) : (const void *)w;
+            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
+                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
+                const void *xt = (const char *)x + x_elem * (size_t)(i0 * x_stride);
+                if (both) {
+                    tiles(mr, w, w1, k, xt, x_stride, y + i0 * y_stride + j, y_stride);
+                } else {
+                    tiles(mr, w, w1, k, xt, x_stride, pair_out, 2);
+                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
+                }
+            }
+        }
+        free(w);
+    }
+    return failed ? -2 : 0;
+}
+
+
 /* Several activation rows: a GEMM micro-kernel over panels of 32 weight rows. Each
  * thread decodes a panel exactly as dequantization gives it (w = d * q + c, rounded as the
  * reference rounds it) into a buffer laid out k-major, P[c][32] (16 x 16 transposes of
@@ -628,6 +739,9 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         free(xsum);
         return 0;
     }
+    if (m <= PAIR_MAX_ROWS)
+        return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
+                          y, y_stride, nthreads, sizeof(float), decode_f32, tile_rows);
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
                         y, sizeof(float), y_stride, nthreads, sizeof(float) * (size_t)(k * PANEL),
                         panel_decode_f32, panel_rows_f32, PANEL, PANEL_MR);
@@ -746,6 +860,36 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
  * to bfloat16 as .to(torch.bfloat16) rounds.
  * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+static void decode_bf16(int qtype, const uint8_t *blk, void *out) {
+    float tmp[32];
+    decoded_block(qtype, blk, tmp);
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + 16), _mm512_loadu_ps(tmp));
+    _mm512_storeu_si512(out, (__m512i)v);
+}
+
+static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, const uint16_t *w0,
+                                                                const uint16_t *w1, int64_t k,
+                                                                const uint16_t *x, int64_t xs,
+                                                                float *y, int64_t ys) {
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    for (int64_t c = 0; c < k; c += 32) {
+        const __m512bh l0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c));
+        const __m512bh l1 = (__m512bh)_mm512_loadu_si512((const void *)(w1 + c));
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + c));
+            a0[i] = _mm512_dpbf16_ps(a0[i], l0, xv);
+            a1[i] = _mm512_dpbf16_ps(a1[i], l1, xv);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
+        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
+
+TILE_ROWS_FN(tile_rows_bf16, tile_dot_bf16, uint16_t)
+
 /* bfloat16 panel: pairs of k, P[(c / 2) * 32 + j] = (w[j][c], w[j][c + 1]) as one 32-bit
  * element, the layout dpbf16ps multiplies with a broadcast pair of activations. */
 static void panel_decode_bf16(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
@@ -807,6 +951,30 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
                               void *y, int64_t y_stride, int nthreads, int y_bf16) {
     int block_bytes, qs_off, has_min;
     if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+    if (m <= PAIR_MAX_ROWS) { /* the pair tiles write float32: bfloat16 out goes through a buffer */
+        float *out = y_bf16 ? (float *)malloc(sizeof(float) * (size_t)(m * n)) : (float *)y;
+        if (out == NULL) return -2;
+        const int64_t out_stride = y_bf16 ? n : y_stride;
+        const int status = pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t),
+                                      m, x_stride, out, out_stride, nthreads, sizeof(uint16_t),
+                                      decode_bf16, tile_rows_bf16);
+        if (y_bf16) {
+            uint16_t *yh = (uint16_t *)y;
+            for (int64_t i = 0; i < m; i++) {
+                int64_t j = 0;
+                for (; j + 16 <= n; j += 16)
+                    _mm256_storeu_si256((__m256i *)(yh + i * y_stride + j),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + i * n + j)));
+                if (j < n) {
+                    const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+                    const __m512 v = _mm512_maskz_loadu_ps(tail, out + i * n + j);
+                    _mm256_mask_storeu_epi16(yh + i * y_stride + j, tail, (__m256i)_mm512_cvtneps_pbh(v));
+                }
+            }
+            free(out);
+        }
+        return status;
+    }
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m,
                         x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,
                         nthreads, sizeof(uint16_t) * (size_t)(k * PANEL), panel_decode_bf16,
