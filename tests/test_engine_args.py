@@ -277,8 +277,16 @@ def test_config_objects(pm, monkeypatch):
     assert config.device_config.name == "cpu"
     assert config.load_config.ignore_patterns == ["original/**/*"]
 
+    # The server's budget: the cpu device's own (prompts in finer chunks), unless chunked
+    # prefill is off or a budget is given.
     server = EngineArgs().create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
-    assert server.scheduler_config.max_num_batched_tokens == 2048
+    assert server.scheduler_config.max_num_batched_tokens == 512
+    unchunked = EngineArgs(enable_chunked_prefill=False, max_model_len=2048)
+    config = unchunked.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    assert config.scheduler_config.max_num_batched_tokens == 2048
+    given = EngineArgs(max_num_batched_tokens=4096)
+    config = given.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    assert config.scheduler_config.max_num_batched_tokens == 4096
     assert server.cache_config.enable_prefix_caching is True
     assert server.model_config.served_model_name == [DEFAULT_MODEL]
 

@@ -212,6 +212,16 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = {
 }
 
 
+def _default_step_tokens(args: Any, usage_context: UsageContext, device: Any) -> int:
+    """The token budget of a step where --max-num-batched-tokens is not given: the
+    device's own for a server that chunks prompts (``Device.server_step_tokens``), else
+    the entry point's."""
+    chunked = _unset_or(args.enable_chunked_prefill, SchedulerConfig, "enable_chunked_prefill")
+    if usage_context == UsageContext.OPENAI_API_SERVER and chunked and device.server_step_tokens:
+        return int(device.server_step_tokens)
+    return _DEFAULT_MAX_NUM_BATCHED_TOKENS[usage_context]
+
+
 def _check_choices(args: Any, pm: PluginManager) -> None:
     """Choices checked for values set from Python too (argparse checks only the CLI).
 
@@ -312,7 +322,7 @@ def create_engine_config(
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=(
-                args.max_num_batched_tokens or _DEFAULT_MAX_NUM_BATCHED_TOKENS[usage_context]
+                args.max_num_batched_tokens or _default_step_tokens(args, usage_context, device)
             ),
             max_num_seqs=_unset_or(args.max_num_seqs, SchedulerConfig, "max_num_seqs"),
             enable_chunked_prefill=_unset_or(

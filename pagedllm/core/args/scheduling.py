@@ -77,7 +77,8 @@ class SchedulingArgs:
         group="SchedulerConfig",
         min=1,
         help="Largest number of tokens processed in one step. If unset, pagedllm picks one "
-        "for the entry point.",
+        "for the entry point (8192 for the LLM class, 2048 for the server; 512 for a server "
+        "on the cpu device, which chunks prompts finer for a sooner first token).",
     )
     max_num_seqs: int | None = arg(
         None,

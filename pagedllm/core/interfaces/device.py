@@ -40,6 +40,10 @@ class Device(ABC):
     runs_models: ClassVar[bool] = False
     # --block-size when the user gives none.
     default_block_size: ClassVar[int] = 16
+    # Tokens per step of a server whose --max-num-batched-tokens is not given (with chunked
+    # prefill); None: the entry point's default. A slow device takes prompts in smaller
+    # chunks, so the first of several arriving together gets its first token sooner.
+    server_step_tokens: ClassVar[int | None] = None
     # The registered attention backend this device runs models with.
     attention_backend: ClassVar[str] = "torch_sdpa"
     # Whether kv_cache_memory reads --gpu-memory-utilization.

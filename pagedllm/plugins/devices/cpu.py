@@ -21,6 +21,9 @@ class CpuDevice(Device):
     priority = 0
     runs_models = True
     default_block_size = 16
+    # Measured (2-core EPYC, default model, bench serve c=8 random 128/128): 512 instead of
+    # 2048 took the median time to first token from 1.6 s to 1.0 s at the same throughput.
+    server_step_tokens = 512
     attention_backend = "cpu_paged"
     uses_gpu_memory_utilization = False
 
