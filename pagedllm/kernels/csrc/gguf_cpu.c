@@ -5,9 +5,10 @@
  * float32 first, the same products and sums in the same order) and is built with
  * -ffp-contract=off, so its float32 results are bit-exact with the torch reference in
  * gguf_dequant.py. The matmul decodes the weight a few rows at a time into a
- * thread-local buffer (panels of 32 rows for the common 32-value types on AVX-512, single
- * rows otherwise) and multiplies them with every activation row, so the weight is read
- * packed and never exists in float form as a whole.
+ * thread-local buffer (for Q4_0/Q4_1/Q8_0 panels of 32 rows on AVX-512, 16 on AVX2, or
+ * pairs of rows for a few activation rows; single rows otherwise) and multiplies them with
+ * every activation row, so the weight is read packed and never exists in float form as a
+ * whole.
  *
  * Plain C, no torch headers: called through ctypes with raw pointers.
  */
@@ -587,14 +588,13 @@ static int pair_tiles(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
     return failed ? -2 : 0;
 }
 
-
 /* Several activation rows: a GEMM micro-kernel over panels of 32 weight rows. Each
  * thread decodes a panel exactly as dequantization gives it (w = d * q + c, rounded as the
  * reference rounds it) into a buffer laid out k-major, P[c][32] (16 x 16 transposes of
  * decoded blocks), and every tile of up to 12 activation rows meets it with 24 vector
  * accumulators that stay in registers: per k, two weight loads, one broadcast per row, two
  * multiply-adds per row. No horizontal sums; each output is one multiply-add chain over k
- * in order, so a row's result does not depend on the rows beside it. */
+ * in order, so on this path a row's result does not depend on the rows beside it. */
 #define PANEL 32
 #define PANEL_MR 12
 
