@@ -143,19 +143,22 @@ static inline void rotate_head(float *x, const float *c, const float *s, int64_t
     }
 }
 
-void pagedllm_rotary_neox(float *q, int64_t q_ts, int64_t nq, float *k, int64_t k_ts,
-                          int64_t nk, int64_t head_dim, const int64_t *pos, int64_t tokens,
-                          const float *cos_table, const float *sin_table, int64_t table_stride,
-                          int64_t rot_dim, int nthreads) {
-    const int64_t half = rot_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 16)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_table + pos[t] * table_stride;
-        const float *s = sin_table + pos[t] * table_stride;
-        for (int64_t h = 0; h < nq; h++) rotate_head(q + t * q_ts + h * head_dim, c, s, half);
-        for (int64_t h = 0; h < nk; h++) rotate_head(k + t * k_ts + h * head_dim, c, s, half);
+/* The rotary kernel for heads of type T rotated by ROTATE (float32 tables either way). */
+#define ROTARY_NEOX(name, T, ROTATE)                                                          \
+    void name(T *q, int64_t q_ts, int64_t nq, T *k, int64_t k_ts, int64_t nk, int64_t head_dim, \
+              const int64_t *pos, int64_t tokens, const float *cos_table,                    \
+              const float *sin_table, int64_t table_stride, int64_t rot_dim, int nthreads) {  \
+        const int64_t half = rot_dim / 2;                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 16)")   \
+        for (int64_t t = 0; t < tokens; t++) {                                                \
+            const float *c = cos_table + pos[t] * table_stride;                               \
+            const float *s = sin_table + pos[t] * table_stride;                               \
+            for (int64_t h = 0; h < nq; h++) ROTATE(q + t * q_ts + h * head_dim, c, s, half); \
+            for (int64_t h = 0; h < nk; h++) ROTATE(k + t * k_ts + h * head_dim, c, s, half); \
+        }                                                                                     \
     }
-}
+
+ROTARY_NEOX(pagedllm_rotary_neox, float, rotate_head)
 
 /* bfloat16 heads, rounded as the torch reference in bfloat16 rounds: the table rows
  * rounded to bfloat16, each product and the sum rounded (bit-exact with it). */
@@ -170,19 +173,7 @@ static inline void rotate_head_bf16(uint16_t *x, const float *c, const float *s,
     }
 }
 
-void pagedllm_rotary_neox_bf16(uint16_t *q, int64_t q_ts, int64_t nq, uint16_t *k, int64_t k_ts,
-                               int64_t nk, int64_t head_dim, const int64_t *pos, int64_t tokens,
-                               const float *cos_table, const float *sin_table,
-                               int64_t table_stride, int64_t rot_dim, int nthreads) {
-    const int64_t half = rot_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 16)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_table + pos[t] * table_stride;
-        const float *s = sin_table + pos[t] * table_stride;
-        for (int64_t h = 0; h < nq; h++) rotate_head_bf16(q + t * q_ts + h * head_dim, c, s, half);
-        for (int64_t h = 0; h < nk; h++) rotate_head_bf16(k + t * k_ts + h * head_dim, c, s, half);
-    }
-}
+ROTARY_NEOX(pagedllm_rotary_neox_bf16, uint16_t, rotate_head_bf16)
 
 /* ---- SiLU(gate) * up ------------------------------------------------------------------ */
 
