@@ -241,7 +241,10 @@ def test_native_decoder_layers_match_the_module_path(dtype):
     llm = LLM(str(SMOLLM2_GGUF), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
     layers = llm.llm_engine.runner.model.model.layers
     prompts = [{"prompt_token_ids": list(range(1000, 1100))}, {"prompt_token_ids": [5, 6, 7]}]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0, logprobs=3)
+    # 68 more short prompts: decode steps of 70 rows (the float32 layer declines those,
+    # past the module path's SiLU-kernel limit; the bfloat16 one takes them).
+    prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(68)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=3)
     native = llm.generate(prompts, params, use_tqdm=False)
     assert all(layer._native for layer in layers)
     for layer in layers:

@@ -6,8 +6,7 @@ when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weig
 output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE
 tables in float32; a float32 model, or a bfloat16 one where the CPU has the bfloat16
 products and attention cache), else None. Calling it runs the layer for a step of at most
-:func:`~pagedllm.kernels.gguf_matmul.fused_max_rows` tokens (:data:`MAX_STEP_TOKENS` where
-that has no limit) whose attention is all in the
+:meth:`NativeDecoderLayer.max_tokens` tokens whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
 the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results.
@@ -29,8 +28,10 @@ from pagedllm.kernels.native import load_kernel_library
 __all__ = ["NativeDecoderLayer", "native_decoder_layer"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# The most tokens a native step takes where the products have no row limit (AVX-512): its
-# float32 buffers are about 15 rows of the hidden size per token.
+# The most tokens a native bfloat16 step takes where the products have no row limit: its
+# buffers are about 15 rows of the hidden size per token. A float32 step takes at most as
+# many as the module path gives the SiLU kernel (past that it uses torch's SiLU, and the
+# two paths would no longer agree bit for bit).
 MAX_STEP_TOKENS = 1024
 
 
@@ -152,7 +153,7 @@ class NativeDecoderLayer:
             not isinstance(metadata, PagedMetadata)
             or metadata.prefills
             or hidden.dim() != 2
-            or hidden.shape[0] > (fused_max_rows() or MAX_STEP_TOKENS)
+            or hidden.shape[0] > self.max_tokens()
             or hidden.dtype != self.dtype
             or not hidden.is_contiguous()
             or [t.data_ptr() for t in self.tensors] != self.pointers
@@ -179,6 +180,13 @@ class NativeDecoderLayer:
         if status != 0:
             raise RuntimeError(f"the native decoder layer failed ({status})")
         return out
+
+    def max_tokens(self) -> int:
+        """The most tokens of a step this layer takes natively."""
+        from pagedllm.plugins.models.llama import SILU_KERNEL_MAX_ROWS
+
+        limit = fused_max_rows() or MAX_STEP_TOKENS
+        return limit if self.dtype == torch.bfloat16 else min(limit, SILU_KERNEL_MAX_ROWS)
 
     def _step_args(self, positions: torch.Tensor, metadata: Any) -> tuple[Any, ...]:
         if positions.dtype != torch.long or not positions.is_contiguous():
