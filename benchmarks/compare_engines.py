@@ -15,7 +15,8 @@ number of threads. Figures:
   ``llama-bench`` pp128 and tg128) and decode ms/token;
 - served: start to ``/health`` = 200, resident memory after start, then ``pagedllm bench
   serve`` (one client for every engine) with random 128/128 prompts at each
-  ``--concurrency``: output tokens/s and median time to first token.
+  ``--concurrency``: output tokens/s and median time to first token (each level with its
+  own prompts, so none is answered from a prefix cache filled by another).
 
 Prints a Markdown table naming the CPU, writes ``<out>/results.json`` and draws
 ``<out>/throughput_vs_concurrency.png`` (needs matplotlib).
@@ -381,6 +382,11 @@ def serve(engine: Engine, args, tokenizer: str) -> dict[str, Any]:
                         "--tokenizer",
                         tokenizer,
                         *random_workload(args, max(2 * c, args.min_serve_prompts)),
+                        # Fresh prompts at each level: with one seed, every level would
+                        # resend the first level's prompts, and the engines' prefix caches
+                        # would answer them (times to first token of a few ms).
+                        "--seed",
+                        str(c),
                         "--max-concurrency",
                         str(c),
                         "--ignore-eos",
