@@ -64,70 +64,47 @@ static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
 /* out = (offset + w) * (r / sqrt(mean(r^2) + eps)) per row, where r = x, or with a
  * residual r = residual + x, which is also stored in sum (the decoder's "add, then
  * norm"; sum may be residual itself). The mean of squares is summed in double and
- * rounded once to float32. Rows of residual and sum are dense (stride h). */
-void pagedllm_rms_norm(const float *x, int64_t x_stride, const float *residual, float *sum,
-                       const float *w, float offset, float eps, float *out, int64_t o_stride,
-                       int64_t rows, int64_t h, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *src = x + r * x_stride;
-        if (residual != NULL) {
-            const float *res = residual + r * h;
-            float *total = sum + r * h;
-            for (int64_t i = 0; i < h; i++) total[i] = res[i] + src[i];
-            src = total;
-        }
-        double ss = 0.0;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; i++) {
-            const float sq = src[i] * src[i];
-            ss += (double)sq;
-        }
-        const float var = (float)(ss / (double)h);
-        const float inv = 1.0f / sqrtf(var + eps);
-        float *dst = out + r * o_stride;
-        if (offset != 0.0f) {
-            for (int64_t i = 0; i < h; i++) dst[i] = (src[i] * inv) * (offset + w[i]);
-        } else {
-            for (int64_t i = 0; i < h; i++) dst[i] = w[i] * (src[i] * inv);
-        }
+ * rounded once to float32. Rows of residual and sum are dense (stride h).
+ *
+ * One body for rows of type T read by LOAD and written by STORE; ROUND is where the torch
+ * reference rounds in T before its last product (kernels/norms.py: w * hidden.to(dtype)).
+ * bfloat16 rows (bfloat16 models) thus round as torch's bfloat16 ops do: the residual sum
+ * once, then w * round(r / rms), or with an offset round(r / rms * (offset + w)). */
+#define RMS_NORM(name, T, LOAD, STORE, ROUND)                                                  \
+    void name(const T *x, int64_t x_stride, const T *residual, T *sum, const T *w, float offset, \
+              float eps, T *out, int64_t o_stride, int64_t rows, int64_t h, int nthreads) {    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows >= 16)")     \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const T *src = x + r * x_stride;                                                   \
+            if (residual != NULL) {                                                            \
+                const T *res = residual + r * h;                                               \
+                T *total = sum + r * h;                                                        \
+                for (int64_t i = 0; i < h; i++) total[i] = STORE(LOAD(res[i]) + LOAD(src[i]));  \
+                src = total;                                                                   \
+            }                                                                                  \
+            double ss = 0.0;                                                                   \
+            _Pragma("omp simd reduction(+ : ss)")                                              \
+            for (int64_t i = 0; i < h; i++) {                                                  \
+                const float v = LOAD(src[i]);                                                  \
+                ss += (double)(v * v);                                                         \
+            }                                                                                  \
+            const float var = (float)(ss / (double)h);                                         \
+            const float inv = 1.0f / sqrtf(var + eps);                                         \
+            T *dst = out + r * o_stride;                                                       \
+            if (offset != 0.0f) {                                                              \
+                for (int64_t i = 0; i < h; i++)                                                \
+                    dst[i] = STORE((LOAD(src[i]) * inv) * (offset + LOAD(w[i])));              \
+            } else {                                                                           \
+                for (int64_t i = 0; i < h; i++)                                                \
+                    dst[i] = STORE(LOAD(w[i]) * ROUND(LOAD(src[i]) * inv));                    \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
 
-/* bfloat16 rows (bfloat16 models), rounded as the torch reference (kernels/norms.py) in
- * bfloat16 rounds: the residual sum rounded once and stored; the RMS in float32 (summed in
- * double); then w * round(r / rms) rounded, or with an offset round(r / rms * (offset + w)). */
-void pagedllm_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
-                            uint16_t *sum, const uint16_t *w, float offset, float eps,
-                            uint16_t *out, int64_t o_stride, int64_t rows, int64_t h,
-                            int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *src = x + r * x_stride;
-        if (residual != NULL) {
-            const uint16_t *res = residual + r * h;
-            uint16_t *total = sum + r * h;
-            for (int64_t i = 0; i < h; i++) total[i] = to_bf16(from_bf16(res[i]) + from_bf16(src[i]));
-            src = total;
-        }
-        double ss = 0.0;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; i++) {
-            const float v = from_bf16(src[i]);
-            ss += (double)(v * v);
-        }
-        const float var = (float)(ss / (double)h);
-        const float inv = 1.0f / sqrtf(var + eps);
-        uint16_t *dst = out + r * o_stride;
-        if (offset != 0.0f) {
-            for (int64_t i = 0; i < h; i++)
-                dst[i] = to_bf16((from_bf16(src[i]) * inv) * (offset + from_bf16(w[i])));
-        } else {
-            for (int64_t i = 0; i < h; i++)
-                dst[i] = to_bf16(from_bf16(w[i]) * round_bf16(from_bf16(src[i]) * inv));
-        }
-    }
-}
+static inline float same_f32(float v) { return v; }
+
+RMS_NORM(pagedllm_rms_norm, float, same_f32, same_f32, same_f32)
+RMS_NORM(pagedllm_rms_norm_bf16, uint16_t, from_bf16, to_bf16, round_bf16)
 
 /* ---- Rotary embedding (NeoX layout), in place ---------------------------------------- */
 
