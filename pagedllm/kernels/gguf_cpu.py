@@ -10,15 +10,19 @@ import functools
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.kernels.gguf_dequant import check_raw
 from pagedllm.kernels.native import load_kernel_library
 
-__all__ = ["GGUFCpuKernels", "cpu_kernels"]
+__all__ = ["FUSED_TYPES", "GGUFCpuKernels", "cpu_kernels"]
 
 
-# GGML types of the optional products (8-bit and bfloat16 activations): Q4_0, Q4_1, Q8_0.
-_OPTIONAL_TYPES = frozenset({2, 3, 8})
+# The GGML types with fused kernels (panels, pair tiles, and the optional 8-bit and
+# bfloat16 products): Q4_0, Q4_1, Q8_0 (``fused_layout`` in csrc/gguf_cpu.c).
+FUSED_TYPES = frozenset(
+    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+)
 
 
 class GGUFCpuKernels:
@@ -131,7 +135,7 @@ class GGUFCpuKernels:
     ) -> torch.Tensor | None:
         """``fn``'s product, or None where the kernel does not apply (status -1; any type
         but Q4_0/Q4_1/Q8_0)."""
-        if int(qtype) not in _OPTIONAL_TYPES:
+        if int(qtype) not in FUSED_TYPES:
             return None
         y, status = cls._product(fn, x, raw, qtype, n, k, out_dtype, *extra)
         if status == -1:

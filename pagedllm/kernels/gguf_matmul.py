@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from pagedllm.kernels.gguf_cpu import cpu_kernels
+from pagedllm.kernels.gguf_cpu import FUSED_TYPES, cpu_kernels
 from pagedllm.kernels.gguf_dequant import bytes_per_row, dequantize
 
 __all__ = [
@@ -59,9 +59,7 @@ GEMV_MAX_ROWS = 4
 # Q4_1 weight: float32 0.63 vs 1.04 ms at 64 rows, 4.9 vs 5.5 ms at 512; bfloat16 0.33 vs
 # 0.50 ms at 64). On AVX2 with FMA the same panels in 256-bit registers (16 weight rows,
 # 6-row tiles); without either, the row-buffer kernel up to 8 rows.
-FUSED_TYPES = INT8_TYPES = frozenset(
-    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
-)
+INT8_TYPES = FUSED_TYPES
 UNTILED_MAX_ROWS = 8
 
 
