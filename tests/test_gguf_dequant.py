@@ -12,6 +12,7 @@ from kernel_checks import skip_unless_build_failed
 
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row, dequantize
 from pagedllm.kernels.gguf_matmul import fused_max_rows, gguf_linear, gguf_linear_reference
+from pagedllm.kernels.native import cpu_flags
 from pagedllm.plugins.loaders.gguf_file import GGUFFile, installed_file
 
 T = GGMLQuantizationType
@@ -375,3 +376,24 @@ def test_activation_mode_selects_the_kernel(cpu_kernels, monkeypatch):
     monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
     with pytest.raises(ValueError, match="float32 .* or int8"):
         gguf_linear(x, raw, T.Q4_1, out_features, in_features)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_small_row_products_do_not_depend_on_the_other_rows(cpu_kernels, qtype):
+    """Up to 8 rows (decode steps) on AVX-512 each row's result is the same sums whatever
+    rows share the call: float32 from 2 rows (1 row has its own kernel), bfloat16 from 1."""
+    if not cpu_kernels.row_tiles or "avx512f" not in cpu_flags().split():
+        pytest.skip("the small-row products are the AVX-512 build's")
+    out_features, in_features = 37, 544
+    raw = torch.from_numpy(_quantized_blocks(qtype, (out_features, in_features), seed=4))
+    x = torch.randn(8, in_features, generator=torch.Generator().manual_seed(6))
+    full = cpu_kernels.matmul(x, raw, qtype, out_features, in_features)
+    for rows in range(2, 8):
+        part = cpu_kernels.matmul(x[-rows:], raw, qtype, out_features, in_features)
+        assert torch.equal(part, full[-rows:]), rows
+    if cpu_kernels.bf16:
+        xb = x.bfloat16()
+        full = cpu_kernels.matmul_bf16(xb, raw, qtype, out_features, in_features)
+        for rows in range(1, 8):
+            part = cpu_kernels.matmul_bf16(xb[-rows:], raw, qtype, out_features, in_features)
+            assert torch.equal(part, full[-rows:]), rows

@@ -405,12 +405,19 @@ def test_dtypes(ckpt, llm):
     pairs = zip([t for ts in reference for t in ts], [t for ts in got for t in ts], strict=True)
     agree = sum(a == b for a, b in pairs)
     assert agree >= 0.75 * sum(map(len, reference))
-    # auto: float16 for this float32 checkpoint, or float32 on a CPU without native
-    # float16 arithmetic (the cpu device's rule; AVX512-BF16 does not count).
+    # auto: float16 for this float32 checkpoint where the CPU computes in float16, else
+    # bfloat16 where it computes in that (AVX512-BF16, AMX), else float32 (the cpu
+    # device's rule).
     from pagedllm.plugins.devices.cpu import CpuDevice, native_arithmetic
 
-    expected = torch.float16 if native_arithmetic(torch.float16) else torch.float32
+    if native_arithmetic(torch.float16):
+        expected = torch.float16
+    elif native_arithmetic(torch.bfloat16):
+        expected = torch.bfloat16
+    else:
+        expected = torch.float32
     bf16_expected = torch.bfloat16 if native_arithmetic(torch.bfloat16) else torch.float32
+    assert CpuDevice().auto_dtype(torch.float16) == expected
     assert CpuDevice().auto_dtype(torch.bfloat16) == bf16_expected
     assert CpuDevice().auto_dtype(torch.float32) == torch.float32
     auto = build(ckpt, dtype="auto")

@@ -18,7 +18,7 @@ from pagedllm.kernels.native import load_kernel_library
 __all__ = ["FUSED_TYPES", "GGUFCpuKernels", "cpu_kernels"]
 
 
-# The GGML types with fused kernels (panels, pair tiles, and the optional 8-bit and
+# The GGML types with fused kernels (panels, small-row products, and the optional 8-bit and
 # bfloat16 products): Q4_0, Q4_1, Q8_0 (``fused_layout`` in csrc/gguf_cpu.c).
 FUSED_TYPES = frozenset(
     {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}

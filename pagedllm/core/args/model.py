@@ -118,7 +118,9 @@ class ModelArgs:
         group="ModelConfig",
         choices=("auto", "bfloat16", "float", "float16", "float32", "half"),
         help="Data type of weights and activations. 'auto' uses float16 for float32 and float16 "
-        "models and bfloat16 for bfloat16 models; 'half' is float16 and 'float' is float32.",
+        "models and bfloat16 for bfloat16 models, unless the device has no fast arithmetic "
+        "in that type (the cpu device: bfloat16 on CPUs with AVX512-BF16 or AMX, else "
+        "float32); 'half' is float16 and 'float' is float32.",
     )
     seed: int | None = arg(
         None,

@@ -5,10 +5,10 @@
  * float32 first, the same products and sums in the same order) and is built with
  * -ffp-contract=off, so its float32 results are bit-exact with the torch reference in
  * gguf_dequant.py. The matmul decodes the weight a few rows at a time into a
- * thread-local buffer (for Q4_0/Q4_1/Q8_0 panels of 32 rows on AVX-512, 16 on AVX2, or
- * pairs of rows for a few activation rows; single rows otherwise) and multiplies them with
- * every activation row, so the weight is read packed and never exists in float form as a
- * whole.
+ * thread-local buffer (for Q4_0/Q4_1/Q8_0 panels of 32 rows on AVX-512, 16 on AVX2, or,
+ * for a few activation rows on AVX-512, one block at a time in registers; single rows
+ * otherwise) and multiplies them with every activation row, so the weight is read packed
+ * and never exists in float form as a whole.
  *
  * Plain C, no torch headers: called through ctypes with raw pointers.
  */
@@ -352,26 +352,32 @@ static inline void q4_values(const uint8_t *qs, __m512 *lo, __m512 *hi) {
 
 /* One block of a common 32-value type, vectorised and bit-exact with the scalar decoders
  * (each IEEE multiply and add rounds the same in a vector lane; built without
- * contraction): w = d * q + c exactly as dequantization gives it. */
-static inline void decoded_block(int qtype, const uint8_t *blk, float *out) {
+ * contraction): w = d * q + c exactly as dequantization gives it, in two registers. */
+static inline __attribute__((always_inline)) void decode_regs(int qtype, const uint8_t *blk,
+                                                              __m512 *lo, __m512 *hi) {
     const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
-    __m512 lo, hi;
     if (qtype == T_Q8_0) {
         const __m128i r0 = _mm_loadu_si128((const __m128i *)(blk + 2));
         const __m128i r1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-        lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d);
-        hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d);
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)), d);
     } else if (qtype == T_Q4_1) {
-        q4_values(blk + 4, &lo, &hi);
+        q4_values(blk + 4, lo, hi);
         const __m512 m = _mm512_set1_ps(f16_to_f32(blk + 2));
-        lo = _mm512_add_ps(_mm512_mul_ps(d, lo), m);
-        hi = _mm512_add_ps(_mm512_mul_ps(d, hi), m);
+        *lo = _mm512_add_ps(_mm512_mul_ps(d, *lo), m);
+        *hi = _mm512_add_ps(_mm512_mul_ps(d, *hi), m);
     } else { /* Q4_0 */
         const __m512 eight = _mm512_set1_ps(8.0f);
-        q4_values(blk + 2, &lo, &hi);
-        lo = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
-        hi = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
+        q4_values(blk + 2, lo, hi);
+        *lo = _mm512_mul_ps(d, _mm512_sub_ps(*lo, eight));
+        *hi = _mm512_mul_ps(d, _mm512_sub_ps(*hi, eight));
     }
+}
+
+/* The same, stored. */
+static inline void decoded_block(int qtype, const uint8_t *blk, float *out) {
+    __m512 lo, hi;
+    decode_regs(qtype, blk, &lo, &hi);
     _mm512_storeu_ps(out, lo);
     _mm512_storeu_ps(out + 16, hi);
 }
@@ -478,114 +484,65 @@ static inline float fused_row_dot1(int qtype, const uint8_t *row, int block_byte
     return _mm512_reduce_add_ps(sum) + ((off[0] + off[1]) + (off[2] + off[3]));
 }
 
-/* A few activation rows (up to PAIR_MAX_ROWS: decode steps of a few sequences), where
- * decoding the weights is most of the work and the panels' transposes do not pay: the
- * weights are decoded, two weight rows at a time, into a thread-local buffer exactly as
- * dequantization gives them, then the tile of up to 8 activation rows takes its dot
- * products with both rows: 16 independent accumulators in registers, summed across lanes
- * at the end. */
-#define PAIR_MAX_ROWS 8
-#define TILE_ROWS 8
+/* A few activation rows (up to SMALL_MAX_ROWS: decode steps of a few sequences), where
+ * reading and decoding the weights is most of the work and the panels' transposes do not
+ * pay: each thread takes whole weight rows; every block of 32 weights is decoded in
+ * registers, exactly as dequantization gives it (for bfloat16 rows then rounded to
+ * bfloat16 as .to() rounds it), and meets every activation row at once: two accumulators
+ * per row (alternate halves or blocks), summed across lanes at the end. No buffer, no
+ * store and reload of the decoded weights. The row count and the type are constants in
+ * each instance, so the loops unroll and the type's branch goes away. */
+#define SMALL_MAX_ROWS 8
 
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-/* rows x 2 outputs: y[i][0..1] = w0/w1 . x[i] for MR (a constant once inlined) rows. */
-static inline __attribute__((always_inline)) void tile_dot(const int MR, const float *w0,
-                                                           const float *w1, int64_t k,
-                                                           const float *x, int64_t xs,
-                                                           float *y, int64_t ys) {
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
-    for (int64_t c = 0; c < k; c += 32) {
-        const __m512 l0 = _mm512_loadu_ps(w0 + c), h0 = _mm512_loadu_ps(w0 + c + 16);
-        const __m512 l1 = _mm512_loadu_ps(w1 + c), h1 = _mm512_loadu_ps(w1 + c + 16);
+/* y[i * ys] = w . x[i] for MR float32 rows, w one packed weight row of nb blocks. */
+static inline __attribute__((always_inline)) void rows_dot_f32(const int MR, const int QT,
+                                                               const uint8_t *w, int block_bytes,
+                                                               int64_t nb, const float *x,
+                                                               int64_t xs, float *y, int64_t ys) {
+    __m512 a[SMALL_MAX_ROWS][2];
+    for (int i = 0; i < MR; i++) { a[i][0] = _mm512_setzero_ps(); a[i][1] = _mm512_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo, hi;
+        decode_regs(QT, w + b * block_bytes, &lo, &hi);
         for (int i = 0; i < MR; i++) {
-            const __m512 xl = _mm512_loadu_ps(x + i * xs + c);
-            const __m512 xh = _mm512_loadu_ps(x + i * xs + c + 16);
-            a0[i] = _mm512_fmadd_ps(l0, xl, a0[i]);
-            a1[i] = _mm512_fmadd_ps(l1, xl, a1[i]);
-            a0[i] = _mm512_fmadd_ps(h0, xh, a0[i]);
-            a1[i] = _mm512_fmadd_ps(h1, xh, a1[i]);
+            const float *xb = x + i * xs + b * 32;
+            a[i][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[i][1]);
         }
     }
-    for (int i = 0; i < MR; i++) {
-        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
-        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
-    }
+    for (int i = 0; i < MR; i++) y[i * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
 }
-#pragma GCC pop_options
 
-/* The tile function for a row count known only at run time: each count its own
- * instance of TILE (an always-inline function of a constant MR), T the element type. */
-#define TILE_ROWS_FN(name, TILE, T)                                                          \
-    static void name(int mr, const void *w0v, const void *w1v, int64_t k, const void *xv,    \
-                     int64_t xs, float *y, int64_t ys) {                                     \
-        const T *w0 = (const T *)w0v, *w1 = (const T *)w1v, *x = (const T *)xv;               \
-        switch (mr) {                                                                        \
-        case 1: TILE(1, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 2: TILE(2, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 3: TILE(3, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 4: TILE(4, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 5: TILE(5, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 6: TILE(6, w0, w1, k, x, xs, y, ys); break;                                    \
-        case 7: TILE(7, w0, w1, k, x, xs, y, ys); break;                                    \
-        default: TILE(8, w0, w1, k, x, xs, y, ys); break;                                   \
+/* One instance per (type, row count): a function of run-time ones. */
+#define SMALL_ROWS_FN(name, DOT, T)                                                          \
+    static void name(int qtype, int mr, const uint8_t *w, int block_bytes, int64_t nb,      \
+                     const void *xv, int64_t xs, float *y, int64_t ys) {                     \
+        const T *x = (const T *)xv;                                                          \
+        switch (qtype * 16 + mr) {                                                           \
+        SMALL_CASES(DOT, T_Q4_0) SMALL_CASES(DOT, T_Q4_1) SMALL_CASES(DOT, T_Q8_0)           \
+        default: break;                                                                      \
         }                                                                                    \
     }
+#define SMALL_CASE(DOT, QT, MR)                                                              \
+    case QT * 16 + MR: DOT(MR, QT, w, block_bytes, nb, x, xs, y, ys); break;
+#define SMALL_CASES(DOT, QT)                                                                 \
+    SMALL_CASE(DOT, QT, 1) SMALL_CASE(DOT, QT, 2) SMALL_CASE(DOT, QT, 3)                     \
+    SMALL_CASE(DOT, QT, 4) SMALL_CASE(DOT, QT, 5) SMALL_CASE(DOT, QT, 6)                     \
+    SMALL_CASE(DOT, QT, 7) SMALL_CASE(DOT, QT, 8)
 
-TILE_ROWS_FN(tile_rows, tile_dot, float)
+SMALL_ROWS_FN(small_rows_f32, rows_dot_f32, float)
 
-typedef void (*decode_fn)(int qtype, const uint8_t *blk, void *out);
-typedef void (*tiles_fn)(int mr, const void *w0, const void *w1, int64_t k, const void *x,
-                         int64_t xs, float *y, int64_t ys);
+typedef void (*small_rows_fn)(int qtype, int mr, const uint8_t *w, int block_bytes, int64_t nb,
+                              const void *x, int64_t xs, float *y, int64_t ys);
 
-static void decode_f32(int qtype, const uint8_t *blk, void *out) {
-    decoded_block(qtype, blk, (float *)out);
-}
-
-/* y[m, n] = x[m, k] . W[n, k]: weight rows decoded in pairs (elements of w_elem bytes) by
- * decode, then every tile of up to TILE_ROWS activation rows (elements of x_elem bytes)
- * multiplied with the pair by tiles. 0, or -2 when a buffer cannot be allocated. */
-static int pair_tiles(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
-                      int64_t row_bytes, int64_t k, const void *x, size_t x_elem, int64_t m,
-                      int64_t x_stride, float *y, int64_t y_stride, int nthreads, size_t w_elem,
-                      decode_fn decode, tiles_fn tiles) {
-    const int64_t nb = k / 32, pairs = (n + 1) / 2;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        char *w = (char *)malloc(w_elem * (size_t)(2 * k));
-        float pair_out[2 * TILE_ROWS]; /* an odd n's last row writes its pair here */
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            if (w == NULL) continue;
-            const int64_t j = 2 * p;
-            const int both = j + 1 < n;
-            for (int64_t b = 0; b < nb; b++) {
-                decode(qtype, raw + j * row_bytes + b * block_bytes, w + w_elem * (size_t)(b * 32));
-                if (both)
-                    decode(qtype, raw + (j + 1) * row_bytes + b * block_bytes,
-                           w + w_elem * (size_t)(k + b * 32));
-            }
-            const void *w1 = both ? (const void *)(w + w_elem * (size_t)k) : (const void *)w;
-            for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
-                const int mr = (int)(m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS);
-                const void *xt = (const char *)x + x_elem * (size_t)(i0 * x_stride);
-                if (both) {
-                    tiles(mr, w, w1, k, xt, x_stride, y + i0 * y_stride + j, y_stride);
-                } else {
-                    tiles(mr, w, w1, k, xt, x_stride, pair_out, 2);
-                    for (int i = 0; i < mr; i++) y[(i0 + i) * y_stride + j] = pair_out[2 * i];
-                }
-            }
-        }
-        free(w);
-    }
-    return failed ? -2 : 0;
+/* y[m, n] = x[m, k] . W[n, k] for m <= SMALL_MAX_ROWS rows. */
+static void small_rows(int qtype, int block_bytes, const uint8_t *raw, int64_t n,
+                       int64_t row_bytes, int64_t k, const void *x, int64_t m, int64_t x_stride,
+                       float *y, int64_t y_stride, int nthreads, small_rows_fn rows) {
+    const int64_t nb = k / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t j = 0; j < n; j++)
+        rows(qtype, (int)m, raw + j * row_bytes, block_bytes, nb, x, x_stride, y + j, y_stride);
 }
 
 /* Several activation rows: a GEMM micro-kernel over panels of 32 weight rows. Each
@@ -739,9 +696,11 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
         free(xsum);
         return 0;
     }
-    if (m <= PAIR_MAX_ROWS)
-        return pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
-                          y, y_stride, nthreads, sizeof(float), decode_f32, tile_rows);
+    if (m <= SMALL_MAX_ROWS) {
+        small_rows(qtype, block_bytes, raw, n, row_bytes, k, x, m, x_stride, y, y_stride, nthreads,
+                   small_rows_f32);
+        return 0;
+    }
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
                         y, sizeof(float), y_stride, nthreads, sizeof(float) * (size_t)(k * PANEL),
                         panel_decode_f32, panel_rows_f32, PANEL, PANEL_MR);
@@ -860,35 +819,39 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
  * to bfloat16 as .to(torch.bfloat16) rounds.
  * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static void decode_bf16(int qtype, const uint8_t *blk, void *out) {
-    float tmp[32];
-    decoded_block(qtype, blk, tmp);
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + 16), _mm512_loadu_ps(tmp));
-    _mm512_storeu_si512(out, (__m512i)v);
-}
-
-static inline __attribute__((always_inline)) void tile_dot_bf16(const int MR, const uint16_t *w0,
-                                                                const uint16_t *w1, int64_t k,
-                                                                const uint16_t *x, int64_t xs,
-                                                                float *y, int64_t ys) {
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    for (int i = 0; i < MR; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
-    for (int64_t c = 0; c < k; c += 32) {
-        const __m512bh l0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c));
-        const __m512bh l1 = (__m512bh)_mm512_loadu_si512((const void *)(w1 + c));
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + c));
-            a0[i] = _mm512_dpbf16_ps(a0[i], l0, xv);
-            a1[i] = _mm512_dpbf16_ps(a1[i], l1, xv);
+/* The small-row product of bfloat16 rows: each decoded block rounded to bfloat16 (nearest
+ * even, as .to(torch.bfloat16) rounds) and multiplied in pairs into float32 sums. */
+static inline __attribute__((always_inline)) void rows_dot_bf16(const int MR, const int QT,
+                                                                const uint8_t *w, int block_bytes,
+                                                                int64_t nb, const uint16_t *x,
+                                                                int64_t xs, float *y, int64_t ys) {
+    __m512 a[SMALL_MAX_ROWS][2];
+    for (int i = 0; i < MR; i++) { a[i][0] = _mm512_setzero_ps(); a[i][1] = _mm512_setzero_ps(); }
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        for (int u = 0; u < 2; u++) {
+            __m512 lo, hi;
+            decode_regs(QT, w + (b + u) * block_bytes, &lo, &hi);
+            const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+            for (int i = 0; i < MR; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + (b + u) * 32));
+                a[i][u] = _mm512_dpbf16_ps(a[i][u], wv, xv);
+            }
         }
     }
-    for (int i = 0; i < MR; i++) {
-        y[i * ys] = _mm512_reduce_add_ps(a0[i]);
-        y[i * ys + 1] = _mm512_reduce_add_ps(a1[i]);
+    if (b < nb) {
+        __m512 lo, hi;
+        decode_regs(QT, w + b * block_bytes, &lo, &hi);
+        const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + b * 32));
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], wv, xv);
+        }
     }
+    for (int i = 0; i < MR; i++) y[i * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
 }
 
-TILE_ROWS_FN(tile_rows_bf16, tile_dot_bf16, uint16_t)
+SMALL_ROWS_FN(small_rows_bf16, rows_dot_bf16, uint16_t)
 
 /* bfloat16 panel: pairs of k, P[(c / 2) * 32 + j] = (w[j][c], w[j][c + 1]) as one 32-bit
  * element, the layout dpbf16ps multiplies with a broadcast pair of activations. */
@@ -951,13 +914,12 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
                               void *y, int64_t y_stride, int nthreads, int y_bf16) {
     int block_bytes, qs_off, has_min;
     if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
-    if (m <= PAIR_MAX_ROWS) { /* the pair tiles write float32: bfloat16 out goes through a buffer */
+    if (m <= SMALL_MAX_ROWS) { /* small_rows writes float32: bfloat16 out goes through a buffer */
         float *out = y_bf16 ? (float *)malloc(sizeof(float) * (size_t)(m * n)) : (float *)y;
         if (out == NULL) return -2;
         const int64_t out_stride = y_bf16 ? n : y_stride;
-        const int status = pair_tiles(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t),
-                                      m, x_stride, out, out_stride, nthreads, sizeof(uint16_t),
-                                      decode_bf16, tile_rows_bf16);
+        small_rows(qtype, block_bytes, raw, n, row_bytes, k, x, m, x_stride, out, out_stride,
+                   nthreads, small_rows_bf16);
         if (y_bf16) {
             uint16_t *yh = (uint16_t *)y;
             for (int64_t i = 0; i < m; i++) {
@@ -973,7 +935,7 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
             }
             free(out);
         }
-        return status;
+        return 0;
     }
     return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m,
                         x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,

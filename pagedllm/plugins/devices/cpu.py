@@ -75,9 +75,16 @@ class CpuDevice(Device):
         }
 
     def auto_dtype(self, dtype):
+        """The checkpoint rule's type where this CPU computes in it; else, for float16
+        (float32 and float16 checkpoints), bfloat16 on CPUs with bfloat16 arithmetic (as
+        vLLM's CPU backend runs them); else float32."""
         import torch
 
-        return dtype if native_arithmetic(dtype) else torch.float32
+        if native_arithmetic(dtype):
+            return dtype
+        if dtype == torch.float16 and native_arithmetic(torch.bfloat16):
+            return torch.bfloat16
+        return torch.float32
 
 
 # Half-precision matmuls run at speed only where the CPU computes in that type; elsewhere

@@ -33,6 +33,7 @@ _SCALARS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,11 +114,15 @@ class GGUFFile:
                     return [value(etype) for _ in range(count)]
                 if etype in _SCALARS:
                     pos += struct.calcsize(_SCALARS[etype]) * count
-                    if pos > len(head):
-                        raise struct.error("past the end")
+                elif etype == _STRING:  # skipped, not decoded (the vocabulary: 0.2 s)
+                    length = _U64.unpack_from
+                    for _ in range(count):
+                        pos += 8 + length(head, pos)[0]
                 else:
                     for _ in range(count):
                         value(etype)
+                if pos > len(head):
+                    raise struct.error("past the end")
                 return ArrayInfo(etype, count)
             fmt = _SCALARS.get(vtype)
             if fmt is None:
