@@ -101,7 +101,8 @@ class GGUFCpuKernels:
     ) -> torch.Tensor | None:
         """``x @ W.T`` for bfloat16 ``x`` ``[m, k]``, the weights rounded to bfloat16 and
         multiplied in pairs into float32 sums (AVX512-BF16's dpbf16ps), as a bfloat16 GEMM
-        of the dequantized weight computes; in float32, or in bfloat16 rounded as
+        of the dequantized weight computes (one row: the float32 row kernel's product of
+        the exact widening, unrounded weights); in float32, or in bfloat16 rounded as
         ``.to()`` rounds. None where it does not apply (not Q4_0/Q4_1/Q8_0, or a CPU
         without AVX512-BF16)."""
         if x.dtype != torch.bfloat16:

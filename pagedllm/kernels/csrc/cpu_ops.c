@@ -243,6 +243,23 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *base,
     if (hint) _mm_prefetch(p, _MM_HINT_T1); else _mm_prefetch(p, _MM_HINT_T0);
 }
 
+/* The 16 horizontal sums of v[0..15] as one vector (lane i: the sum of v[i]'s lanes):
+ * pairs within 128-bit lanes, then halves, then across the four 128-bit lanes. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                    _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                    _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const int GT, const int V, const int BF, const float *qt, const void *k_cache,
     const void *v_cache, const int32_t *table, int64_t block_size, int64_t row,
@@ -275,21 +292,33 @@ static inline __attribute__((always_inline)) void attend_tile(
          * fetch a few keys ahead, a 64-byte line per 16 values. */
         for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
             for (int v = 0; v < lines; v++) prefetch_row(k_cache, krow[c] + line * v, BF, 0);
-        for (int64_t c = 0; c < n; c++) {
-            const int64_t kr = krow[c];
-            if (c + PREFETCH_KEYS < n)
-                for (int v = 0; v < lines; v++) {
-                    prefetch_row(k_cache, krow[c + PREFETCH_KEYS] + line * v, BF, 0);
-                    prefetch_row(v_cache, kr + line * v, BF, 1);
+        /* Scores 16 keys at a time: each key's lane products per head, then the 16
+         * horizontal sums at once (hsum16), a vector of 16 scores. */
+        for (int64_t c0 = 0; c0 < n; c0 += 16) {
+            const int cn = (int)(n - c0 < 16 ? n - c0 : 16);
+            __m512 lanes[4][16];
+            for (int c = 0; c < cn; c++) {
+                const int64_t kr = krow[c0 + c];
+                if (c0 + c + PREFETCH_KEYS < n)
+                    for (int v = 0; v < lines; v++) {
+                        prefetch_row(k_cache, krow[c0 + c + PREFETCH_KEYS] + line * v, BF, 0);
+                        prefetch_row(v_cache, kr + line * v, BF, 1);
+                    }
+                __m512 s[4];
+                const __m512 k0 = load_row16(k_cache, kr, BF);
+                for (int g = 0; g < GT; g++) s[g] = _mm512_mul_ps(qv[g][0], k0);
+                for (int v = 1; v < V; v++) {
+                    const __m512 kv = load_row16(k_cache, kr + 16 * v, BF);
+                    for (int g = 0; g < GT; g++) s[g] = _mm512_fmadd_ps(qv[g][v], kv, s[g]);
                 }
-            __m512 s[4];
-            const __m512 k0 = load_row16(k_cache, kr, BF);
-            for (int g = 0; g < GT; g++) s[g] = _mm512_mul_ps(qv[g][0], k0);
-            for (int v = 1; v < V; v++) {
-                const __m512 kv = load_row16(k_cache, kr + 16 * v, BF);
-                for (int g = 0; g < GT; g++) s[g] = _mm512_fmadd_ps(qv[g][v], kv, s[g]);
+                for (int g = 0; g < GT; g++) lanes[g][c] = s[g];
             }
-            for (int g = 0; g < GT; g++) scores[g][c] = _mm512_reduce_add_ps(s[g]) * scale;
+            const __mmask16 keep = (__mmask16)((1u << cn) - 1u);
+            for (int g = 0; g < GT; g++) {
+                for (int c = cn; c < 16; c++) lanes[g][c] = _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(scores[g] + c0, keep,
+                                      _mm512_mul_ps(hsum16(lanes[g]), _mm512_set1_ps(scale)));
+            }
         }
         for (int g = 0; g < GT; g++) {
             float *sc = scores[g];
