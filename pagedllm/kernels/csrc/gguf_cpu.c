@@ -676,11 +676,11 @@ static inline __attribute__((always_inline)) void panel_tile_f32(const int MR, c
 PANEL_ROWS_FN(panel_rows_f32, panel_tile_f32)
 
 /* y[n] = W[n, k] . x for one float32 activation row (decode at batch 1): the factored
- * dot products of fused_row_dot1. 0, -1 (another type, k not a multiple of 32), or -2. */
-static int fused_gemv(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, int64_t k,
-                      const float *x, float *y, int nthreads) {
-    int block_bytes, qs_off, has_min;
-    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+ * dot products of fused_row_dot1, for the block layout fused_layout gave (k a multiple of
+ * 32). 0, or -2 when a buffer cannot be allocated. */
+static int fused_gemv(int qtype, int block_bytes, int qs_off, int has_min, const uint8_t *raw,
+                      int64_t n, int64_t row_bytes, int64_t k, const float *x, float *y,
+                      int nthreads) {
     const int64_t nb = k / 32;
     float *xsum = (float *)malloc(sizeof(float) * (size_t)nb);
     if (xsum == NULL) return -2;
@@ -702,7 +702,9 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
                         int nthreads) {
     int block_bytes, qs_off, has_min;
     if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
-    if (m == 1) return fused_gemv(qtype, raw, n, row_bytes, k, x, y, nthreads);
+    if (m == 1)
+        return fused_gemv(qtype, block_bytes, qs_off, has_min, raw, n, row_bytes, k, x, y,
+                          nthreads);
     if (m <= SMALL_MAX_ROWS) {
         small_rows(qtype, block_bytes, raw, n, row_bytes, k, x, m, x_stride, y, y_stride, nthreads,
                    small_rows_f32);
@@ -828,8 +830,21 @@ static int fused_matmul(int qtype, const uint8_t *raw, int64_t n, int64_t row_by
  * its exact widening instead: unrounded weights, and 20% faster than the bfloat16 form.
  * -1: another type, k not a multiple of 32, or no AVX512-BF16. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* The small-row product of bfloat16 rows: each decoded block rounded to bfloat16 (nearest
- * even, as .to(torch.bfloat16) rounds) and multiplied in pairs into float32 sums. */
+/* Block b of the weight row rounded to bfloat16 (nearest even, as .to(torch.bfloat16)
+ * rounds) and multiplied in pairs with block b of each of MR rows into acc[i][u]. */
+static inline __attribute__((always_inline)) void block_dot_bf16(
+    const int MR, const int QT, const uint8_t *w, int block_bytes, int64_t b, const uint16_t *x,
+    int64_t xs, __m512 acc[][2], const int u) {
+    __m512 lo, hi;
+    decode_regs(QT, w + b * block_bytes, &lo, &hi);
+    const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+    for (int i = 0; i < MR; i++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + b * 32));
+        acc[i][u] = _mm512_dpbf16_ps(acc[i][u], wv, xv);
+    }
+}
+
+/* The small-row product of bfloat16 rows: even and odd blocks into their own sums. */
 static inline __attribute__((always_inline)) void rows_dot_bf16(const int MR, const int QT,
                                                                 const uint8_t *w, int block_bytes,
                                                                 int64_t nb, const uint16_t *x,
@@ -838,25 +853,10 @@ static inline __attribute__((always_inline)) void rows_dot_bf16(const int MR, co
     for (int i = 0; i < MR; i++) { a[i][0] = _mm512_setzero_ps(); a[i][1] = _mm512_setzero_ps(); }
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        for (int u = 0; u < 2; u++) {
-            __m512 lo, hi;
-            decode_regs(QT, w + (b + u) * block_bytes, &lo, &hi);
-            const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-            for (int i = 0; i < MR; i++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + (b + u) * 32));
-                a[i][u] = _mm512_dpbf16_ps(a[i][u], wv, xv);
-            }
-        }
+        block_dot_bf16(MR, QT, w, block_bytes, b, x, xs, a, 0);
+        block_dot_bf16(MR, QT, w, block_bytes, b + 1, x, xs, a, 1);
     }
-    if (b < nb) {
-        __m512 lo, hi;
-        decode_regs(QT, w + b * block_bytes, &lo, &hi);
-        const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * xs + b * 32));
-            a[i][0] = _mm512_dpbf16_ps(a[i][0], wv, xv);
-        }
-    }
+    if (b < nb) block_dot_bf16(MR, QT, w, block_bytes, b, x, xs, a, 0);
     for (int i = 0; i < MR; i++) y[i * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][0], a[i][1]));
 }
 
@@ -932,11 +932,9 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
             float *xf = (float *)malloc(sizeof(float) * (size_t)k);
             status = xf == NULL ? -2 : 0;
             if (xf != NULL) {
-                for (int64_t c = 0; c < k; c++) {
-                    const uint32_t bits = (uint32_t)x[c] << 16;
-                    memcpy(xf + c, &bits, sizeof(float));
-                }
-                status = fused_gemv(qtype, raw, n, row_bytes, k, xf, out, nthreads);
+                row_bf16((const uint8_t *)x, k, xf);
+                status = fused_gemv(qtype, block_bytes, qs_off, has_min, raw, n, row_bytes, k, xf,
+                                    out, nthreads);
                 free(xf);
             }
         } else {
