@@ -230,3 +230,47 @@ def test_cpu_auto_dtype_follows_the_cpu_arithmetic(monkeypatch, flags, float16_b
     bf16 = "bf16" in flags
     assert device.auto_dtype(torch.bfloat16) == (torch.bfloat16 if bf16 else torch.float32)
     assert device.auto_dtype(torch.float32) == torch.float32
+
+
+_MALLOC_PROBE = """
+import os, torch
+from pagedllm.plugins.devices.cpu import CpuDevice, tune_malloc
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+CpuDevice().prepare_process()
+before = rss()
+t = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
+del t
+print(tune_malloc(), (rss() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr"), reason="glibc only")
+def test_cpu_device_keeps_large_buffers_for_the_next_step():
+    """The cpu device has glibc keep large freed buffers (the next step reuses their pages
+    instead of faulting in fresh zeroed ones); PAGEDLLM_CPU_MALLOC_TUNING=0 or glibc's own
+    settings leave glibc as it is (a 64 MiB buffer is then a mapping, given back on free)."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            pytest.skip("glibc only")
+    except (ValueError, OSError):
+        pytest.skip("glibc only")
+    ours = ("PAGEDLLM_CPU_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
+
+    def probe(**extra):
+        out = subprocess.run(
+            [sys.executable, "-c", _MALLOC_PROBE],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        tuned, kept = out.stdout.split()
+        return tuned == "True", int(kept)
+
+    tuned, kept = probe()
+    assert tuned and kept >= 60
+    for extra in ({"PAGEDLLM_CPU_MALLOC_TUNING": "0"}, {"MALLOC_TRIM_THRESHOLD_": "131072"}):
+        tuned, kept = probe(**extra)
+        assert not tuned and kept < 16

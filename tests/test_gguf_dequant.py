@@ -146,11 +146,15 @@ def test_gguf_linear_matches_reference(qtype: GGMLQuantizationType):
         gguf_linear(x[..., :32], raw_t, qtype, out_features, in_features)
 
 
-def test_gguf_linear_16_bit_activations():
+def test_gguf_linear_16_bit_activations(monkeypatch):
     """bfloat16/float16 rows: those the fused kernels take (every count on AVX-512, a few
     elsewhere) go through the bfloat16 product (AVX512-BF16) or the float32 kernels on
-    their exact widening, rounded back once; others through the 16-bit GEMM; all near the
-    float32 product."""
+    their exact widening, rounded back once; others through the 16-bit GEMM; by default
+    (``auto``) bfloat16 rows from INT8_AUTO_MIN_ROWS on through the 8-bit panels where the
+    CPU has AVX512-VNNI; all near the float32 product."""
+    from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, INT8_AUTO_MIN_ROWS, int8_min_rows
+
+    monkeypatch.delenv(ACTIVATIONS_ENV, raising=False)
     out_features, in_features = 70, 512
     raw_t = torch.from_numpy(_quantized_blocks(T.Q4_0, (out_features, in_features), seed=3))
     w = dequantize(raw_t, T.Q4_0, (out_features, in_features))
@@ -164,7 +168,14 @@ def test_gguf_linear_16_bit_activations():
             kernels = cpu_kernels_or_none()
             limit = fused_max_rows()
             fused = kernels is not None and (limit is None or rows <= limit)
-            if fused and dtype == torch.bfloat16 and kernels.bf16:
+            q8 = kernels is not None and kernels.q8_panels and dtype == torch.bfloat16
+            assert int8_min_rows(dtype) == (INT8_AUTO_MIN_ROWS if q8 else None)
+            if q8 and rows >= INT8_AUTO_MIN_ROWS:
+                direct = kernels.matmul_q8_panels(
+                    x, raw_t, T.Q4_0, out_features, in_features, out_dtype=torch.bfloat16
+                )
+                assert torch.equal(got, direct)
+            elif fused and dtype == torch.bfloat16 and kernels.bf16:
                 # AVX512-BF16: the bfloat16 product, rounded once.
                 direct = kernels.matmul_bf16(x, raw_t, T.Q4_0, out_features, in_features)
                 assert torch.equal(got, direct.to(dtype))
@@ -363,26 +374,89 @@ def test_int8_activation_matmul_matches_its_emulation(cpu_kernels, qtype):
 
 
 def test_activation_mode_selects_the_kernel(cpu_kernels, monkeypatch):
-    from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, gguf_linear
+    from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, INT8_AUTO_MIN_ROWS, gguf_linear
 
     out_features, in_features = 16, 256
     raw = torch.from_numpy(_any_blocks(T.Q4_1, (out_features, in_features), seed=8))
     w = dequantize(raw, T.Q4_1, (out_features, in_features))
-    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(9))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, in_features, generator=g)
     monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
     int8 = gguf_linear(x, raw, T.Q4_1, out_features, in_features)
     if cpu_kernels.matmul_q8(x, raw, T.Q4_1, out_features, in_features) is not None:
         torch.testing.assert_close(int8, _q8_emulation(x, w), rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
-    torch.testing.assert_close(
-        gguf_linear(x, raw, T.Q4_1, out_features, in_features),
-        F.linear(x, w),
-        rtol=1e-5,
-        atol=1e-5,
-    )
+    for mode in ("float", "float32", "auto"):  # float32 rows keep the float product
+        monkeypatch.setenv(ACTIVATIONS_ENV, mode)
+        torch.testing.assert_close(
+            gguf_linear(x, raw, T.Q4_1, out_features, in_features),
+            F.linear(x, w),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    # auto: bfloat16 rows from INT8_AUTO_MIN_ROWS on take the 8-bit panels (AVX512-VNNI).
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        packed = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=8))
+        min_rows = INT8_AUTO_MIN_ROWS
+        many = torch.randn(min_rows, in_features, generator=g).bfloat16()
+        monkeypatch.delenv(ACTIVATIONS_ENV)
+        auto = gguf_linear(many, packed, qtype, out_features, in_features)
+        panels = cpu_kernels.matmul_q8_panels(
+            many, packed, qtype, out_features, in_features, out_dtype=torch.bfloat16
+        )
+        monkeypatch.setenv(ACTIVATIONS_ENV, "float")
+        floats = gguf_linear(many, packed, qtype, out_features, in_features)
+        if panels is not None:
+            assert torch.equal(auto, panels) and not torch.equal(auto, floats)
+        else:
+            assert torch.equal(auto, floats)
+        fewer = many[: min_rows - 1]
+        monkeypatch.delenv(ACTIVATIONS_ENV)
+        auto = gguf_linear(fewer, packed, qtype, out_features, in_features)
+        monkeypatch.setenv(ACTIVATIONS_ENV, "float")
+        assert torch.equal(auto, gguf_linear(fewer, packed, qtype, out_features, in_features))
     monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
-    with pytest.raises(ValueError, match="float32 .* or int8"):
+    with pytest.raises(ValueError, match="auto .* int8 or float"):
         gguf_linear(x, raw, T.Q4_1, out_features, in_features)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_panels_match_the_emulation(cpu_kernels, qtype):
+    """The 8-bit product in panels (AVX512-VNNI): the same quantization and integer sums
+    as the emulation, for float32 and bfloat16 rows (widened exactly), into float32 or
+    bfloat16 (rounded once); weight rows past a whole panel of 16, row tiles of every
+    size; each row's result the same whatever rows share its call."""
+    g = torch.Generator().manual_seed(11)
+    for out_features, in_features in ((37, 576), (16, 32), (5, 1536)):
+        raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=12))
+        w = dequantize(raw, qtype, (out_features, in_features))
+        x = torch.randn(67, in_features, generator=g)
+        x[1, :32] = 0.0  # an all-zero block (scale 0)
+        x[2] *= 1e3
+        got = cpu_kernels.matmul_q8_panels(x, raw, qtype, out_features, in_features)
+        if got is None:
+            pytest.skip("this CPU has no AVX512-VNNI: the untiled 8-bit product is used")
+        expected = _q8_emulation(x, w)
+        scale = expected.abs().amax(-1, keepdim=True)
+        assert ((got - expected).abs() <= 1e-5 * scale + 1e-6).all()
+        xb = x.bfloat16()
+        rounded = cpu_kernels.matmul_q8_panels(
+            xb, raw, qtype, out_features, in_features, out_dtype=torch.bfloat16
+        )
+        widened = cpu_kernels.matmul_q8_panels(xb.float(), raw, qtype, out_features, in_features)
+        assert rounded.dtype == torch.bfloat16
+        assert torch.equal(rounded, widened.to(torch.bfloat16))
+        for rows in (1, 5, 8, 9):  # one tile, a partial one, two
+            part = cpu_kernels.matmul_q8_panels(x[:rows], raw, qtype, out_features, in_features)
+            assert torch.equal(part, got[:rows])
+        assert torch.equal(
+            cpu_kernels.matmul_q8_panels(x[30:31], raw, qtype, out_features, in_features),
+            got[30:31],
+        )
+        # The float32 entry point takes the panels from 4 rows on.
+        assert torch.equal(cpu_kernels.matmul_q8(x, raw, qtype, out_features, in_features), got)
+    with pytest.raises(TypeError, match="float16"):
+        cpu_kernels.matmul_q8_panels(x.half(), raw, qtype, out_features, in_features)
+    assert cpu_kernels.matmul_q8_panels(x, raw, T.Q4_K, out_features, in_features) is None
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)

@@ -262,6 +262,7 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     tokenizer = load_tokenizer(config, loader)
     model_cls = registry.load(architecture)
     device = config.device_config.device
+    device.prepare_process()
     torch.set_num_threads(device.num_threads())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

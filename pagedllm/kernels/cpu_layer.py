@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, cpu_ops
 from pagedllm.kernels.gguf_cpu import cpu_kernels
-from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_activations
+from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
 from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["NativeDecoderLayer", "native_decoder_layer"]
@@ -165,7 +165,7 @@ class NativeDecoderLayer:
         cache = metadata.kv_caches[self.layer_index]
         if cache.dtype != self.dtype or not cache.is_contiguous():
             return None
-        if self.dtype == torch.bfloat16 and int8_activations():
+        if self.dtype == torch.bfloat16 and not self._int8_panels():
             return None  # (the modules' 8-bit products widen bfloat16 rows: not here)
         args = self.args
         args.cache = cache.data_ptr()
@@ -180,6 +180,15 @@ class NativeDecoderLayer:
         if status != 0:
             raise RuntimeError(f"the native decoder layer failed ({status})")
         return out
+
+    def _int8_panels(self) -> bool:
+        """Whether this layer's 8-bit products (if any) are the panel kernel's, which the
+        bfloat16 layer calls; without it the modules widen bfloat16 rows for the untiled
+        one, which it does not."""
+        from pagedllm.kernels.gguf_cpu import cpu_kernels
+
+        kernels = cpu_kernels()
+        return int8_min_rows(self.dtype) is None or (kernels is not None and kernels.q8_panels)
 
     def max_tokens(self) -> int:
         """The most tokens of a step this layer takes natively."""
@@ -201,7 +210,8 @@ class NativeDecoderLayer:
         step.q_start, step.q_end = ranges[0].data_ptr(), ranges[1].data_ptr()
         step.ctx_len = ranges[2].data_ptr()
         step.block_tables, step.bt_stride = tables.data_ptr(), tables.stride(0)
-        step.int8 = int(int8_activations())
+        # From how many rows the products take 8-bit activations (0: never).
+        step.int8 = int8_min_rows(self.dtype) or 0
         step.nthreads = torch.get_num_threads()
         # The tensors whose pointers the arguments hold stay referenced with them.
         return step, ranges, tables, metadata.slot_mapping

@@ -38,6 +38,8 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_matmul.restype = i32
         lib.pagedllm_gguf_matmul_q8.argtypes = lib.pagedllm_gguf_matmul.argtypes
         lib.pagedllm_gguf_matmul_q8.restype = i32
+        lib.pagedllm_gguf_matmul_q8p.argtypes = [*lib.pagedllm_gguf_matmul.argtypes, i32, i32]
+        lib.pagedllm_gguf_matmul_q8p.restype = i32
         lib.pagedllm_gguf_matmul_bf16.argtypes = [*lib.pagedllm_gguf_matmul.argtypes, i32]
         lib.pagedllm_gguf_matmul_bf16.restype = i32
         lib.pagedllm_gguf_features.argtypes = []
@@ -46,6 +48,8 @@ class GGUFCpuKernels:
         # The build's panel product of many rows (AVX-512, or AVX2 with FMA) and its
         # bfloat16 one (AVX512-BF16).
         self.row_tiles, self.bf16 = bool(features & 1), bool(features & 2)
+        # The 8-bit products in panels (AVX512-VNNI).
+        self.q8_panels = bool(features & 4)
         self.lib = lib
 
     def supports(self, qtype: int) -> bool:
@@ -88,6 +92,36 @@ class GGUFCpuKernels:
         (another type, or a CPU without AVX2)."""
         return self._optional_product(
             self.lib.pagedllm_gguf_matmul_q8, "8-bit", x, raw, qtype, n, k
+        )
+
+    def matmul_q8_panels(
+        self,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
+        """``matmul_q8``'s product (the same quantization and integer sums) in panels, for
+        float32 or bfloat16 ``x`` (widened exactly), in float32 or in bfloat16 rounded as
+        ``.to()`` rounds; None where it does not apply (another type, or a CPU without
+        AVX512-VNNI)."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"matmul_q8_panels takes float32 or bfloat16 rows, not {x.dtype}")
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"matmul_q8_panels gives float32 or bfloat16, not {out_dtype}")
+        return self._optional_product(
+            self.lib.pagedllm_gguf_matmul_q8p,
+            "8-bit",
+            x,
+            raw,
+            qtype,
+            n,
+            k,
+            out_dtype,
+            int(x.dtype == torch.bfloat16),
+            int(out_dtype == torch.bfloat16),
         )
 
     def matmul_bf16(

@@ -15,13 +15,15 @@ Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias
 
 Results agree with the reference to within matmul-kernel rounding.
 
-With ``PAGEDLLM_GGUF_ACTIVATIONS=int8``, CPU products with Q4_0, Q4_1 and Q8_0 weights
-quantize the activations to 8 bits (one scale per 32 values) and take integer dot
-products at every batch size, as llama.cpp and vLLM's GGUF kernels do: within about 1% of
-the float product, which is enough to change greedy tokens of a small model, and (as
-measured on AVX512-VNNI) only about as fast as the float paths above. The default,
-``float32``, keeps the float products that greedy parity with transformers is measured
-against.
+8-bit activations (``PAGEDLLM_GGUF_ACTIVATIONS``): CPU products with Q4_0, Q4_1 and Q8_0
+weights can quantize the activations to 8 bits (one scale per 32 values) and take integer
+dot products, as llama.cpp and vLLM's GGUF kernels do: within about 1% of the float
+product, enough to change greedy tokens of a small model. ``auto`` (the default) does so
+for bfloat16 models' products of :data:`INT8_AUTO_MIN_ROWS` rows or more (prefill,
+batched decode) on CPUs with AVX512-VNNI, where the integer panels are 1.3-1.6x as fast
+as the bfloat16 ones; float32 models keep the float products that greedy parity with
+transformers is measured against. ``int8`` quantizes at every row count and dtype (AVX2
+or newer), ``float`` never.
 """
 
 from __future__ import annotations
@@ -73,14 +75,38 @@ def fused_max_rows() -> int | None:
 
 
 ACTIVATIONS_ENV = "PAGEDLLM_GGUF_ACTIVATIONS"
+ACTIVATION_MODES = ("auto", "int8", "float")
+# ``auto``: bfloat16 products take 8-bit activations from this many rows on. Fewer rows
+# (decode steps of a few sequences) are bound by reading the weights, which the small-row
+# bfloat16 kernel does once, in registers; the panels decode them into a buffer first.
+# Measured on an AVX512-VNNI EPYC (2 cores), default model, ms per decode step, bfloat16
+# products / 8-bit ones everywhere (the LM head included): 1 sequence 8.6 / 13.5, 4: 13.3
+# / 17.1, 8: 22.0 / 21.5, 16: 36.1 / 29.7. (In isolation, its weight in the cache, a Q4_1
+# product of 1 row is faster in 8 bits: not what a decode step sees.)
+INT8_AUTO_MIN_ROWS = UNTILED_MAX_ROWS + 1
 
 
-def int8_activations() -> bool:
-    """Whether CPU products with Q4_0/Q4_1/Q8_0 weights quantize activations to 8 bits."""
-    mode = os.environ.get(ACTIVATIONS_ENV, "float32")
-    if mode not in ("int8", "float32"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={mode!r}: use float32 (the default) or int8")
-    return mode == "int8"
+def activation_mode() -> str:
+    """``PAGEDLLM_GGUF_ACTIVATIONS``: ``auto`` (unset), ``int8`` or ``float`` (``float32``,
+    its earlier name, is the same)."""
+    mode = os.environ.get(ACTIVATIONS_ENV, "auto")
+    if mode == "float32":
+        return "float"
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"{ACTIVATIONS_ENV}={mode!r}: use auto (the default), int8 or float")
+    return mode
+
+
+def int8_min_rows(dtype: torch.dtype) -> int | None:
+    """From how many activation rows of ``dtype`` CPU products with Q4_0/Q4_1/Q8_0 weights
+    quantize the activations to 8 bits; None: never."""
+    mode = activation_mode()
+    if mode != "auto":
+        return 1 if mode == "int8" else None
+    kernels = cpu_kernels()
+    if dtype == torch.bfloat16 and kernels is not None and kernels.q8_panels:
+        return INT8_AUTO_MIN_ROWS
+    return None
 
 
 def _dequantize_rows(raw: torch.Tensor, qtype: int, rows: int, k: int, dtype) -> torch.Tensor:
@@ -129,8 +155,14 @@ def gguf_linear(
         # widening; the result rounded back once. Rows past the kernel's limit take the
         # 16-bit GEMM below.)
         # (``.float()`` of float32 rows is the rows themselves.)
-        if qtype in INT8_TYPES and int8_activations():
-            out = kernels.matmul_q8(flat.float(), raw, qtype, out_features, in_features)
+        min_rows = int8_min_rows(x.dtype) if qtype in INT8_TYPES else None
+        if min_rows is not None and flat.shape[0] >= min_rows:
+            if kernels.q8_panels and x.dtype == torch.bfloat16:  # (rounded once, to bfloat16)
+                out = kernels.matmul_q8_panels(
+                    flat, raw, qtype, out_features, in_features, out_dtype=torch.bfloat16
+                )
+            else:  # (the kernel takes its panels from 4 rows where the CPU has them)
+                out = kernels.matmul_q8(flat.float(), raw, qtype, out_features, in_features)
         max_rows = fused_max_rows() if qtype in FUSED_TYPES else GEMV_MAX_ROWS
         fits = max_rows is None or flat.shape[0] <= max_rows
         if (

@@ -84,6 +84,11 @@ class Device(ABC):
 
         return torch.get_num_threads()
 
+    def prepare_process(self) -> None:
+        """Settings of this process the device computes best with (allocator, ...), made
+        once before the model is built. The default changes nothing."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for ``pagedllm collect-env`` (name, count, versions, ...)."""
         return {"name": self.name}

@@ -21,7 +21,7 @@ typedef struct {
     const int64_t *q_start, *q_end, *ctx_len;
     const int32_t *block_tables;
     int64_t bt_stride;
-    int64_t int8; /* 8-bit activations for the GGUF products */
+    int64_t int8; /* 8-bit activations for GGUF products of this many rows or more (0: never) */
     int64_t nthreads;
 } step_args;
 
@@ -40,12 +40,26 @@ typedef struct {
 
 static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                    int64_t row_bytes, int64_t k, const float *x, int64_t m, float *y) {
-    if (S->int8) {
+    if (S->int8 > 0 && m >= S->int8) {
         const int status = pagedllm_gguf_matmul_q8((int)qtype, raw, n, row_bytes, k, x, m, k, y,
                                                    n, (int)S->nthreads);
         if (status != -1) return status;
     }
     return pagedllm_gguf_matmul((int)qtype, raw, n, row_bytes, k, x, m, k, y, n, (int)S->nthreads);
+}
+
+/* The bfloat16 layer's products: bfloat16 rows in and out; 8-bit activations in panels
+ * from S->int8 rows (the modules' choice, gguf_matmul.gguf_linear). */
+static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
+                        int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
+                        uint16_t *y) {
+    if (S->int8 > 0 && m >= S->int8) {
+        const int status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
+                                                    n, (int)S->nthreads, 1, 1);
+        if (status != -1) return status;
+    }
+    return pagedllm_gguf_matmul_bf16((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
+                                     (int)S->nthreads, 1);
 }
 
 /* 0 on success; -1/-2 as the kernels it calls (unsupported shape or type, no memory). */
@@ -107,8 +121,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     uint16_t *down = act + T * I;
     float *qkv32 = fbuf, *attn32 = qkv32 + T * nqkv;
     pagedllm_rms_norm_bf16(x, H, NULL, NULL, ln1, 0.0f, L->eps1, normed, H, T, H, nt);
-    status = pagedllm_gguf_matmul_bf16((int)L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed,
-                                       T, H, qkv, nqkv, nt, 1);
+    status = product_bf16(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     pagedllm_rotary_neox_bf16(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
                               L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
@@ -120,16 +133,14 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
                                            L->scale, L->window, attn32, nq, nt);
     if (status != 0) goto done;
     for (int64_t i = 0; i < T * nq; i++) attn[i] = to_bf16(attn32[i]);
-    status = pagedllm_gguf_matmul_bf16((int)L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, nq, o,
-                                       H, nt, 1);
+    status = product_bf16(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
     if (status != 0) goto done;
     pagedllm_rms_norm_bf16(o, H, x, sum, ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
-    status = pagedllm_gguf_matmul_bf16((int)L->gate_up_type, L->gate_up, 2 * I,
-                                       L->gate_up_row_bytes, H, normed2, T, H, gu, 2 * I, nt, 1);
+    status = product_bf16(S, L->gate_up_type, L->gate_up, 2 * I, L->gate_up_row_bytes, H, normed2,
+                          T, gu);
     if (status != 0) goto done;
     pagedllm_silu_mul_bf16(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
-    status = pagedllm_gguf_matmul_bf16((int)L->down_type, L->down, H, L->down_row_bytes, I, act, T,
-                                       I, down, H, nt, 1);
+    status = product_bf16(S, L->down_type, L->down, H, L->down_row_bytes, I, act, T, down);
     if (status != 0) goto done;
     for (int64_t i = 0; i < T * H; i++) y[i] = to_bf16(from_bf16(sum[i]) + from_bf16(down[i]));
 done:

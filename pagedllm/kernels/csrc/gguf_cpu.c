@@ -265,6 +265,9 @@ int pagedllm_gguf_features(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     features |= 2;
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    features |= 4; /* the 8-bit products in panels */
+#endif
     return features;
 }
 
@@ -1088,6 +1091,12 @@ static inline int hsum_epi32(__m256i v) {
 }
 
 #define Q8_TILE 32
+/* From this many rows the panel form below (AVX512-VNNI) takes the product. */
+#define Q8_PANEL_MIN_ROWS 4
+
+int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                             int64_t k, const void *x, int64_t m, int64_t x_stride, void *y,
+                             int64_t y_stride, int nthreads, int x_bf16, int y_bf16);
 
 /* y[m, n] for Q4_0/Q4_1/Q8_0 weights; -1: another type (or k not a multiple of 32).
  * Each weight row is unpacked once into bytes and per-block scales (d, c), then meets
@@ -1098,6 +1107,11 @@ int pagedllm_gguf_matmul_q8(int qtype, const uint8_t *raw, int64_t n, int64_t ro
                             int64_t y_stride, int nthreads) {
     int block_bytes, qs_off, has_min;
     if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+    if (m >= Q8_PANEL_MIN_ROWS) {
+        const int status = pagedllm_gguf_matmul_q8p(qtype, raw, n, row_bytes, k, x, m, x_stride, y,
+                                                    y_stride, nthreads, 0, 0);
+        if (status != -1) return status;
+    }
     const int64_t nb = k / 32, nb8 = nb - nb % 8;
     int8_t *qx = (int8_t *)malloc((size_t)(m * k));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
@@ -1185,5 +1199,247 @@ int pagedllm_gguf_matmul_q8(int qtype, const uint8_t *raw, int64_t n, int64_t ro
     (void)qtype; (void)raw; (void)n; (void)row_bytes; (void)k; (void)x; (void)m;
     (void)x_stride; (void)y; (void)y_stride; (void)nthreads;
     return -1; /* no AVX2: the float kernels */
+}
+#endif
+
+/* ---- 8-bit activations in panels (AVX512-VNNI) -------------------------------------------
+ *
+ * The product above (same quantization of the activations, same integer sums), tiled as
+ * the float panels are: each thread decodes a panel of 16 weight rows into unsigned bytes,
+ * four consecutive k of one row per 32-bit lane (Q4_0/Q4_1: the nibbles; Q8_0: q + 128),
+ * with each block's scale d and offset c per row (Q4_0: c = -8d, Q4_1: the min, Q8_0:
+ * -128d). A tile of up to Q8P_MR activation rows meets it block by block: eight dpbusd of a
+ * weight vector with a broadcast quad of activations into integer sums, which are then
+ * added in float32, block after block, as (d * dx) * sum + c * sx. Each row's result is the
+ * same whatever rows share its call. Activations are float32 or bfloat16 (widened exactly),
+ * results float32 or bfloat16 (rounded as .to() rounds). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8P_COLS 16
+#define Q8P_MR 8
+#define Q8P_BLOCK_BYTES (256 * 1024)
+
+/* Index vectors of the 16 x 8 -> 8 x 16 transpose of 32-bit elements (three stages of
+ * two-source permutes), built once when the library loads. */
+static int32_t q8p_idx[3][2][16];
+
+__attribute__((constructor)) static void q8p_build_indices(void) {
+    /* Stage s takes vectors whose element e holds label (row, quad); each output element
+     * names its position in the concatenation of the two inputs. */
+    for (int e = 0; e < 16; e++) {
+        for (int h = 0; h < 2; h++) {
+            /* stage 1: inputs rows (2j, 2j+1) x quads 0..7, output h: 4 rows x quads 4h..4h+3
+             * at (quad - 4h) * 4 + row. Input element of (r, p): (r % 2) * 8 + p, second
+             * input for rows 2, 3. */
+            int p = 4 * h + e / 4, r = e % 4;
+            q8p_idx[0][h][e] = (r / 2) * 16 + (r % 2) * 8 + p;
+            /* stage 2: inputs 4 rows x quads 4h'..4h'+3 (rows 0..3, then 4..7), output h:
+             * 8 rows x quads (2h, 2h+1) of that group at (quad - 2h) * 8 + row */
+            p = 2 * h + e / 8;
+            r = e % 8;
+            q8p_idx[1][h][e] = (r / 4) * 16 + p * 4 + r % 4;
+            /* stage 3: inputs 8 rows x 2 quads (rows 0..7, then 8..15), output h: quad h of
+             * all 16 rows at row */
+            q8p_idx[2][h][e] = (e / 8) * 16 + h * 8 + e % 8;
+        }
+    }
+}
+
+/* Rows j0..j0+15 of the weight (rows past `rows` as zeros) into the panel: for block b and
+ * quad p, P[(b * 8 + p) * 16 + r] = bytes 4p..4p+3 of row r's block; dc[b * 32 + r] = d,
+ * dc[b * 32 + 16 + r] = c. */
+static void q8p_decode(int qtype, int block_bytes, int qs_off, const uint8_t *raw,
+                       int64_t row_bytes, int64_t nb, int rows, int32_t *P, float *dc) {
+    const __m512i i0a = _mm512_loadu_si512(q8p_idx[0][0]), i0b = _mm512_loadu_si512(q8p_idx[0][1]);
+    const __m512i i1a = _mm512_loadu_si512(q8p_idx[1][0]), i1b = _mm512_loadu_si512(q8p_idx[1][1]);
+    const __m512i i2a = _mm512_loadu_si512(q8p_idx[2][0]), i2b = _mm512_loadu_si512(q8p_idx[2][1]);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i v[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= rows) {
+                v[r] = _mm256_setzero_si256();
+                dc[b * 32 + r] = 0.0f;
+                dc[b * 32 + 16 + r] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = raw + r * row_bytes + b * block_bytes;
+            const float d = f16_to_f32(blk);
+            dc[b * 32 + r] = d;
+            if (qtype == T_Q8_0) {
+                v[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + qs_off)),
+                                        _mm256_set1_epi8((char)0x80));
+                dc[b * 32 + 16 + r] = -128.0f * d;
+            } else {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_off));
+                const __m128i m = _mm_set1_epi8(0x0F);
+                v[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+                dc[b * 32 + 16 + r] = qtype == T_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * d;
+            }
+        }
+        __m512i z[8], s1[8], s2[8];
+        for (int j = 0; j < 8; j++)
+            z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * j]), v[2 * j + 1], 1);
+        for (int j = 0; j < 4; j++) { /* rows 4j..4j+3 */
+            s1[2 * j] = _mm512_permutex2var_epi32(z[2 * j], i0a, z[2 * j + 1]);
+            s1[2 * j + 1] = _mm512_permutex2var_epi32(z[2 * j], i0b, z[2 * j + 1]);
+        }
+        for (int g = 0; g < 2; g++) /* rows 8g..8g+7; s1 of quads 0..3 then 4..7 */
+            for (int h = 0; h < 2; h++) {
+                s2[g * 4 + h * 2] = _mm512_permutex2var_epi32(s1[4 * g + h], i1a, s1[4 * g + 2 + h]);
+                s2[g * 4 + h * 2 + 1] = _mm512_permutex2var_epi32(s1[4 * g + h], i1b, s1[4 * g + 2 + h]);
+            }
+        int32_t *out = P + b * 8 * 16;
+        for (int q = 0; q < 4; q++) { /* quads 2q, 2q+1 of rows 0..7 (s2[q]) and 8..15 */
+            _mm512_storeu_si512(out + (2 * q) * 16, _mm512_permutex2var_epi32(s2[q], i2a, s2[4 + q]));
+            _mm512_storeu_si512(out + (2 * q + 1) * 16, _mm512_permutex2var_epi32(s2[q], i2b, s2[4 + q]));
+        }
+    }
+}
+
+/* One row's blocks of 32 activations (float32, or bfloat16 widened) into int8 with the
+ * scale dx = max|x| / 127 (q = x * (1 / dx) rounded half to even) and sx = dx * sum q. */
+static void q8p_quantize_row(const void *xv, int x_bf16, int64_t nb, int8_t *q, float *dx,
+                             float *sx) {
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 v0, v1;
+        if (x_bf16) {
+            const uint16_t *x = (const uint16_t *)xv + b * 32;
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16))), 16));
+        } else {
+            const float *x = (const float *)xv + b * 32;
+            v0 = _mm512_loadu_ps(x);
+            v1 = _mm512_loadu_ps(x + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        /* (the rounding mode is the default, nearest even) */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128((__m128i *)(q + b * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        dx[b] = d;
+        sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+static inline __attribute__((always_inline)) void q8p_tile(const int MR, const int32_t *P,
+                                                           const float *dc, int64_t nb,
+                                                           const int8_t *qx, const float *dx,
+                                                           const float *sx, int64_t k, void *y,
+                                                           int64_t ys, int cols, int y_bf16) {
+    __m512 f[Q8P_MR];
+    for (int i = 0; i < MR; i++) f[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i a[Q8P_MR];
+        for (int i = 0; i < MR; i++) a[i] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) {
+            const __m512i w = _mm512_loadu_si512(P + (b * 8 + p) * 16);
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, qx + i * k + b * 32 + 4 * p, sizeof(quad));
+                a[i] = _mm512_dpbusd_epi32(a[i], w, _mm512_set1_epi32(quad));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(dc + b * 32), c = _mm512_loadu_ps(dc + b * 32 + 16);
+        for (int i = 0; i < MR; i++) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * nb + b]));
+            const __m512 off = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[i * nb + b]), f[i]);
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), scale, off);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+    for (int i = 0; i < MR; i++) {
+        if (y_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + i * ys, mask, (__m256i)_mm512_cvtneps_pbh(f[i]));
+        else
+            _mm512_mask_storeu_ps((float *)y + i * ys, mask, f[i]);
+    }
+}
+
+static void q8p_rows(int mr, const int32_t *P, const float *dc, int64_t nb, const int8_t *qx,
+                     const float *dx, const float *sx, int64_t k, void *y, int64_t ys, int cols,
+                     int y_bf16) {
+    switch (mr) {
+    case 1: q8p_tile(1, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 2: q8p_tile(2, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 3: q8p_tile(3, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 4: q8p_tile(4, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 5: q8p_tile(5, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 6: q8p_tile(6, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    case 7: q8p_tile(7, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    default: q8p_tile(8, P, dc, nb, qx, dx, sx, k, y, ys, cols, y_bf16); break;
+    }
+}
+
+/* y[m, n] = x[m, k] . W[n, k] with 8-bit activations, in panels (see above); x bfloat16
+ * where x_bf16, y where y_bf16. -1: another type or k not a multiple of 32; -2: no memory. */
+int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                             int64_t k, const void *x, int64_t m, int64_t x_stride, void *y,
+                             int64_t y_stride, int nthreads, int x_bf16, int y_bf16) {
+    int block_bytes, qs_off, has_min;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+    const int64_t nb = k / 32, panels = (n + Q8P_COLS - 1) / Q8P_COLS;
+    const size_t x_elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t y_elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int8_t *qx = (int8_t *)malloc((size_t)(m * k));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(2 * m * nb));
+    if (qx == NULL || dx == NULL) {
+        free(qx); free(dx);
+        return -2;
+    }
+    float *sx = dx + m * nb;
+    /* Rows in blocks of about Q8P_BLOCK_BYTES of quantized activations, which stay in the
+     * cache while every panel meets them (each panel is decoded once per block). */
+    const int64_t mblock = Q8P_BLOCK_BYTES / k < Q8P_MR ? Q8P_MR : Q8P_BLOCK_BYTES / k;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int32_t *P = (int32_t *)aligned_alloc(64, (size_t)(k * Q8P_COLS));
+        float *dc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nb * 32));
+        if (P == NULL || dc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            q8p_quantize_row((const char *)x + x_elem * (size_t)(i * x_stride), x_bf16, nb,
+                             qx + i * k, dx + i * nb, sx + i * nb);
+        for (int64_t r0 = 0; r0 < m; r0 += mblock) {
+            const int64_t mb = m - r0 < mblock ? m - r0 : mblock;
+            const int64_t tiles = (mb + Q8P_MR - 1) / Q8P_MR;
+#pragma omp for schedule(static)
+            for (int64_t pi = 0; pi < panels; pi++) {
+                if (P == NULL || dc == NULL) continue;
+                const int64_t j0 = pi * Q8P_COLS;
+                const int cols = (int)(n - j0 < Q8P_COLS ? n - j0 : Q8P_COLS);
+                q8p_decode(qtype, block_bytes, qs_off, raw + j0 * row_bytes, row_bytes, nb, cols,
+                           P, dc);
+                int64_t i0 = r0;
+                for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
+                    const int64_t mr = (r0 + mb - i0) / (tiles - t);
+                    q8p_rows((int)mr, P, dc, nb, qx + i0 * k, dx + i0 * nb, sx + i0 * nb, k,
+                             (char *)y + y_elem * (size_t)(i0 * y_stride + j0), y_stride, cols,
+                             y_bf16);
+                    i0 += mr;
+                }
+            }
+        }
+        free(P);
+        free(dc);
+    }
+    free(qx);
+    free(dx);
+    return failed ? -2 : 0;
+}
+#else
+int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                             int64_t k, const void *x, int64_t m, int64_t x_stride, void *y,
+                             int64_t y_stride, int nthreads, int x_bf16, int y_bf16) {
+    (void)qtype; (void)raw; (void)n; (void)row_bytes; (void)k; (void)x; (void)x_bf16; (void)m;
+    (void)x_stride; (void)y; (void)y_bf16; (void)y_stride; (void)nthreads;
+    return -1; /* no AVX512-VNNI: the untiled 8-bit product or the float kernels */
 }
 #endif

@@ -60,6 +60,9 @@ class CpuDevice(Device):
         except AttributeError:  # no sched_getaffinity (macOS)
             return threads
 
+    def prepare_process(self) -> None:
+        tune_malloc()
+
     def describe(self) -> dict[str, Any]:
         import torch
 
@@ -114,3 +117,41 @@ def _cpu_model() -> str | None:
     from pagedllm.kernels.native import cpuinfo_field
 
     return cpuinfo_field("model name")
+
+
+ENV_MALLOC_TUNING = "PAGEDLLM_CPU_MALLOC_TUNING"
+# glibc's mallopt parameters, and the value given to both.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_KEEP_BYTES = 1 << 30
+
+
+@functools.cache
+def tune_malloc() -> bool:
+    """Keep large freed buffers in the process for the next step (glibc): up to 1 GiB per
+    allocation from the heap instead of a fresh mapping, and up to 1 GiB of free heap kept
+    rather than given back. Without it every step's large activations (a prefill of 8192
+    tokens: 50 MB outputs) are new mappings whose pages the kernel faults in and zeroes
+    again: measured on a 2-core EPYC, a 8192 x 576 by 3072 x 576 GGUF product took 72 ms
+    instead of 50, and 64 prompts of 128 tokens with 128 new ones 15.5 s instead of 14.1.
+    The memory stays with the process at its high-water mark (as a caching allocator's
+    would). Not done where glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ are
+    set, with PAGEDLLM_CPU_MALLOC_TUNING=0, or without glibc. Whether it was done."""
+    import ctypes
+    import logging
+
+    if os.environ.get(ENV_MALLOC_TUNING, "1") == "0":
+        return False
+    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+    except (ValueError, OSError, AttributeError):  # not glibc
+        return False
+    libc = ctypes.CDLL(None)
+    done = all(
+        libc.mallopt(param, MALLOC_KEEP_BYTES) == 1
+        for param in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)
+    )
+    logging.getLogger("pagedllm.cpu").debug("malloc keeps large buffers: %s", done)
+    return done

@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.core.interfaces import EmbeddingMethod, LinearMethod, QuantizationConfig
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row
-from pagedllm.kernels.gguf_matmul import gguf_embedding, gguf_linear, int8_activations
+from pagedllm.kernels.gguf_matmul import activation_mode, gguf_embedding, gguf_linear
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -118,7 +118,7 @@ class GGUFConfig(QuantizationConfig):
             raise ValueError(f"unknown settings {sorted(unknown)} (gguf takes none)")
         # PAGEDLLM_GGUF_ACTIVATIONS is read for every product; a bad value is refused
         # here, at start-up, rather than by the first step.
-        int8_activations()
+        activation_mode()
         if "tensor_types" not in config:
             raise ValueError(
                 "gguf quantization needs a GGUF checkpoint: pass a .gguf file (or a "
