@@ -278,16 +278,21 @@ def _both_backends(sequences, cache, q, k, v, layer):
     return paged, got, expected, ours_cache, ref_cache
 
 
+@pytest.mark.parametrize("kernel_max_query", [16, cpu_attention.KERNEL_MAX_QUERY])
 @pytest.mark.parametrize("window", [None, 24])
-def test_backend_matches_the_reference_backend(ops, window):
-    """Decodes and short chunks in the kernel, long prefills (with and without cached
-    context) through SDPA: the same outputs and caches as the reference backend."""
+def test_backend_matches_the_reference_backend(ops, window, kernel_max_query, monkeypatch):
+    """Decodes and chunks of up to KERNEL_MAX_QUERY tokens in the kernel, longer prefills
+    (with and without cached context) through SDPA: the same outputs and caches as the
+    reference backend."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_MAX_QUERY", kernel_max_query)
     sequences = SEQUENCES + LONG
     cache, q, k, v = _batch(sequences, seed=5)
     paged, got, expected, ours_cache, ref_cache = _both_backends(
         sequences, cache, q, k, v, _Layer(window)
     )
-    assert isinstance(paged, PagedMetadata) and len(paged.prefills) == len(LONG)
+    long = [s for s in sequences if s[0] > kernel_max_query]
+    assert isinstance(paged, PagedMetadata) and len(paged.prefills) == len(long)
+    assert len(long) == (len(LONG) if kernel_max_query == 16 else 0)
     assert torch.equal(ours_cache, ref_cache)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     truth, _ = _reference_attention(cache, q, k, v, sequences, window)
