@@ -507,8 +507,11 @@ def test_shutdown_releases_the_engine(ckpt):
     assert workers  # a compile worker process serves this LLM
     engine = weakref.ref(llm.llm_engine)
     cache = weakref.ref(llm.llm_engine.runner.kv_caches[0])
+    # What the engine built is kept out of the cyclic collector's walks while it runs.
+    assert gc.get_freeze_count() > 0
 
     llm.shutdown()
+    assert gc.get_freeze_count() == 0
     gc.collect()
     assert engine() is None and cache() is None  # the model and the KV cache are freed
     for worker in workers:

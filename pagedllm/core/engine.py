@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
+import gc
 import itertools
 import logging
 import time
@@ -108,6 +111,13 @@ class LLMEngine:
             num_blocks * spec.bytes_per_block(cache.block_size) / 2**30,
         )
         pm.hook.pagedllm_engine_started(engine=self)
+        # Everything built so far (modules, weights' wrappers, plugins, the tokenizer)
+        # lives as long as the engine: out of the cyclic collector's way, which otherwise
+        # walks it again at every full collection (3-4% of a batched decode step's time,
+        # measured on the default model at 64 sequences). shutdown() gives it back, and so
+        # does the interpreter's exit (whose last collections free what is still alive).
+        gc.freeze()
+        _unfreeze_at_exit()
 
     # ---------------------------------------------------------------------- step
 
@@ -288,6 +298,7 @@ class LLMEngine:
         if self.guided is not None:
             self.guided.shutdown()
         self.runner.kv_caches.clear()
+        gc.unfreeze()  # (so that collecting the engine's cycles can free it)
 
     # ------------------------------------------------------------ guided decoding
 
@@ -310,3 +321,8 @@ class LLMEngine:
                 "guided_decoding", "guided decoding needs the tokenizer (--skip-tokenizer-init)"
             )
         return guided, self.guided.submit(guided)
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
