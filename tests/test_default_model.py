@@ -78,3 +78,13 @@ def test_default_model_weights_stay_packed():
         "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )
     assert "Paris" in out[0].outputs[0].text
+
+
+@needs_smollm2
+def test_bench_serve_reads_the_tokenizer_of_a_gguf_file():
+    from pagedllm.entrypoints.cli.bench_serve_data import LocalTokenizer
+
+    tokenizer = LocalTokenizer(str(SMOLLM2_GGUF))
+    assert tokenizer.vocab_size() == 49152
+    ids = tokenizer.encode("The paged cache holds blocks.")
+    assert len(ids) > 3 and tokenizer.decode(ids) == "The paged cache holds blocks."

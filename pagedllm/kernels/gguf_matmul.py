@@ -20,7 +20,7 @@ weights can quantize the activations to 8 bits (one scale per 32 values) and tak
 dot products, as llama.cpp and vLLM's GGUF kernels do: within about 1% of the float
 product, enough to change greedy tokens of a small model. ``auto`` (the default) does so
 for bfloat16 models' products of :data:`INT8_AUTO_MIN_ROWS` rows or more (prefill,
-batched decode) on CPUs with AVX512-VNNI, where the integer panels are 1.3-1.6x as fast
+batched decode) on CPUs with AVX512-VNNI, where the integer panels are 1.2-1.6x as fast
 as the bfloat16 ones; float32 models keep the float products that greedy parity with
 transformers is measured against. ``int8`` quantizes at every row count and dtype (AVX2
 or newer), ``float`` never.
@@ -76,14 +76,14 @@ def fused_max_rows() -> int | None:
 
 ACTIVATIONS_ENV = "PAGEDLLM_GGUF_ACTIVATIONS"
 ACTIVATION_MODES = ("auto", "int8", "float")
-# ``auto``: bfloat16 products take 8-bit activations from this many rows on. Fewer rows
-# (decode steps of a few sequences) are bound by reading the weights, which the small-row
-# bfloat16 kernel does once, in registers; the panels decode them into a buffer first.
-# Measured on an AVX512-VNNI EPYC (2 cores), default model, ms per decode step, bfloat16
-# products / 8-bit ones everywhere (the LM head included): 1 sequence 8.6 / 13.5, 4: 13.3
-# / 17.1, 8: 22.0 / 21.5, 16: 36.1 / 29.7. (In isolation, its weight in the cache, a Q4_1
-# product of 1 row is faster in 8 bits: not what a decode step sees.)
-INT8_AUTO_MIN_ROWS = UNTILED_MAX_ROWS + 1
+# ``auto``: bfloat16 products take 8-bit activations from this many rows on. A decode step
+# reads every weight from memory, and the panels decode 16 weight rows at a time (16
+# streams, more than the hardware prefetchers follow): the kernel prefetches the next panel
+# as it decodes one. With that, on an AVX512-VNNI EPYC (2 cores), default model, ms per
+# decode step, bfloat16 products / 8-bit ones from 2 rows: 2 sequences 9.6 / 8.5, 4: 12.1 /
+# 10.0, 8: 19.5 / 15.7. One row is the same either way; it keeps the small-row bfloat16
+# kernel, which multiplies the exact widening of the weights.
+INT8_AUTO_MIN_ROWS = 2
 
 
 def activation_mode() -> str:

@@ -33,8 +33,12 @@ class LocalTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
+        file = Path(path)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            if file.suffix == ".gguf" and file.is_file():  # the tokenizer inside a GGUF file
+                self.tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+            else:
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as exc:
             raise BenchError(f"--tokenizer {path}: cannot load it: {exc}") from exc
 

@@ -1217,6 +1217,9 @@ int pagedllm_gguf_matmul_q8(int qtype, const uint8_t *raw, int64_t n, int64_t ro
 #define Q8P_COLS 16
 #define Q8P_MR 8
 #define Q8P_BLOCK_BYTES (256 * 1024)
+#ifndef Q8P_AHEAD
+#define Q8P_AHEAD 1
+#endif
 
 /* Index vectors of the 16 x 8 -> 8 x 16 transpose of 32-bit elements (three stages of
  * two-source permutes), built once when the library loads. */
@@ -1248,11 +1251,18 @@ __attribute__((constructor)) static void q8p_build_indices(void) {
  * quad p, P[(b * 8 + p) * 16 + r] = bytes 4p..4p+3 of row r's block; dc[b * 32 + r] = d,
  * dc[b * 32 + 16 + r] = c. */
 static void q8p_decode(int qtype, int block_bytes, int qs_off, const uint8_t *raw,
-                       int64_t row_bytes, int64_t nb, int rows, int32_t *P, float *dc) {
+                       int64_t row_bytes, int64_t nb, int rows, int32_t *P, float *dc,
+                       const uint8_t *next, int64_t next_bytes) {
     const __m512i i0a = _mm512_loadu_si512(q8p_idx[0][0]), i0b = _mm512_loadu_si512(q8p_idx[0][1]);
     const __m512i i1a = _mm512_loadu_si512(q8p_idx[1][0]), i1b = _mm512_loadu_si512(q8p_idx[1][1]);
     const __m512i i2a = _mm512_loadu_si512(q8p_idx[2][0]), i2b = _mm512_loadu_si512(q8p_idx[2][1]);
+    /* The 16 rows are 16 concurrent streams, more than the hardware prefetchers follow
+     * from memory: the next panel (contiguous, next_bytes) is fetched in step, a slice of
+     * it per block. */
+    const int64_t slice = next_bytes / nb + 64;
     for (int64_t b = 0; b < nb; b++) {
+        for (int64_t off = b * slice; off < (b + 1) * slice && off < next_bytes; off += 64)
+            _mm_prefetch((const char *)next + off, _MM_HINT_T0);
         __m256i v[16];
         for (int r = 0; r < 16; r++) {
             if (r >= rows) {
@@ -1415,8 +1425,11 @@ int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t r
                 if (P == NULL || dc == NULL) continue;
                 const int64_t j0 = pi * Q8P_COLS;
                 const int cols = (int)(n - j0 < Q8P_COLS ? n - j0 : Q8P_COLS);
+                /* (the thread's next panel, in its static share) */
+                const int64_t jn = j0 + Q8P_AHEAD * Q8P_COLS < n ? j0 + Q8P_AHEAD * Q8P_COLS : j0;
+                const int64_t next_rows = n - jn < Q8P_COLS ? n - jn : Q8P_COLS;
                 q8p_decode(qtype, block_bytes, qs_off, raw + j0 * row_bytes, row_bytes, nb, cols,
-                           P, dc);
+                           P, dc, raw + jn * row_bytes, jn == j0 ? 0 : next_rows * row_bytes);
                 int64_t i0 = r0;
                 for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
                     const int64_t mr = (r0 + mb - i0) / (tiles - t);
