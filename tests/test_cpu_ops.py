@@ -363,3 +363,55 @@ def test_backend_past_the_kernel_limits_uses_sdpa(ops):
             None,
             torch.empty_like(q),
         )
+
+
+def test_inverse_cdf_sampling_finds_the_uniform_in_the_running_sum(ops):
+    """The fused search picks what softmax + cumsum + searchsorted pick (reference in
+    float64), never a masked token, and the edges: u -> 0 the first token with mass, u = 1
+    the last one, a row without a finite logit the last token."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 48, 1000  # 15 full blocks of 64 and a partial one
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    masked = torch.rand(rows, vocab, generator=g) < 0.3
+    logits[masked] = float("-inf")
+    logits[5, :900] = float("-inf")  # mass only in the last blocks
+    logits[6, 100:] = float("-inf")  # mass only in the first ones
+    uniform = torch.rand(rows, generator=g).clamp_(min=1e-6)
+    got = ops.sample_inverse_cdf(logits, uniform)
+    cdf = logits.double().softmax(-1).cumsum(-1)
+    target = uniform.double()[:, None] * cdf[:, -1:]
+    expected = torch.searchsorted(cdf, target).squeeze(-1)
+    # Away from a step of the CDF (by more than float32 rounding) the choice is the same.
+    lo = torch.where(expected > 0, cdf.gather(1, (expected - 1).clamp(min=0)[:, None])[:, 0], 0)
+    hi = cdf.gather(1, expected[:, None])[:, 0]
+    clear = ((target[:, 0] - lo) > 1e-5) & ((hi - target[:, 0]) > 1e-5)
+    assert clear.sum() > rows // 2
+    assert torch.equal(got[clear], expected[clear])
+    assert not masked[torch.arange(rows), got].any()
+
+    has_mass = torch.isfinite(logits)
+    first = has_mass.float().argmax(-1)
+    last = vocab - 1 - has_mass.flip(-1).float().argmax(-1)
+    tiny = torch.full((rows,), torch.finfo(torch.float32).tiny)
+    assert torch.equal(ops.sample_inverse_cdf(logits, tiny), first)
+    top = ops.sample_inverse_cdf(logits, torch.ones(rows))
+    assert torch.equal(top, last) or (
+        # (as in the reference, a tail below float32 rounding of the total is not reached)
+        has_mass[torch.arange(rows), top].all()
+        and (1 - cdf.gather(1, top[:, None])[:, 0] < 1e-6).all()
+    )
+    assert (top >= last - 3).all() and (top == last).sum() > rows // 2
+
+    dead = torch.full((2, 70), float("-inf"))
+    assert ops.sample_inverse_cdf(dead, torch.full((2,), 0.5)).tolist() == [69, 69]
+    # Rows of a wider buffer (a row stride), and the checks on what it takes.
+    wide = torch.randn(4, 1100, generator=g)
+    u = torch.rand(4, generator=g)
+    assert torch.equal(
+        ops.sample_inverse_cdf(wide[:, :1000], u),
+        ops.sample_inverse_cdf(wide[:, :1000].contiguous(), u),
+    )
+    with pytest.raises(TypeError):
+        ops.sample_inverse_cdf(wide.double(), u)
+    with pytest.raises(ValueError):
+        ops.sample_inverse_cdf(wide, u[:3])

@@ -1,5 +1,6 @@
 """ctypes bindings of ``csrc/cpu_ops.c``: RMSNorm (with the residual add), NeoX rotary
-embedding, SiLU·mul and paged attention, for float32 tensors on the CPU (the elementwise
+embedding, SiLU·mul, paged attention and the sampling search (softmax, cumulative sum and
+inverse CDF in one pass), for float32 tensors on the CPU (the elementwise
 ones for bfloat16 too, rounded where the torch reference in bfloat16 rounds).
 
 :func:`cpu_ops` returns the bindings, or None when the library cannot be built (or
@@ -106,6 +107,8 @@ class CpuOps:
         lib.pagedllm_paged_attention.restype = i32
         lib.pagedllm_paged_attention_bf16.argtypes = lib.pagedllm_paged_attention.argtypes
         lib.pagedllm_paged_attention_bf16.restype = i32
+        lib.pagedllm_sample_inverse_cdf.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
+        lib.pagedllm_sample_inverse_cdf.restype = i32
         lib.pagedllm_attention_bf16_cache.argtypes = []
         lib.pagedllm_attention_bf16_cache.restype = i32
         self.bf16_cache = bool(lib.pagedllm_attention_bf16_cache())
@@ -232,6 +235,32 @@ class CpuOps:
         if x.dtype != torch.float32:
             raise TypeError(f"{name} takes float32 or bfloat16 tensors, not {x.dtype}")
         return getattr(self.lib, f"pagedllm_{name}")
+
+    def sample_inverse_cdf(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """For each row of float32 ``logits`` ``[rows, vocab]`` (last dimension dense), the
+        first token whose running sum of ``softmax`` reaches ``uniform`` (float32
+        ``[rows]``, in (0, 1]) times the row's total: the reference's softmax, cumsum and
+        searchsorted in one pass. Tokens with probability 0 (masked with -inf) are never
+        chosen. Long ``[rows]``."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+            raise TypeError("sample_inverse_cdf takes float32 [rows, vocab] with dense rows")
+        rows, vocab = logits.shape
+        uniform = uniform.to(torch.float32).contiguous().view(-1)
+        if uniform.numel() != rows:
+            raise ValueError(f"{uniform.numel()} uniforms for {rows} rows")
+        out = torch.empty(rows, dtype=torch.long)
+        status = self.lib.pagedllm_sample_inverse_cdf(
+            logits.data_ptr(),
+            rows,
+            vocab,
+            logits.stride(0),
+            uniform.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the sampling kernel could not allocate its block sums")
+        return out
 
     def bf16_cache_ok(self, head_dim: int) -> bool:
         """Whether this build's kernel takes a bfloat16 cache for this head size."""

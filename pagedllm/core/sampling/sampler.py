@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedllm.core.sampling.metadata import SamplingMetadata
+from pagedllm.kernels.cpu_ops import cpu_ops
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
@@ -151,19 +152,22 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         _apply_top_k_top_p(logits, md.top_k, md.top_p)
     elif md.top_k is not None:
         _apply_top_k(logits, md.top_k, md.max_top_k)
-    probs = logits.softmax(dim=-1)
     # Inverse CDF: one uniform per row, found in the row's cumulative distribution. A
     # seeded row draws its uniform from its own generator, so it ignores the rest of the
     # batch. U is scaled by the row's total (cumsum rounding) and kept > 0, so a token of
     # probability 0 (a flat step of the CDF) is never the first index reaching U.
-    cdf = probs.cumsum_(dim=-1)
-    uniform = torch.empty((md.num_reqs, 1), dtype=cdf.dtype, device=cdf.device)
+    uniform = torch.empty((md.num_reqs, 1), dtype=torch.float32, device=logits.device)
     if len(md.generators) < md.num_reqs:
         uniform.uniform_(_TINY, 1.0)
     for row, generator in md.generators.items():
         uniform[row].uniform_(_TINY, 1.0, generator=generator)
-    uniform.mul_(cdf[:, -1:])
-    sampled = torch.searchsorted(cdf, uniform).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    ops = cpu_ops() if logits.device.type == "cpu" else None
+    if ops is not None:  # the same search, fused (csrc/cpu_ops.c)
+        sampled = ops.sample_inverse_cdf(logits, uniform)
+    else:
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        uniform.mul_(cdf[:, -1:])
+        sampled = torch.searchsorted(cdf, uniform).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     if greedy is not None:
         sampled = torch.where(md.greedy_mask, greedy, sampled)
     return sampled

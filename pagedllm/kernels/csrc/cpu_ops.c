@@ -553,3 +553,78 @@ int pagedllm_paged_attention_bf16(PAGED_ATTENTION_ARGS) {
                            slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,
                            ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads);
 }
+
+/* ---- Sampling: the inverse CDF of softmax(logits) ---------------------------------------
+ *
+ * For each row, the first token whose running sum of exp(x - max) reaches u times the
+ * row's total, with u in (0, 1]: softmax, cumulative sum and the search of the torch
+ * reference (core/sampling/sampler.py) in one pass over the row plus one block. The sums
+ * are kept in double per block of SAMPLE_BLOCK tokens; a token more than 87 below the
+ * row's maximum (a masked -inf among them) has probability exactly 0, so it is never the
+ * first to reach the target. A row with no finite logit gives the last token, as the
+ * reference's search of a NaN distribution does. */
+#define SAMPLE_BLOCK 64
+
+static inline float sample_exp(float d) { return d < -87.0f ? 0.0f : fast_expf(d); }
+
+static int64_t sample_row(const float *x, int64_t n, double u, double *block_sums) {
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    if (!(mx > -INFINITY) || !isfinite(mx)) return n - 1;
+    const int64_t nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double total = 0.0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t lo = b * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < n ? lo + SAMPLE_BLOCK : n;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = lo; i < hi; i++) s += sample_exp(x[i] - mx);
+        block_sums[b] = (double)s;
+        total += (double)s;
+    }
+    const double target = u * total;
+    double acc = 0.0;
+    int64_t last = n - 1;
+    for (int64_t b = 0; b < nblocks; b++) {
+        if (block_sums[b] > 0.0) last = b;
+        if (acc + block_sums[b] < target || block_sums[b] == 0.0) {
+            acc += block_sums[b];
+            continue;
+        }
+        const int64_t lo = b * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < n ? lo + SAMPLE_BLOCK : n;
+        double run = acc;
+        for (int64_t i = lo; i < hi; i++) {
+            const float e = sample_exp(x[i] - mx);
+            run += (double)e;
+            if (e > 0.0f && run >= target) return i;
+        }
+        acc += block_sums[b]; /* rounding left it short: the next token with mass */
+    }
+    /* Not reached (rounding of the last block): the last token with mass. */
+    const int64_t lo = last * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < n ? lo + SAMPLE_BLOCK : n;
+    for (int64_t i = hi - 1; i >= lo; i--)
+        if (sample_exp(x[i] - mx) > 0.0f) return i;
+    return n - 1;
+}
+
+/* out[r] for rows r of logits (row stride `stride`), uniform[r] in (0, 1]. 0, or -2 when
+ * the scratch of block sums cannot be allocated. */
+int pagedllm_sample_inverse_cdf(const float *logits, int64_t rows, int64_t n, int64_t stride,
+                                const float *uniform, int64_t *out, int nthreads) {
+    const int64_t nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        double *block_sums = (double *)malloc(sizeof(double) * (size_t)(nblocks > 0 ? nblocks : 1));
+        if (block_sums == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (block_sums != NULL)
+                out[r] = sample_row(logits + r * stride, n, (double)uniform[r], block_sums);
+        free(block_sums);
+    }
+    return failed ? -2 : 0;
+}
