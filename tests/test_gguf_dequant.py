@@ -150,8 +150,8 @@ def test_gguf_linear_16_bit_activations(monkeypatch):
     """bfloat16/float16 rows: those the fused kernels take (every count on AVX-512, a few
     elsewhere) go through the bfloat16 product (AVX512-BF16) or the float32 kernels on
     their exact widening, rounded back once; others through the 16-bit GEMM; by default
-    (``auto``) bfloat16 rows from INT8_AUTO_MIN_ROWS on through the 8-bit panels where the
-    CPU has AVX512-VNNI; all near the float32 product."""
+    (``auto``) bfloat16 rows from INT8_AUTO_MIN_ROWS on through the 8-bit products where the
+    CPU has AVX512-VNNI (one row untiled, more in panels); all near the float32 product."""
     from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, INT8_AUTO_MIN_ROWS, int8_min_rows
 
     monkeypatch.delenv(ACTIVATIONS_ENV, raising=False)
@@ -160,7 +160,7 @@ def test_gguf_linear_16_bit_activations(monkeypatch):
     w = dequantize(raw_t, T.Q4_0, (out_features, in_features))
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.bfloat16, torch.float16):
-        for rows in (3, 200):
+        for rows in (1, 3, 200):
             x = torch.randn(rows, in_features, generator=g).to(dtype)
             got = gguf_linear(x, raw_t, T.Q4_0, out_features, in_features)
             assert got.dtype == dtype
@@ -170,7 +170,11 @@ def test_gguf_linear_16_bit_activations(monkeypatch):
             fused = kernels is not None and (limit is None or rows <= limit)
             q8 = kernels is not None and kernels.q8_panels and dtype == torch.bfloat16
             assert int8_min_rows(dtype) == (INT8_AUTO_MIN_ROWS if q8 else None)
-            if q8 and rows >= INT8_AUTO_MIN_ROWS:
+            if q8 and rows == 1 and INT8_AUTO_MIN_ROWS == 1:
+                # One row: the untiled 8-bit row kernel on the exact widening, rounded once.
+                direct = kernels.matmul_q8(x.float(), raw_t, T.Q4_0, out_features, in_features)
+                assert torch.equal(got, direct.to(dtype))
+            elif q8 and rows >= INT8_AUTO_MIN_ROWS:
                 direct = kernels.matmul_q8_panels(
                     x, raw_t, T.Q4_0, out_features, in_features, out_dtype=torch.bfloat16
                 )

@@ -245,11 +245,14 @@ def test_native_decoder_layers_match_the_module_path(dtype):
     # past the module path's SiLU-kernel limit; the bfloat16 one takes them).
     prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(68)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=3)
+    # (and one prompt alone: decode steps of one row, which have their own products)
     native = llm.generate(prompts, params, use_tqdm=False)
+    native += llm.generate(prompts[:1], params, use_tqdm=False)
     assert all(layer._native for layer in layers)
     for layer in layers:
         layer._native = False
     modules = llm.generate(prompts, params, use_tqdm=False)
+    modules += llm.generate(prompts[:1], params, use_tqdm=False)
     for a, b in zip(native, modules, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [

@@ -117,6 +117,7 @@ class NativeDecoderLayer:
         )
         self.layer_index = attn.attn.layer_index
         self.rotary = rotary
+        self._max_tokens: int | None = None
         # Kept so the pointers below stay valid (and are checked against on every call).
         self.tensors = [
             layer.input_layernorm.weight,
@@ -159,14 +160,20 @@ class NativeDecoderLayer:
             or [t.data_ptr() for t in self.tensors] != self.pointers
         ):
             return None
+        # What is the same for every layer of a step is worked out by its first layer.
         step = metadata.native_step
         if step is None or step[0] is not positions:
-            step = metadata.native_step = (positions, *self._step_args(positions, metadata))
+            step = metadata.native_step = (
+                positions,
+                *self._step_args(positions, metadata),
+                # (the modules' 8-bit products widen bfloat16 rows: not here)
+                self.dtype != torch.bfloat16 or self._int8_panels(),
+            )
+        if not step[-1]:
+            return None
         cache = metadata.kv_caches[self.layer_index]
         if cache.dtype != self.dtype or not cache.is_contiguous():
             return None
-        if self.dtype == torch.bfloat16 and not self._int8_panels():
-            return None  # (the modules' 8-bit products widen bfloat16 rows: not here)
         args = self.args
         args.cache = cache.data_ptr()
         args.num_slots = cache.shape[1] * cache.shape[2]
@@ -192,10 +199,13 @@ class NativeDecoderLayer:
 
     def max_tokens(self) -> int:
         """The most tokens of a step this layer takes natively."""
-        from pagedllm.plugins.models.llama import SILU_KERNEL_MAX_ROWS
+        if self._max_tokens is None:
+            from pagedllm.plugins.models.llama import SILU_KERNEL_MAX_ROWS
 
-        limit = fused_max_rows() or MAX_STEP_TOKENS
-        return limit if self.dtype == torch.bfloat16 else min(limit, SILU_KERNEL_MAX_ROWS)
+            limit = fused_max_rows() or MAX_STEP_TOKENS
+            bf16 = self.dtype == torch.bfloat16
+            self._max_tokens = limit if bf16 else min(limit, SILU_KERNEL_MAX_ROWS)
+        return self._max_tokens
 
     def _step_args(self, positions: torch.Tensor, metadata: Any) -> tuple[Any, ...]:
         if positions.dtype != torch.long or not positions.is_contiguous():

@@ -19,9 +19,9 @@ Results agree with the reference to within matmul-kernel rounding.
 weights can quantize the activations to 8 bits (one scale per 32 values) and take integer
 dot products, as llama.cpp and vLLM's GGUF kernels do: within about 1% of the float
 product, enough to change greedy tokens of a small model. ``auto`` (the default) does so
-for bfloat16 models' products of :data:`INT8_AUTO_MIN_ROWS` rows or more (prefill,
-batched decode) on CPUs with AVX512-VNNI, where the integer panels are 1.2-1.6x as fast
-as the bfloat16 ones; float32 models keep the float products that greedy parity with
+for bfloat16 models' products of :data:`INT8_AUTO_MIN_ROWS` rows or more (every decode
+step and prefill) on CPUs with AVX512-VNNI, where the integer products are 1.2-1.6x as
+fast as the bfloat16 ones; float32 models keep the float products that greedy parity with
 transformers is measured against. ``int8`` quantizes at every row count and dtype (AVX2
 or newer), ``float`` never.
 """
@@ -80,10 +80,10 @@ ACTIVATION_MODES = ("auto", "int8", "float")
 # reads every weight from memory, and the panels decode 16 weight rows at a time (16
 # streams, more than the hardware prefetchers follow): the kernel prefetches the next panel
 # as it decodes one. With that, on an AVX512-VNNI EPYC (2 cores), default model, ms per
-# decode step, bfloat16 products / 8-bit ones from 2 rows: 2 sequences 9.6 / 8.5, 4: 12.1 /
-# 10.0, 8: 19.5 / 15.7. One row is the same either way; it keeps the small-row bfloat16
-# kernel, which multiplies the exact widening of the weights.
-INT8_AUTO_MIN_ROWS = 2
+# decode step, bfloat16 products / 8-bit ones: 2 sequences 9.6 / 8.5, 4: 12.1 / 10.0, 8:
+# 19.5 / 15.7. One row takes the untiled 8-bit row kernel (no panel to decode): the 30
+# layers' products of one row from memory 5.7-6.3 ms in bfloat16, 4.8-5.1 in 8 bits.
+INT8_AUTO_MIN_ROWS = 1
 
 
 def activation_mode() -> str:
@@ -157,7 +157,8 @@ def gguf_linear(
         # (``.float()`` of float32 rows is the rows themselves.)
         min_rows = int8_min_rows(x.dtype) if qtype in INT8_TYPES else None
         if min_rows is not None and flat.shape[0] >= min_rows:
-            if kernels.q8_panels and x.dtype == torch.bfloat16:  # (rounded once, to bfloat16)
+            if kernels.q8_panels and x.dtype == torch.bfloat16 and flat.shape[0] > 1:
+                # (rounded once, to bfloat16; one row: the row kernel below, rounded once)
                 out = kernels.matmul_q8_panels(
                     flat, raw, qtype, out_features, in_features, out_dtype=torch.bfloat16
                 )

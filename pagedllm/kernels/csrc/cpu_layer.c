@@ -48,11 +48,23 @@ static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_
     return pagedllm_gguf_matmul((int)qtype, raw, n, row_bytes, k, x, m, k, y, n, (int)S->nthreads);
 }
 
-/* The bfloat16 layer's products: bfloat16 rows in and out; 8-bit activations in panels
- * from S->int8 rows (the modules' choice, gguf_matmul.gguf_linear). */
+/* The bfloat16 layer's products: bfloat16 rows in and out; 8-bit activations from S->int8
+ * rows, one row by the row kernel on its exact widening (rounded once), more in panels
+ * (the modules' choice, gguf_matmul.gguf_linear). */
 static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                         int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
                         uint16_t *y) {
+    if (S->int8 > 0 && m >= S->int8 && m == 1) {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(k + n));
+        if (buf == NULL) return -2;
+        for (int64_t i = 0; i < k; i++) buf[i] = from_bf16(x[i]);
+        const int status = pagedllm_gguf_matmul_q8((int)qtype, raw, n, row_bytes, k, buf, 1, k,
+                                                   buf + k, n, (int)S->nthreads);
+        if (status == 0)
+            for (int64_t j = 0; j < n; j++) y[j] = to_bf16(buf[k + j]);
+        free(buf);
+        if (status != -1) return status;
+    }
     if (S->int8 > 0 && m >= S->int8) {
         const int status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
                                                     n, (int)S->nthreads, 1, 1);
