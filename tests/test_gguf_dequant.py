@@ -397,27 +397,30 @@ def test_activation_mode_selects_the_kernel(cpu_kernels, monkeypatch):
             rtol=1e-5,
             atol=1e-5,
         )
-    # auto: bfloat16 rows from INT8_AUTO_MIN_ROWS on take the 8-bit panels (AVX512-VNNI).
+    # auto: bfloat16 rows from INT8_AUTO_MIN_ROWS (1) on take 8-bit activations
+    # (AVX512-VNNI): several rows the panels, one row the untiled row kernel (but against
+    # Q8_0 weights, where the bfloat16 kernel is faster).
+    assert INT8_AUTO_MIN_ROWS == 1
     for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
         packed = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=8))
-        min_rows = INT8_AUTO_MIN_ROWS
-        many = torch.randn(min_rows, in_features, generator=g).bfloat16()
-        monkeypatch.delenv(ACTIVATIONS_ENV)
-        auto = gguf_linear(many, packed, qtype, out_features, in_features)
-        panels = cpu_kernels.matmul_q8_panels(
-            many, packed, qtype, out_features, in_features, out_dtype=torch.bfloat16
-        )
-        monkeypatch.setenv(ACTIVATIONS_ENV, "float")
-        floats = gguf_linear(many, packed, qtype, out_features, in_features)
-        if panels is not None:
-            assert torch.equal(auto, panels) and not torch.equal(auto, floats)
-        else:
-            assert torch.equal(auto, floats)
-        fewer = many[: min_rows - 1]
-        monkeypatch.delenv(ACTIVATIONS_ENV)
-        auto = gguf_linear(fewer, packed, qtype, out_features, in_features)
-        monkeypatch.setenv(ACTIVATIONS_ENV, "float")
-        assert torch.equal(auto, gguf_linear(fewer, packed, qtype, out_features, in_features))
+        for rows in (3, 1):
+            many = torch.randn(rows, in_features, generator=g).bfloat16()
+            monkeypatch.delenv(ACTIVATIONS_ENV, raising=False)
+            auto = gguf_linear(many, packed, qtype, out_features, in_features)
+            monkeypatch.setenv(ACTIVATIONS_ENV, "float")
+            floats = gguf_linear(many, packed, qtype, out_features, in_features)
+            if not cpu_kernels.q8_panels:
+                assert torch.equal(auto, floats)
+            elif rows > 1:
+                panels = cpu_kernels.matmul_q8_panels(
+                    many, packed, qtype, out_features, in_features, out_dtype=torch.bfloat16
+                )
+                assert torch.equal(auto, panels) and not torch.equal(auto, floats)
+            elif qtype == T.Q8_0:
+                assert torch.equal(auto, floats)
+            else:
+                row = cpu_kernels.matmul_q8(many.float(), packed, qtype, out_features, in_features)
+                assert torch.equal(auto, row.to(torch.bfloat16)) and not torch.equal(auto, floats)
     monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
     with pytest.raises(ValueError, match="auto .* int8 or float"):
         gguf_linear(x, raw, T.Q4_1, out_features, in_features)

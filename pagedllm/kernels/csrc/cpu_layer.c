@@ -49,11 +49,15 @@ static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_
 }
 
 /* The bfloat16 layer's products: bfloat16 rows in and out; 8-bit activations from S->int8
- * rows, one row by the row kernel on its exact widening (rounded once), more in panels
- * (the modules' choice, gguf_matmul.gguf_linear). */
+ * rows, one row by the row kernel on its exact widening (rounded once; Q8_0 weights, whose
+ * row kernel is slower than the bfloat16 one, keep that), more in panels (the modules'
+ * choice, gguf_matmul.gguf_linear). */
 static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                         int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
                         uint16_t *y) {
+    if (S->int8 > 0 && m >= S->int8 && m == 1 && qtype == T_Q8_0) /* (slower so: bfloat16) */
+        return pagedllm_gguf_matmul_bf16((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
+                                         (int)S->nthreads, 1);
     if (S->int8 > 0 && m >= S->int8 && m == 1) {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(k + n));
         if (buf == NULL) return -2;
