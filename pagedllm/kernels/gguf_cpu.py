@@ -107,13 +107,11 @@ class GGUFCpuKernels:
         float32 or bfloat16 ``x`` (widened exactly), in float32 or in bfloat16 rounded as
         ``.to()`` rounds; None where it does not apply (another type, or a CPU without
         AVX512-VNNI)."""
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"matmul_q8_panels takes float32 or bfloat16 rows, not {x.dtype}")
-        if out_dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"matmul_q8_panels gives float32 or bfloat16, not {out_dtype}")
-        return self._optional_product(
+        return self._rows_product(
             self.lib.pagedllm_gguf_matmul_q8p,
+            "matmul_q8_panels",
             "8-bit",
+            (torch.float32, torch.bfloat16),
             x,
             raw,
             qtype,
@@ -121,7 +119,6 @@ class GGUFCpuKernels:
             k,
             out_dtype,
             int(x.dtype == torch.bfloat16),
-            int(out_dtype == torch.bfloat16),
         )
 
     def matmul_bf16(
@@ -139,20 +136,42 @@ class GGUFCpuKernels:
         the exact widening, unrounded weights); in float32, or in bfloat16 rounded as
         ``.to()`` rounds. None where it does not apply (not Q4_0/Q4_1/Q8_0, or a CPU
         without AVX512-BF16)."""
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"matmul_bf16 takes bfloat16 activations, not {x.dtype}")
-        if out_dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"matmul_bf16 gives float32 or bfloat16, not {out_dtype}")
-        return self._optional_product(
+        return self._rows_product(
             self.lib.pagedllm_gguf_matmul_bf16,
+            "matmul_bf16",
             "bfloat16",
+            (torch.bfloat16,),
             x,
             raw,
             qtype,
             n,
             k,
             out_dtype,
-            int(out_dtype == torch.bfloat16),
+        )
+
+    def _rows_product(
+        self,
+        fn: Any,
+        name: str,
+        kind: str,
+        takes: tuple[torch.dtype, ...],
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype,
+        *flags: int,
+    ) -> torch.Tensor | None:
+        """A product of rows of a dtype in ``takes`` into float32 or bfloat16 ``out_dtype``
+        (``flags``: the kernel's arguments after the thread count, before the output flag)."""
+        if x.dtype not in takes:
+            names = " or ".join(str(t).removeprefix("torch.") for t in takes)
+            raise TypeError(f"{name} takes {names} rows, not {x.dtype}")
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} gives float32 or bfloat16, not {out_dtype}")
+        return self._optional_product(
+            fn, kind, x, raw, qtype, n, k, out_dtype, *flags, int(out_dtype == torch.bfloat16)
         )
 
     @classmethod
