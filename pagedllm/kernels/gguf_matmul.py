@@ -156,10 +156,11 @@ def gguf_linear(
         # 16-bit GEMM below.)
         # (``.float()`` of float32 rows is the rows themselves.)
         min_rows = int8_min_rows(x.dtype) if qtype in INT8_TYPES else None
-        if min_rows is not None and flat.shape[0] == 1 and qtype == GGMLQuantizationType.Q8_0:
-            # (one row of bfloat16 against Q8_0 weights: the bfloat16 kernel is faster than
-            # the 8-bit row kernel, 1.7 vs 2.3 ms for a 49152 x 576 head read from memory)
-            min_rows = None if x.dtype == torch.bfloat16 and kernels.bf16 else min_rows
+        if flat.shape[0] == 1 and qtype == GGMLQuantizationType.Q8_0:
+            if x.dtype == torch.bfloat16 and kernels.bf16:
+                # (one bfloat16 row against Q8_0 weights: the bfloat16 kernel is faster than
+                # the 8-bit row kernel, 1.7 vs 2.3 ms for a 49152 x 576 head from memory)
+                min_rows = None
         if min_rows is not None and flat.shape[0] >= min_rows:
             if kernels.q8_panels and x.dtype == torch.bfloat16 and flat.shape[0] > 1:
                 # (rounded once, to bfloat16; one row: the row kernel below, rounded once)

@@ -55,10 +55,11 @@ static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_
 static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                         int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
                         uint16_t *y) {
-    if (S->int8 > 0 && m >= S->int8 && m == 1 && qtype == T_Q8_0) /* (slower so: bfloat16) */
-        return pagedllm_gguf_matmul_bf16((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
-                                         (int)S->nthreads, 1);
-    if (S->int8 > 0 && m >= S->int8 && m == 1) {
+    if (S->int8 > 0 && m >= S->int8 && m > 1) {
+        const int status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
+                                                    n, (int)S->nthreads, 1, 1);
+        if (status != -1) return status;
+    } else if (S->int8 > 0 && m >= S->int8 && qtype != T_Q8_0) {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(k + n));
         if (buf == NULL) return -2;
         for (int64_t i = 0; i < k; i++) buf[i] = from_bf16(x[i]);
@@ -67,11 +68,6 @@ static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, i
         if (status == 0)
             for (int64_t j = 0; j < n; j++) y[j] = to_bf16(buf[k + j]);
         free(buf);
-        if (status != -1) return status;
-    }
-    if (S->int8 > 0 && m >= S->int8) {
-        const int status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
-                                                    n, (int)S->nthreads, 1, 1);
         if (status != -1) return status;
     }
     return pagedllm_gguf_matmul_bf16((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,

@@ -571,7 +571,7 @@ static int64_t sample_row(const float *x, int64_t n, double u, double *block_sum
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-    if (!(mx > -INFINITY) || !isfinite(mx)) return n - 1;
+    if (!isfinite(mx)) return n - 1; /* no finite logit (or +inf) */
     const int64_t nblocks = (n + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     double total = 0.0;
     for (int64_t b = 0; b < nblocks; b++) {

@@ -1217,9 +1217,6 @@ int pagedllm_gguf_matmul_q8(int qtype, const uint8_t *raw, int64_t n, int64_t ro
 #define Q8P_COLS 16
 #define Q8P_MR 8
 #define Q8P_BLOCK_BYTES (256 * 1024)
-#ifndef Q8P_AHEAD
-#define Q8P_AHEAD 1
-#endif
 
 /* Index vectors of the 16 x 8 -> 8 x 16 transpose of 32-bit elements (three stages of
  * two-source permutes), built once when the library loads. */
@@ -1425,11 +1422,11 @@ int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t r
                 if (P == NULL || dc == NULL) continue;
                 const int64_t j0 = pi * Q8P_COLS;
                 const int cols = (int)(n - j0 < Q8P_COLS ? n - j0 : Q8P_COLS);
-                /* (the thread's next panel, in its static share) */
-                const int64_t jn = j0 + Q8P_AHEAD * Q8P_COLS < n ? j0 + Q8P_AHEAD * Q8P_COLS : j0;
-                const int64_t next_rows = n - jn < Q8P_COLS ? n - jn : Q8P_COLS;
+                /* (the thread's next panel, in its static share; none after the last) */
+                const int64_t jn = j0 + Q8P_COLS;
+                const int64_t next_rows = jn >= n ? 0 : (n - jn < Q8P_COLS ? n - jn : Q8P_COLS);
                 q8p_decode(qtype, block_bytes, qs_off, raw + j0 * row_bytes, row_bytes, nb, cols,
-                           P, dc, raw + jn * row_bytes, jn == j0 ? 0 : next_rows * row_bytes);
+                           P, dc, raw + jn * row_bytes, next_rows * row_bytes);
                 int64_t i0 = r0;
                 for (int64_t t = 0; t < tiles; t++) { /* tiles of near-equal size */
                     const int64_t mr = (r0 + mb - i0) / (tiles - t);
