@@ -82,9 +82,12 @@ def test_default_model_weights_stay_packed():
 
 @needs_smollm2
 def test_bench_serve_reads_the_tokenizer_of_a_gguf_file():
+    from pagedllm.entrypoints.cli.bench_serve_client import BenchError
     from pagedllm.entrypoints.cli.bench_serve_data import LocalTokenizer
 
     tokenizer = LocalTokenizer(str(SMOLLM2_GGUF))
     assert tokenizer.vocab_size() == 49152
     ids = tokenizer.encode("The paged cache holds blocks.")
     assert len(ids) > 3 and tokenizer.decode(ids) == "The paged cache holds blocks."
+    with pytest.raises(BenchError, match="no such file"):
+        LocalTokenizer(str(SMOLLM2_GGUF.with_name("missing.gguf")))

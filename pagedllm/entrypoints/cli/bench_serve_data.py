@@ -34,8 +34,10 @@ class LocalTokenizer:
         from transformers import AutoTokenizer
 
         file = Path(path)
+        if file.suffix == ".gguf" and not file.is_file():
+            raise BenchError(f"--tokenizer {path}: no such file")
         try:
-            if file.suffix == ".gguf" and file.is_file():  # the tokenizer inside a GGUF file
+            if file.suffix == ".gguf":  # the tokenizer inside a GGUF file
                 self.tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
             else:
                 self.tokenizer = AutoTokenizer.from_pretrained(path)
