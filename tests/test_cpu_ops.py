@@ -155,9 +155,40 @@ def _batch(sequences, seed=4, heads=HEADS, kv_heads=KV_HEADS, d=D):
     return cache, q, k, v
 
 
-def _reference_attention(cache, q, k, v, sequences, window):
-    """Float64 softmax attention over each request's context, read slot by slot."""
+# The kernel's online softmax takes keys in chunks of this many (cpu_ops.c, CHUNK).
+KERNEL_CHUNK = 64
+
+
+def _online_bf16_weights(scores, values):
+    """Softmax-weighted values, chunk by chunk as the kernel goes: each chunk's
+    probabilities relative to the running maximum, rounded to bfloat16 to weight the
+    values; the running sums rescaled as the maximum grows."""
+    heads = scores.shape[0]
+    m = torch.full((heads, 1), -math.inf, dtype=torch.float64)
+    total = torch.zeros(heads, 1, dtype=torch.float64)
+    acc = torch.zeros(heads, values.shape[-1], dtype=torch.float64)
+    first = int((scores[0] > -math.inf).nonzero()[0])  # (the window's first key)
+    for j0 in range(first, scores.shape[1], KERNEL_CHUNK):
+        chunk = scores[:, j0 : j0 + KERNEL_CHUNK]
+        new_m = torch.maximum(m, chunk.max(-1, keepdim=True).values)
+        keep = (m - new_m).exp()
+        e = (chunk - new_m).exp()
+        acc = acc * keep + torch.einsum(
+            "hk,khd->hd", e.bfloat16().double(), values[j0 : j0 + KERNEL_CHUNK]
+        )
+        total = total * keep + e.sum(-1, keepdim=True)
+        m = new_m
+    return acc / total
+
+
+def _reference_attention(cache, q, k, v, sequences, window, bf16_products=False):
+    """Float64 softmax attention over each request's context, read slot by slot.
+    ``bf16_products``: the rounding of torch's bfloat16 attention (and of the kernel's
+    bfloat16 dot-product path): queries rounded to bfloat16, and the softmax's unnormalised
+    probabilities rounded to bfloat16 where they weight the values (not in their sum)."""
     kv_heads, d = cache.shape[-2:]
+    if bf16_products:
+        q = q.bfloat16()
     heads = q.shape[-1] // d
     flat = cache.double().clone().view(2, -1, kv_heads, d)
     out = torch.empty(q.shape[0], heads * d, dtype=torch.float64)
@@ -180,7 +211,10 @@ def _reference_attention(cache, q, k, v, sequences, window):
             if window:
                 seen &= p - torch.arange(context_len) < window
             scores[:, ~seen] = -math.inf
-            out[offset + t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1)
+            if bf16_products:
+                out[offset + t] = _online_bf16_weights(scores, values).reshape(-1)
+            else:
+                out[offset + t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1)
         offset += query_len
     return out.float(), flat.float()
 
@@ -196,7 +230,8 @@ SHAPES = [(9, 3, 64), (7, 1, 64), (5, 1, 128), (4, 2, 256), (12, 2, 32), (6, 6, 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
     """float32 queries over a float32 cache, or a bfloat16 one (``--dtype bfloat16``: keys
-    and values stored rounded as ``.to()`` rounds them, read back exactly)."""
+    and values stored rounded as ``.to()`` rounds them, read back exactly; with bfloat16
+    products on AVX512-BF16, against a reference that rounds as they do)."""
     heads, kv_heads, d = shape
     cache, q, k, v = _batch(SEQUENCES, heads=heads, kv_heads=kv_heads, d=d)
     if cache_dtype == torch.bfloat16:
@@ -205,7 +240,13 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
         # What the kernel sees and stores: the cache and the new rows in bfloat16.
         cache = cache.bfloat16()
         expected, expected_cache = _reference_attention(
-            cache.float(), q, k.bfloat16().float(), v.bfloat16().float(), SEQUENCES, window
+            cache.float(),
+            q,
+            k.bfloat16().float(),
+            v.bfloat16().float(),
+            SEQUENCES,
+            window,
+            bf16_products=ops.bf16_products(d),
         )
         expected_cache = expected_cache.bfloat16()
     else:
@@ -248,6 +289,54 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
     )
     assert torch.equal(cache.view(2, -1, kv_heads, d), expected_cache)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_inputs(sequences):
+    """Slot mapping, sequence ranges and block tables of a step of ``sequences``."""
+    slots, ranges, offset = [], [[], [], []], 0
+    tables = torch.zeros(len(sequences), 10, dtype=torch.int32)
+    for i, (query_len, context_len, blocks) in enumerate(sequences):
+        slots += [
+            blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            for p in range(context_len - query_len, context_len)
+        ]
+        for row, value in zip(ranges, (offset, offset + query_len, context_len), strict=True):
+            row.append(value)
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        offset += query_len
+    return torch.tensor(slots), torch.tensor(ranges), tables
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_attention_is_the_same_however_the_work_is_split(ops, threads):
+    """A bfloat16 cache's work items are whole query tokens (all KV heads, a thread
+    fetching its next item's first keys) where there are tokens enough, else one KV head
+    of a token: each sequence alone (a single decode token goes by heads) gives the very
+    values of the whole batch."""
+    if not ops.bf16_products(D):
+        pytest.skip("the bfloat16-product attention path needs AVX512-BF16")
+    cache, q, k, v = _batch(SEQUENCES, seed=6)
+    cache = cache.bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = torch.full((q.shape[0], HEADS * D), math.nan)
+        ops.paged_attention(
+            q, k, v, cache.clone(), *_kernel_inputs(SEQUENCES), HEADS, KV_HEADS, D, D**-0.5,
+            None, whole,
+        )  # fmt: skip
+        offset = 0
+        for seq in SEQUENCES:
+            rows = slice(offset, offset + seq[0])
+            alone = torch.full((seq[0], HEADS * D), math.nan)
+            ops.paged_attention(
+                q[rows], k[rows], v[rows], cache.clone(), *_kernel_inputs([seq]), HEADS,
+                KV_HEADS, D, D**-0.5, None, alone,
+            )  # fmt: skip
+            assert torch.equal(alone, whole[rows]), seq
+            offset += seq[0]
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Layer:

@@ -112,6 +112,9 @@ class CpuOps:
         lib.pagedllm_attention_bf16_cache.argtypes = []
         lib.pagedllm_attention_bf16_cache.restype = i32
         self.bf16_cache = bool(lib.pagedllm_attention_bf16_cache())
+        lib.pagedllm_attention_bf16_products.argtypes = []
+        lib.pagedllm_attention_bf16_products.restype = i32
+        self._bf16_products = bool(lib.pagedllm_attention_bf16_products())
         self.lib = lib
 
     @staticmethod
@@ -266,6 +269,14 @@ class CpuOps:
         """Whether this build's kernel takes a bfloat16 cache for this head size."""
         return self.bf16_cache and head_dim in BF16_HEAD_DIMS
 
+    def bf16_products(self, head_dim: int) -> bool:
+        """Whether the kernel reads a bfloat16 cache of this head size with bfloat16
+        products (AVX512-BF16; head sizes 32 to 256): queries rounded to bfloat16 (exact
+        for a bfloat16 model's), scores summed in float32, and the softmax's probabilities
+        rounded to bfloat16 where they weight the values, as torch's bfloat16 attention
+        computes. Otherwise a bfloat16 cache is widened and everything is float32."""
+        return self._bf16_products and self.bf16_cache_ok(head_dim) and head_dim >= 32
+
     def paged_attention(
         self,
         query: torch.Tensor,
@@ -287,7 +298,8 @@ class CpuOps:
         the query tokens of each sequence into ``out`` (``[T, heads*d]``). Query, key,
         value and ``out`` are float32; the cache float32, or bfloat16 where
         :meth:`bf16_cache_ok` says so (written rounded to nearest even, as ``.to()``
-        rounds; read widened to float32).
+        rounds; read widened to float32, or with bfloat16 products where
+        :meth:`bf16_products` says so).
 
         ``seq_ranges`` is int64 ``[3, S]``: each sequence's first and end token in the
         flat batch and its context length with this step's tokens; ``block_tables`` is

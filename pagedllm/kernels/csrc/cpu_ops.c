@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* exp(x) for float32 in plain branch-free C (so loops over it vectorise), within 2 ulp
  * of expf over the range softmax and SiLU use; underflows to 0 below -87.3, saturates
@@ -358,6 +361,226 @@ static inline __attribute__((always_inline)) void attend_tile(
 }
 #pragma GCC pop_options
 
+#if defined(__AVX512BF16__)
+#define HAVE_ATTEND_DP 1
+/* Index vectors that put the accumulators of the bfloat16 value products back in head
+ * order (see attend_chunk_dp), built once when the library loads. */
+static int32_t dp_order[2][16];
+
+__attribute__((constructor)) static void dp_build_order(void) {
+    /* An accumulator pair (lo, hi) covers 32 dimensions: 128-bit lane L of lo holds
+     * dimensions 8L..8L+3, of hi 8L+4..8L+7. Output h holds dimensions 16h..16h+15. */
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 16; e++) {
+            const int L = 2 * h + e / 8, i = e % 8;
+            dp_order[h][e] = i < 4 ? 4 * L + i : 16 + 4 * L + (i - 4);
+        }
+}
+
+/* One chunk of n keys for GT query heads sharing a KV head, over a bfloat16 cache with the
+ * bfloat16 dot-product instruction (AVX512-BF16), head sizes of 32 * (V / 2): the arithmetic
+ * of torch's bfloat16 attention on CPUs. Queries are rounded to bfloat16 (exact for a
+ * bfloat16 model, whose queries are bfloat16 values) and multiply the keys in pairs summed
+ * in float32; the softmax is float32, its probabilities rounded to bfloat16 weight the
+ * values (float32 sums) while the normaliser sums them unrounded. Values are taken two keys
+ * at a time, interleaved so that each 32-bit lane holds one dimension of both keys.
+ *
+ * Key c's row (and its value's) starts at element krow[c] + head_off; krow[n] repeats the
+ * last (the partner of an odd last key, weighted by 0). Meanwhile cache lines
+ * [pf_lo, pf_hi) of the slot rows pf[0..pf_n) (the next chunk's) are fetched into L2, one
+ * key's beside each key's scores: all KV heads' passes over a chunk between them fetch
+ * the next one, so the memory keeps busy while they compute. The online softmax's state is
+ * kept in memory between chunks: m[GT], l[GT] and acc[GT * 16 * V] (in the interleaved
+ * order; attend_finish_dp puts it in head order). */
+static inline __attribute__((always_inline)) void attend_chunk_dp(
+    const int GT, const int V, const float *qt, const uint16_t *k_cache,
+    const uint16_t *v_cache, const int64_t *krow, int64_t n, const int64_t *pf, int64_t pf_n,
+    int64_t pf_lo, int64_t pf_hi, int64_t head_off, float scale, float *m, float *l,
+    float *acc_mem) {
+    const int W = V / 2; /* 64-byte lines (32 values) per row */
+    __m512bh qb[4][8];
+    __m512 acc[4][16];
+    float scores[4][CHUNK];
+    uint16_t probs[4][CHUNK + 16];
+    for (int g = 0; g < GT; g++)
+        for (int w = 0; w < W; w++) {
+            const float *src = qt + g * 16 * V + 32 * w;
+            qb[g][w] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        }
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int cn = (int)(n - c0 < 16 ? n - c0 : 16);
+        __m512 lanes[4][16];
+        for (int c = 0; c < cn; c++) {
+            const uint16_t *kr = k_cache + krow[c0 + c] + head_off;
+            if (c0 + c < pf_n)
+                for (int64_t i = pf_lo; i < pf_hi; i++) {
+                    _mm_prefetch((const char *)(k_cache + pf[c0 + c]) + 64 * i, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(v_cache + pf[c0 + c]) + 64 * i, _MM_HINT_T1);
+                }
+            __m512 s[4];
+            for (int g = 0; g < GT; g++) s[g] = _mm512_setzero_ps();
+            for (int w = 0; w < W; w++) {
+                const __m512bh kw = (__m512bh)_mm512_loadu_si512(kr + 32 * w);
+                for (int g = 0; g < GT; g++) s[g] = _mm512_dpbf16_ps(s[g], qb[g][w], kw);
+            }
+            for (int g = 0; g < GT; g++) lanes[g][c] = s[g];
+        }
+        const __mmask16 keep = (__mmask16)((1u << cn) - 1u);
+        for (int g = 0; g < GT; g++) {
+            for (int c = cn; c < 16; c++) lanes[g][c] = _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(scores[g] + c0, keep,
+                                  _mm512_mul_ps(hsum16(lanes[g]), _mm512_set1_ps(scale)));
+        }
+    }
+    for (int g = 0; g < GT; g++) {
+        for (int v = 0; v < V; v++) acc[g][v] = _mm512_loadu_ps(acc_mem + g * 16 * V + 16 * v);
+        float *sc = scores[g];
+        float cmax = -INFINITY;
+        for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
+        if (cmax > m[g]) {
+            const float corr = fast_expf(m[g] - cmax); /* m = -inf: exp -> 0 */
+            l[g] *= corr;
+            for (int v = 0; v < V; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], _mm512_set1_ps(corr));
+            m[g] = cmax;
+        }
+        const float mg = m[g];
+#pragma omp simd
+        for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+        float sum = 0.0f;
+        for (int64_t c = 0; c < n; c++) sum += sc[c];
+        l[g] += sum;
+        for (int64_t c0 = 0; c0 < n; c0 += 16) {
+            const __mmask16 keep = (__mmask16)(n - c0 >= 16 ? 0xFFFFu : (1u << (n - c0)) - 1u);
+            /* (probabilities past n are 0) */
+            _mm256_storeu_si256((__m256i *)(probs[g] + c0),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, sc + c0)));
+        }
+    }
+    for (int64_t c = 0; c < n; c += 2) {
+        const uint16_t *r0 = v_cache + krow[c] + head_off, *r1 = v_cache + krow[c + 1] + head_off;
+        __m512bh pair[4];
+        for (int g = 0; g < GT; g++) {
+            int32_t two;
+            memcpy(&two, probs[g] + c, sizeof(two));
+            pair[g] = (__m512bh)_mm512_set1_epi32(two);
+        }
+        for (int w = 0; w < W; w++) {
+            const __m512i a = _mm512_loadu_si512(r0 + 32 * w), b = _mm512_loadu_si512(r1 + 32 * w);
+            const __m512bh lo16 = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            const __m512bh hi16 = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int g = 0; g < GT; g++) {
+                acc[g][2 * w] = _mm512_dpbf16_ps(acc[g][2 * w], lo16, pair[g]);
+                acc[g][2 * w + 1] = _mm512_dpbf16_ps(acc[g][2 * w + 1], hi16, pair[g]);
+            }
+        }
+    }
+    for (int g = 0; g < GT; g++)
+        for (int v = 0; v < V; v++) _mm512_storeu_ps(acc_mem + g * 16 * V + 16 * v, acc[g][v]);
+}
+
+/* The output rows of `heads` heads of size head_dim from their dp state. */
+static void attend_finish_dp(int64_t heads, int64_t head_dim, const float *l, const float *acc,
+                             float *o) {
+    const __m512i order0 = _mm512_loadu_si512(dp_order[0]), order1 = _mm512_loadu_si512(dp_order[1]);
+    for (int64_t h = 0; h < heads; h++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            const __m512 a = _mm512_loadu_ps(acc + h * head_dim + d);
+            const __m512 b = _mm512_loadu_ps(acc + h * head_dim + d + 16);
+            _mm512_storeu_ps(o + h * head_dim + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, order0, b), inv));
+            _mm512_storeu_ps(o + h * head_dim + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, order1, b), inv));
+        }
+    }
+}
+
+/* The slot rows (element offsets, nk * head_dim elements each) of keys [j0, j0 + n). */
+static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t row, int64_t j0,
+                              int64_t n, int64_t *rows) {
+    int64_t bi = j0 / block_size, off = j0 % block_size;
+    for (int64_t c = 0; c < n; c++) {
+        rows[c] = ((int64_t)table[bi] * block_size + off) * row;
+        if (++off == block_size) {
+            off = 0;
+            bi++;
+        }
+    }
+}
+
+/* One query token against its context (KV heads [kh0, kh1)), chunk by chunk: each chunk's
+ * keys are read for every KV head in turn, so that a sequence's cache is swept in address
+ * order, whole slot rows at a time, and the next chunk (this token's, else the first of
+ * the next work item the thread takes, next_table/next_lo/next_p; next_table NULL: none)
+ * is fetched while one computes. Returns 0 where the head size is not 32, 64, 128 or 256. */
+static int attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t head_dim,
+                           const float *qt, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *table, int64_t block_size, int64_t row, int64_t lo,
+                           int64_t p, const int32_t *next_table, int64_t next_lo,
+                           int64_t next_p, float scale, float *o, float *m, float *l,
+                           float *acc) {
+    if (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) return 0;
+    const int64_t heads = (kh1 - kh0) * group;
+    /* (q, o, m, l and acc from head kh0 * group on) */
+    int64_t krow[CHUNK + 1], pf[CHUNK];
+    for (int64_t h = kh0 * group; h < kh1 * group; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc + kh0 * group * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
+    /* The lines of a slot row this token reads (its KV heads'), shared out over the passes. */
+    const int64_t line0 = kh0 * head_dim * 2 / 64, line1 = (kh1 * head_dim * 2 + 63) / 64;
+    const int64_t passes = kh1 - kh0;
+    int64_t n = (p + 1 - lo) < CHUNK ? (p + 1 - lo) : CHUNK;
+    chunk_rows(table, block_size, row, lo, n, krow);
+    for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
+        int64_t pf_n = 0;
+        if (j0 + CHUNK <= p) {
+            pf_n = (p + 1 - j0 - CHUNK) < CHUNK ? (p + 1 - j0 - CHUNK) : CHUNK;
+            chunk_rows(table, block_size, row, j0 + CHUNK, pf_n, pf);
+        } else if (next_table != NULL) {
+            pf_n = (next_p + 1 - next_lo) < CHUNK ? (next_p + 1 - next_lo) : CHUNK;
+            chunk_rows(next_table, block_size, row, next_lo, pf_n, pf);
+        }
+        krow[n] = krow[n - 1];
+        for (int64_t kh = kh0; kh < kh1; kh++) {
+            const int64_t pass = kh - kh0;
+            const int64_t pf_lo = line0 + (line1 - line0) * pass / passes;
+            const int64_t pf_hi = line0 + (line1 - line0) * (pass + 1) / passes;
+#define CHUNK_DP(GT, V)                                                                      \
+    attend_chunk_dp(GT, V, qt + h * head_dim, k_cache, v_cache, krow, n, pf,                 \
+                    g == 0 ? pf_n : 0, pf_lo, pf_hi, kh * head_dim, scale, m + h, l + h,     \
+                    acc + h * head_dim)
+#define TILES_DP(V)                                                                          \
+    for (int64_t g = 0; g < group;) {                                                        \
+        const int64_t h = kh * group + g, rem = group - g;                                   \
+        const int64_t gt = rem < 16 / (V) ? rem : 16 / (V);                                  \
+        switch (gt > 4 ? 4 : gt) {                                                           \
+        case 4: CHUNK_DP(4 > 16 / (V) ? 1 : 4, V); break;                                    \
+        case 3: CHUNK_DP(3 > 16 / (V) ? 1 : 3, V); break;                                    \
+        case 2: CHUNK_DP(2 > 16 / (V) ? 1 : 2, V); break;                                    \
+        default: CHUNK_DP(1, V); break;                                                      \
+        }                                                                                    \
+        g += gt > 4 ? 4 : gt;                                                                \
+    }
+            switch (head_dim) {
+            case 32: TILES_DP(2) break;
+            case 64: TILES_DP(4) break;
+            case 128: TILES_DP(8) break;
+            default: TILES_DP(16) break;
+            }
+#undef TILES_DP
+#undef CHUNK_DP
+        }
+        if (j0 + CHUNK <= p) {
+            n = pf_n;
+            memcpy(krow, pf, sizeof(int64_t) * (size_t)n);
+        }
+    }
+    attend_finish_dp(heads, head_dim, l + kh0 * group, acc + kh0 * group * head_dim,
+                     o + kh0 * group * head_dim);
+    return 1;
+}
+#endif
+
 /* Heads [0, group) of one item in tiles of up to 16 / V heads (4 at most); 0 where the
  * head size is not 16, 32, 64, 128 or 256 (the generic loop then runs). */
 static inline __attribute__((always_inline)) int attend_item(
@@ -439,28 +662,80 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
             memcpy((float *)v_cache + slot * row, v + t * v_ts, sizeof(float) * (size_t)row);
         }
     }
-    /* Work items: (sequence, query token, KV head); a prefix sum finds an item's sequence. */
+    /* Work items: (sequence, query token, KV head), or (sequence, query token) for the
+     * bfloat16 dot-product path once there are tokens enough to share out; a prefix sum
+     * finds an item's sequence. */
+    int64_t queries = 0;
+    for (int64_t i = 0; i < num_seqs; i++) queries += q_end[i] - q_start[i];
+#ifdef HAVE_ATTEND_DP
+    const int dp = BF && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+#else
+    const int dp = 0;
+#endif
+    const int64_t per_token = dp && queries >= 4 * (int64_t)nthreads ? 1 : nk;
     int64_t total = 0;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (first == NULL) return -2;
     for (int64_t i = 0; i < num_seqs; i++) {
         first[i] = total;
-        total += (q_end[i] - q_start[i]) * nk;
+        total += (q_end[i] - q_start[i]) * per_token;
     }
     first[num_seqs] = total;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (total > 1)
     {
+        /* The dp path's state: acc [nq * head_dim], m [nq], l [nq]. */
+        float *dp_state = dp ? (float *)malloc(sizeof(float) * (size_t)(nq * (head_dim + 2))) : NULL;
+        if (dp && dp_state == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         float scores[MAX_GROUP][CHUNK];
         float acc[MAX_GROUP][MAX_HEAD_DIM];
         float m[MAX_GROUP], l[MAX_GROUP];
         int64_t slots[CHUNK];
         int64_t seq = 0;
+#ifdef HAVE_ATTEND_DP
+        if (dp) {
+            /* Items dealt round robin (thread i takes i, i + T, ...): a thread knows its next
+             * item, whose first chunk it fetches during its current one's last. */
+#ifdef _OPENMP
+            const int64_t T = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+            const int64_t T = 1, me = 0;
+#endif
+            int64_t next_seq = 0;
+            for (int64_t item = me; item < total && dp_state != NULL; item += T) {
+                while (first[seq + 1] <= item) seq++;
+                const int64_t local = item - first[seq];
+                const int64_t t = q_start[seq] + local / per_token, kh = local % per_token;
+                const int64_t p = ctx_len[seq] - (q_end[seq] - t);
+                const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+                const int32_t *next_table = NULL;
+                int64_t next_lo = 0, next_p = 0;
+                if (item + T < total) {
+                    if (next_seq < seq) next_seq = seq;
+                    while (first[next_seq + 1] <= item + T) next_seq++;
+                    const int64_t nt = q_start[next_seq] + (item + T - first[next_seq]) / per_token;
+                    next_p = ctx_len[next_seq] - (q_end[next_seq] - nt);
+                    next_lo = (window > 0 && next_p - window + 1 > 0) ? next_p - window + 1 : 0;
+                    next_table = block_tables + next_seq * bt_stride;
+                }
+                const int64_t kh0 = per_token == 1 ? 0 : kh, kh1 = per_token == 1 ? nk : kh + 1;
+                attend_token_dp(kh0, kh1, group, head_dim, q + t * q_ts, (const uint16_t *)k_cache,
+                                (const uint16_t *)v_cache, block_tables + seq * bt_stride,
+                                block_size, row, lo, p, next_table, next_lo, next_p, scale,
+                                out + t * o_ts, dp_state + nq * head_dim,
+                                dp_state + nq * head_dim + nq, dp_state);
+            }
+        } else
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < total; item++) {
             while (first[seq + 1] <= item) seq++;
             while (first[seq] > item) seq--;
             const int64_t local = item - first[seq];
-            const int64_t t = q_start[seq] + local / nk, kh = local % nk;
+            const int64_t t = q_start[seq] + local / per_token, kh = local % per_token;
             const int64_t p = ctx_len[seq] - (q_end[seq] - t);
             const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
             const float *qt = q + t * q_ts + kh * group * head_dim;
@@ -528,14 +803,25 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                 for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
             }
         }
+        free(dp_state);
     }
     free(first);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* Whether this build's paged attention reads a bfloat16 cache (its AVX-512 tiles). */
 int pagedllm_attention_bf16_cache(void) {
 #ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether its bfloat16 cache is read with bfloat16 products (AVX512-BF16) for head sizes
+ * 32, 64, 128 and 256 (attend_chunk_dp: queries and probabilities rounded to bfloat16). */
+int pagedllm_attention_bf16_products(void) {
+#ifdef HAVE_ATTEND_DP
     return 1;
 #else
     return 0;
