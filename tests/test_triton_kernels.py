@@ -17,12 +17,19 @@ pytest.importorskip("triton")
 
 from test_cpu_ops import (
     BLOCK_SIZE,
+    LONG,
     SEQUENCES,
     _batch,
     _kernel_inputs,
+    _Layer,
+    _metadata_args,
     _reference_attention,
 )
+from tiny_models import load_reference, make_checkpoint, reference_greedy
 
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.core.errors import ConfigError
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
@@ -35,6 +42,7 @@ from pagedllm.kernels.triton_attention import (
     triton_silu_mul,
     triton_write_kv_cache,
 )
+from pagedllm.plugins.devices.cuda_attention import TritonMetadata, TritonPagedBackend
 
 
 def test_available():
@@ -161,3 +169,56 @@ def test_silu_mul_matches_the_reference(dtype):
     want = F.silu(gate) * up
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_backend_matches_the_reference_backend(window):
+    """The cuda device's backend on one step of decodes, chunks over cached context and
+    long prefills (with and without cached context), all in one kernel call: the
+    reference backend's cache and outputs."""
+    sequences = SEQUENCES + LONG
+    cache, q, k, v = _batch(sequences, seed=5)
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    cpu = torch.device("cpu")
+    ours = TritonPagedBackend().build_metadata(*_metadata_args(sequences), [ours_cache], cpu)
+    reference = TorchSDPABackend().build_metadata(*_metadata_args(sequences), [ref_cache], cpu)
+    assert isinstance(ours, TritonMetadata) and ours.backend is not None
+    got = ours.backend.forward(_Layer(window), q, k, v, ours)
+    expected = reference.backend.forward(_Layer(window), q, k, v, reference)
+    assert torch.equal(ours_cache, ref_cache)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral"])
+def test_a_model_on_the_triton_backend_keeps_greedy_parity(architecture, tmp_path, monkeypatch):
+    """PAGEDLLM_ATTENTION_BACKEND=triton_paged on the cpu device (interpreted kernels):
+    transformers' greedy tokens, with prefix caching and prompts chunked over their cached
+    part (Mistral: a sliding window shorter than the prompts)."""
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton_paged")
+    directory = make_checkpoint(tmp_path / architecture, architecture)
+    reference = load_reference(directory)
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(6, 512, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(6, 512, (n,), generator=g).tolist() for n in (3, 9)]
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        disable_log_stats=True,
+    )
+    assert isinstance(llm.llm_engine.runner.attention_backend, TritonPagedBackend)
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    for _ in range(2):  # the second pass hits the prefix cache
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert output.outputs[0].token_ids == reference_greedy(reference, prompt, 6)[0]
+    assert llm.llm_engine.kv_manager.total_prefix_cache_stats.hits > 0
+
+
+def test_an_unknown_attention_backend_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "flash_magic")
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError, match="PAGEDLLM_ATTENTION_BACKEND='flash_magic'.*triton_paged"):
+        LLM(str(directory), dtype="float32")

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
@@ -88,7 +89,9 @@ class LLMEngine:
         self.scheduler = scheduler_class(sched.scheduler_cls)(
             sched, self.kv_manager, self.max_model_len, guided=self.guided
         )
-        backend_cls = pm.load("attention_backends", config.device_config.device.attention_backend)
+        backend_cls = pm.load(
+            "attention_backends", attention_backend_name(config.device_config.device, pm)
+        )
         self.runner = ModelRunner(
             loaded.model,
             spec,

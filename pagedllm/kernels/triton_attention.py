@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 __all__ = [
+    "token_sequences",
     "triton_available",
     "triton_paged_attention",
     "triton_rms_norm",
@@ -278,9 +279,10 @@ def triton_write_kv_cache(
     )
 
 
-def _token_sequences(seq_ranges: torch.Tensor, tokens: int) -> torch.Tensor:
+def token_sequences(seq_ranges: torch.Tensor, tokens: int) -> torch.Tensor:
     """int32 ``[tokens]``: the sequence of each listed token (tokens of no listed
-    sequence: -1, and the kernel is not launched for them)."""
+    sequence: -1, and the kernel is not launched for them). The same for every layer of a
+    step: an attention backend works it out once."""
     starts, ends = seq_ranges[0], seq_ranges[1]
     owner = torch.full((tokens,), -1, dtype=torch.int32, device=seq_ranges.device)
     lengths = ends - starts
@@ -306,13 +308,15 @@ def triton_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    token_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each query token of the listed sequences (``query`` ``[T, heads * head_dim]``)
     attends to its context in ``kv_cache`` (keys and values already written), read
     through ``block_tables``; returns ``out`` ``[T, heads * head_dim]`` in the query's
     dtype (softmax and sums in float32). ``softcap``: scores become ``softcap *
     tanh(score / softcap)`` (Gemma 2). Rows of tokens of no listed sequence are left as
-    they are."""
+    they are. ``token_seq``: :func:`token_sequences` of a step whose tokens all belong to
+    listed sequences (an attention backend's steps), worked out once for its layers."""
     _require()
     _check_rows("query", query)
     if num_heads % num_kv_heads:
@@ -327,13 +331,16 @@ def triton_paged_attention(
     if tokens == 0 or seq_ranges.shape[1] == 0:
         return out
     _, num_blocks, block_size, _, _ = kv_cache.shape
-    owner = _token_sequences(seq_ranges, tokens)
-    listed = (owner >= 0).nonzero().flatten()
-    if listed.numel() == 0:
-        return out
-    first, last = int(listed[0]), int(listed[-1]) + 1
-    if listed.numel() != last - first:
-        raise ValueError("the listed sequences' tokens must be contiguous in the batch")
+    owner = token_sequences(seq_ranges, tokens) if token_seq is None else token_seq
+    if token_seq is not None:
+        first, last = 0, tokens  # (every token listed: no host sync to find them)
+    else:
+        listed = (owner >= 0).nonzero().flatten()
+        if listed.numel() == 0:
+            return out
+        first, last = int(listed[0]), int(listed[-1]) + 1
+        if listed.numel() != last - first:
+            raise ValueError("the listed sequences' tokens must be contiguous in the batch")
     q_end = seq_ranges[1].to(torch.int64) - first
     _paged_attention_kernel[(last - first, num_heads)](
         query[first:],

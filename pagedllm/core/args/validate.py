@@ -36,6 +36,9 @@ logger = logging.getLogger("pagedllm.config")
 ENV_CPU_KVCACHE_SPACE = "PAGEDLLM_CPU_KVCACHE_SPACE"
 DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
 
+# Overrides the device's attention backend (a registered name), as VLLM_ATTENTION_BACKEND.
+ENV_ATTENTION_BACKEND = "PAGEDLLM_ATTENTION_BACKEND"
+
 DEFAULT_SCHEDULER: str = declared_default(SchedulingArgs, "scheduler_cls")
 # vLLM's names for its default scheduler mean ours.
 _SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
@@ -75,8 +78,23 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     pm.load("load_formats", args.load_format)
     if args.quantization is not None:
         pm.load("quantization_methods", args.quantization)
+    pm.load("attention_backends", attention_backend_name(device, pm))
     _refuse_without_effect(args, device, pm.choices("guided_backends"))
     return device
+
+
+def attention_backend_name(device: Device, pm: PluginManager) -> str:
+    """The device's attention backend, or the one ``PAGEDLLM_ATTENTION_BACKEND`` names."""
+    name = os.environ.get(ENV_ATTENTION_BACKEND, "").strip()
+    if not name:
+        return device.attention_backend
+    choices = pm.choices("attention_backends")
+    if name not in choices:
+        raise ConfigError(
+            f"{ENV_ATTENTION_BACKEND}={name!r} is not an attention backend; registered: "
+            f"{', '.join(sorted(choices))}"
+        )
+    return name
 
 
 def _refuse_without_effect(args: EngineArgs, device: Device, guided_backends: list[str]) -> None:

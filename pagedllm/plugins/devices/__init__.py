@@ -18,3 +18,5 @@ def pagedllm_register_attention_backends(registry):
     registry.add("torch_sdpa", "pagedllm.core.attention.torch_backend:TorchSDPABackend")
     # The cpu device's: a paged-attention C kernel for decodes, SDPA for long prefills.
     registry.add("cpu_paged", "pagedllm.plugins.devices.cpu_attention:CpuPagedBackend")
+    # The cuda device's: Triton kernels (on CPU tensors too, under TRITON_INTERPRET=1).
+    registry.add("triton_paged", "pagedllm.plugins.devices.cuda_attention:TritonPagedBackend")

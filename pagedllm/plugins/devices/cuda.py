@@ -13,6 +13,7 @@ class CudaDevice(Device):
     # The model runner has not been validated on CUDA yet.
     runs_models = False
     default_block_size = 16
+    attention_backend = "triton_paged"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

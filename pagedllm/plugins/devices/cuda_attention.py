@@ -1,0 +1,112 @@
+"""The cuda device's attention backend: the Triton kernels of
+``pagedllm.kernels.triton_attention``. One kernel call writes the step's keys and values
+into the paged cache, one more attends every query token of the step (decodes, prefill
+chunks over cached context and whole prompts alike) to its context read through its
+block table: no gather, no padding, no per-request launch.
+
+It runs wherever Triton does: compiled on a GPU, and on CPU tensors under
+``TRITON_INTERPRET=1`` (how the tests check it against the reference backend; select it on
+any device with ``PAGEDLLM_ATTENTION_BACKEND=triton_paged``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pagedllm.core.interfaces import AttentionBackend
+from pagedllm.kernels.triton_attention import (
+    token_sequences,
+    triton_available,
+    triton_paged_attention,
+    triton_write_kv_cache,
+)
+
+__all__ = ["TritonMetadata", "TritonPagedBackend"]
+
+
+@dataclasses.dataclass(slots=True)
+class TritonMetadata:
+    num_tokens: int
+    # Cache slot of every token of the flat batch.
+    slot_mapping: torch.Tensor
+    # int64 [3, S]: each request's first and end token and its context length; int32
+    # block tables [S, max_blocks]; int32 [T]: each token's request.
+    seq_ranges: torch.Tensor
+    block_tables: torch.Tensor
+    token_seq: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    backend: Any = None
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton_paged"
+
+    def __init__(self) -> None:
+        if not triton_available():
+            raise RuntimeError(
+                "the triton_paged attention backend needs the triton package (pip install triton)"
+            )
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+    ) -> TritonMetadata:
+        slots: list[int] = []
+        ranges: tuple[list[int], list[int], list[int]] = ([], [], [])
+        offset = 0
+        width = 1
+        for query_len, context_len, blocks in zip(
+            query_lens, context_lens, block_tables, strict=True
+        ):
+            for pos in range(context_len - query_len, context_len):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            ranges[0].append(offset)
+            ranges[1].append(offset + query_len)
+            ranges[2].append(context_len)
+            width = max(width, -(-context_len // block_size))
+            offset += query_len
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for row, (blocks, context_len) in enumerate(zip(block_tables, context_lens, strict=True)):
+            used = blocks[: -(-context_len // block_size)]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        seq_ranges = torch.tensor(ranges, dtype=torch.long).reshape(3, -1)
+        return TritonMetadata(
+            num_tokens=offset,
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
+            seq_ranges=seq_ranges.to(device),
+            block_tables=table.to(device),
+            token_seq=token_sequences(seq_ranges, offset).to(device),
+            kv_caches=kv_caches,
+            backend=self,
+        )
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: TritonMetadata,
+    ) -> torch.Tensor:
+        kv_cache = metadata.kv_caches[layer.layer_index]
+        triton_write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return triton_paged_attention(
+            query,
+            kv_cache,
+            metadata.seq_ranges,
+            metadata.block_tables,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.scale,
+            layer.sliding_window,
+            token_seq=metadata.token_seq,
+        )
