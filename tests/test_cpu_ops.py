@@ -251,23 +251,13 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
         expected_cache = expected_cache.bfloat16()
     else:
         expected, expected_cache = _reference_attention(cache, q, k, v, SEQUENCES, window)
-    slots, ranges, offset = [], [[], [], []], 0
-    tables = torch.zeros(len(SEQUENCES), 10, dtype=torch.int32)
-    for i, (query_len, context_len, blocks) in enumerate(SEQUENCES):
-        slots += [
-            blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-            for p in range(context_len - query_len, context_len)
-        ]
-        for row, value in zip(ranges, (offset, offset + query_len, context_len), strict=True):
-            row.append(value)
-        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        offset += query_len
-    out = torch.full((offset, heads * d), math.nan)
+    slots, ranges, tables = _kernel_inputs(SEQUENCES)
+    out = torch.full((q.shape[0], heads * d), math.nan)
     if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(d):
         before = cache.clone()
         with pytest.raises(ValueError, match="bfloat16 cache"):
             ops.paged_attention(
-                q, k, v, cache, torch.tensor(slots), torch.tensor(ranges), tables,
+                q, k, v, cache, slots, ranges, tables,
                 heads, kv_heads, d, d**-0.5, window, out,
             )  # fmt: skip
         assert torch.equal(cache, before)  # refused before writing anything
@@ -277,8 +267,8 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
         k,
         v,
         cache,
-        torch.tensor(slots),
-        torch.tensor(ranges),
+        slots,
+        ranges,
         tables,
         heads,
         kv_heads,

@@ -263,6 +263,35 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
+/* Scores of the cn keys whose lane products are lanes[0..cn): the 16 horizontal sums at
+ * once, scaled, into out[0..cn). */
+static inline __attribute__((always_inline)) void store_scores(__m512 lanes[16], int cn,
+                                                               float scale, float *out) {
+    for (int c = cn; c < 16; c++) lanes[c] = _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << cn) - 1u),
+                          _mm512_mul_ps(hsum16(lanes), _mm512_set1_ps(scale)));
+}
+
+/* One chunk of the online softmax: sc[c] becomes exp(sc[c] - m) for the running maximum
+ * m, and l gains their sum; returns the factor the sums so far are to be scaled by (1
+ * where the maximum did not grow). */
+static inline float softmax_chunk(float *sc, int64_t n, float *m, float *l) {
+    float cmax = -INFINITY, corr = 1.0f;
+    for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
+    if (cmax > *m) {
+        corr = fast_expf(*m - cmax); /* m = -inf: exp -> 0 */
+        *l *= corr;
+        *m = cmax;
+    }
+    const float mg = *m;
+#pragma omp simd
+    for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < n; c++) sum += sc[c];
+    *l += sum;
+    return corr;
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
     const int GT, const int V, const int BF, const float *qt, const void *k_cache,
     const void *v_cache, const int32_t *table, int64_t block_size, int64_t row,
@@ -316,29 +345,12 @@ static inline __attribute__((always_inline)) void attend_tile(
                 }
                 for (int g = 0; g < GT; g++) lanes[g][c] = s[g];
             }
-            const __mmask16 keep = (__mmask16)((1u << cn) - 1u);
-            for (int g = 0; g < GT; g++) {
-                for (int c = cn; c < 16; c++) lanes[g][c] = _mm512_setzero_ps();
-                _mm512_mask_storeu_ps(scores[g] + c0, keep,
-                                      _mm512_mul_ps(hsum16(lanes[g]), _mm512_set1_ps(scale)));
-            }
+            for (int g = 0; g < GT; g++) store_scores(lanes[g], cn, scale, scores[g] + c0);
         }
         for (int g = 0; g < GT; g++) {
-            float *sc = scores[g];
-            float cmax = -INFINITY;
-            for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
-            if (cmax > m[g]) {
-                const __m512 corr = _mm512_set1_ps(fast_expf(m[g] - cmax));
-                l[g] *= fast_expf(m[g] - cmax);
-                for (int v = 0; v < V; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], corr);
-                m[g] = cmax;
-            }
-            const float mg = m[g];
-#pragma omp simd
-            for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
-            float sum = 0.0f;
-            for (int64_t c = 0; c < n; c++) sum += sc[c];
-            l[g] += sum;
+            const float corr = softmax_chunk(scores[g], n, &m[g], &l[g]);
+            if (corr != 1.0f)
+                for (int v = 0; v < V; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], _mm512_set1_ps(corr));
         }
         for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
             for (int v = 0; v < lines; v++) prefetch_row(v_cache, krow[c] + line * v, BF, 0);
@@ -425,30 +437,14 @@ static inline __attribute__((always_inline)) void attend_chunk_dp(
             }
             for (int g = 0; g < GT; g++) lanes[g][c] = s[g];
         }
-        const __mmask16 keep = (__mmask16)((1u << cn) - 1u);
-        for (int g = 0; g < GT; g++) {
-            for (int c = cn; c < 16; c++) lanes[g][c] = _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(scores[g] + c0, keep,
-                                  _mm512_mul_ps(hsum16(lanes[g]), _mm512_set1_ps(scale)));
-        }
+        for (int g = 0; g < GT; g++) store_scores(lanes[g], cn, scale, scores[g] + c0);
     }
     for (int g = 0; g < GT; g++) {
         for (int v = 0; v < V; v++) acc[g][v] = _mm512_loadu_ps(acc_mem + g * 16 * V + 16 * v);
         float *sc = scores[g];
-        float cmax = -INFINITY;
-        for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
-        if (cmax > m[g]) {
-            const float corr = fast_expf(m[g] - cmax); /* m = -inf: exp -> 0 */
-            l[g] *= corr;
+        const float corr = softmax_chunk(sc, n, &m[g], &l[g]);
+        if (corr != 1.0f)
             for (int v = 0; v < V; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], _mm512_set1_ps(corr));
-            m[g] = cmax;
-        }
-        const float mg = m[g];
-#pragma omp simd
-        for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
-        float sum = 0.0f;
-        for (int64_t c = 0; c < n; c++) sum += sc[c];
-        l[g] += sum;
         for (int64_t c0 = 0; c0 < n; c0 += 16) {
             const __mmask16 keep = (__mmask16)(n - c0 >= 16 ? 0xFFFFu : (1u << (n - c0)) - 1u);
             /* (probabilities past n are 0) */
