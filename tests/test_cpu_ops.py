@@ -4,6 +4,8 @@ cpu device's paged-attention backend against the reference backend."""
 from __future__ import annotations
 
 import math
+import platform
+import subprocess
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from kernel_checks import skip_unless_build_failed
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.kernels.native import CSRC, c_compiler
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
 from pagedllm.plugins.devices import cpu_attention
@@ -494,3 +497,38 @@ def test_inverse_cdf_sampling_finds_the_uniform_in_the_running_sum(ops):
         ops.sample_inverse_cdf(wide.double(), u)
     with pytest.raises(ValueError):
         ops.sample_inverse_cdf(wide, u[:3])
+
+
+# x86 targets whose code paths differ: AVX2 only; AVX-512 without VNNI or BF16; VNNI
+# without BF16 (Cascade Lake, Ice Lake); VNNI and BF16 (Sapphire Rapids, Zen 4).
+MARCH_TARGETS = ["haswell", "skylake-avx512", "icelake-server", "sapphirerapids"]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("march", MARCH_TARGETS)
+def test_kernels_compile_for_every_x86_code_path(march, tmp_path):
+    """Each kernel source builds for every x86 feature set its paths are chosen by (the
+    session machines differ; a source that fails for one falls back to torch there)."""
+    compiler = c_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    for source in sorted(CSRC.glob("*.c")):
+        result = subprocess.run(
+            # (an object file: some target mismatches surface only when inlining)
+            [
+                compiler,
+                "-O1",
+                f"-march={march}",
+                "-fopenmp",
+                "-c",
+                "-o",
+                str(tmp_path / "k.o"),
+                str(source),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if "bad value" in result.stderr:
+            pytest.skip(f"this compiler does not know -march={march}")
+        assert result.returncode == 0, f"{source.name} for {march}:\n{result.stderr[-2000:]}"

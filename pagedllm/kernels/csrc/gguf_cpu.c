@@ -1332,6 +1332,22 @@ static void q8p_quantize_row(const void *xv, int x_bf16, int64_t nb, int8_t *q, 
     }
 }
 
+/* 16 float32 values rounded to bfloat16 (nearest even, NaN -> 0x7FC0, as torch converts):
+ * the conversion instruction where the CPU has AVX512-BF16, else in integers (the VNNI
+ * CPUs without it: Cascade Lake, Ice Lake). */
+static inline __m256i q8p_to_bf16(__m512 f) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
 static inline __attribute__((always_inline)) void q8p_tile(const int MR, const int32_t *P,
                                                            const float *dc, int64_t nb,
                                                            const int8_t *qx, const float *dx,
@@ -1360,7 +1376,7 @@ static inline __attribute__((always_inline)) void q8p_tile(const int MR, const i
     const __mmask16 mask = (__mmask16)((1u << cols) - 1);
     for (int i = 0; i < MR; i++) {
         if (y_bf16)
-            _mm256_mask_storeu_epi16((uint16_t *)y + i * ys, mask, (__m256i)_mm512_cvtneps_pbh(f[i]));
+            _mm256_mask_storeu_epi16((uint16_t *)y + i * ys, mask, q8p_to_bf16(f[i]));
         else
             _mm512_mask_storeu_ps((float *)y + i * ys, mask, f[i]);
     }
