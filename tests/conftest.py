@@ -15,6 +15,12 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads TRITON_INTERPRET when it is imported (its standard library's functions are
+# compiled or interpreted from then on), and a test module may import it indirectly
+# before the Triton tests run: the Triton kernels' tests (on CPU tensors) run in the
+# interpreter unless the environment says otherwise.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TESTS = Path(__file__).parent
 DUMMY_PLUGIN = TESTS / "plugins" / "dummy_plugin"
 DUMMY_PLUGIN_VERSION = "0.2.0"
