@@ -220,6 +220,21 @@ static inline void dot4_f32(const float *q, const float *k0, const float *k1, co
 }
 #pragma GCC pop_options
 
+/* Where keys [j0, j0 + n) of a sequence start in the cache, walking its block table (no
+ * division per key): rows[c] = slot * row + off, in elements (row: a slot's nk * head_dim
+ * values; off: a KV head's place in it). */
+static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t row, int64_t off,
+                              int64_t j0, int64_t n, int64_t *rows) {
+    int64_t bi = j0 / block_size, in_block = j0 % block_size;
+    for (int64_t c = 0; c < n; c++) {
+        rows[c] = ((int64_t)table[bi] * block_size + in_block) * row + off;
+        if (++in_block == block_size) {
+            in_block = 0;
+            bi++;
+        }
+    }
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define PREFETCH_KEYS 8
@@ -312,14 +327,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
         const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
-        int64_t bi = j0 / block_size, off = j0 % block_size;
-        for (int64_t c = 0; c < n; c++) {
-            krow[c] = ((int64_t)table[bi] * block_size + off) * row + head_off;
-            if (++off == block_size) {
-                off = 0;
-                bi++;
-            }
-        }
+        chunk_rows(table, block_size, row, head_off, j0, n, krow);
         /* The rows are scattered over the cache (blocks, and KV heads within a slot):
          * fetch a few keys ahead, a 64-byte line per 16 values. */
         for (int64_t c = 0; c < n && c < PREFETCH_KEYS; c++)
@@ -489,31 +497,17 @@ static void attend_finish_dp(int64_t heads, int64_t head_dim, const float *l, co
     }
 }
 
-/* The slot rows (element offsets, nk * head_dim elements each) of keys [j0, j0 + n). */
-static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t row, int64_t j0,
-                              int64_t n, int64_t *rows) {
-    int64_t bi = j0 / block_size, off = j0 % block_size;
-    for (int64_t c = 0; c < n; c++) {
-        rows[c] = ((int64_t)table[bi] * block_size + off) * row;
-        if (++off == block_size) {
-            off = 0;
-            bi++;
-        }
-    }
-}
-
 /* One query token against its context (KV heads [kh0, kh1)), chunk by chunk: each chunk's
  * keys are read for every KV head in turn, so that a sequence's cache is swept in address
  * order, whole slot rows at a time, and the next chunk (this token's, else the first of
  * the next work item the thread takes, next_table/next_lo/next_p; next_table NULL: none)
- * is fetched while one computes. Returns 0 where the head size is not 32, 64, 128 or 256. */
-static int attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t head_dim,
+ * is fetched while one computes. Head sizes 32, 64, 128 and 256 (the caller's check). */
+static void attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t head_dim,
                            const float *qt, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *table, int64_t block_size, int64_t row, int64_t lo,
                            int64_t p, const int32_t *next_table, int64_t next_lo,
                            int64_t next_p, float scale, float *o, float *m, float *l,
                            float *acc) {
-    if (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) return 0;
     const int64_t heads = (kh1 - kh0) * group;
     /* (q, o, m, l and acc from head kh0 * group on) */
     int64_t krow[CHUNK + 1], pf[CHUNK];
@@ -526,15 +520,15 @@ static int attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t head
     const int64_t line0 = kh0 * head_dim * 2 / 64, line1 = (kh1 * head_dim * 2 + 63) / 64;
     const int64_t passes = kh1 - kh0;
     int64_t n = (p + 1 - lo) < CHUNK ? (p + 1 - lo) : CHUNK;
-    chunk_rows(table, block_size, row, lo, n, krow);
+    chunk_rows(table, block_size, row, 0, lo, n, krow);
     for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
         int64_t pf_n = 0;
         if (j0 + CHUNK <= p) {
             pf_n = (p + 1 - j0 - CHUNK) < CHUNK ? (p + 1 - j0 - CHUNK) : CHUNK;
-            chunk_rows(table, block_size, row, j0 + CHUNK, pf_n, pf);
+            chunk_rows(table, block_size, row, 0, j0 + CHUNK, pf_n, pf);
         } else if (next_table != NULL) {
             pf_n = (next_p + 1 - next_lo) < CHUNK ? (next_p + 1 - next_lo) : CHUNK;
-            chunk_rows(next_table, block_size, row, next_lo, pf_n, pf);
+            chunk_rows(next_table, block_size, row, 0, next_lo, pf_n, pf);
         }
         krow[n] = krow[n - 1];
         for (int64_t kh = kh0; kh < kh1; kh++) {
@@ -573,7 +567,6 @@ static int attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t head
     }
     attend_finish_dp(heads, head_dim, l + kh0 * group, acc + kh0 * group * head_dim,
                      o + kh0 * group * head_dim);
-    return 1;
 }
 #endif
 
@@ -608,6 +601,29 @@ static inline __attribute__((always_inline)) int attend_item(
 #undef ATTEND
 }
 #endif
+
+/* Work item `item`'s query: its sequence (searched from `seq`, the thread's last one, in
+ * the prefix sums `first` of the sequences' items), token t, KV head kh (per_token items a
+ * token: nk, or 1 for whole tokens), position p and first key lo (within the window). */
+typedef struct {
+    int64_t seq, t, kh, p, lo;
+} query_item;
+
+static inline query_item locate_item(int64_t item, int64_t seq, const int64_t *first,
+                                     int64_t per_token, const int64_t *q_start,
+                                     const int64_t *q_end, const int64_t *ctx_len,
+                                     int64_t window) {
+    while (first[seq + 1] <= item) seq++;
+    while (first[seq] > item) seq--;
+    const int64_t local = item - first[seq];
+    query_item w;
+    w.seq = seq;
+    w.t = q_start[seq] + local / per_token;
+    w.kh = local % per_token;
+    w.p = ctx_len[seq] - (q_end[seq] - w.t);
+    w.lo = (window > 0 && w.p - window + 1 > 0) ? w.p - window + 1 : 0;
+    return w;
+}
 
 /* The step's keys and values go into the cache [2, num_slots, nk, head_dim] at their
  * slots; then every query token of the listed sequences attends to its sequence's context
@@ -700,40 +716,32 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
 #else
             const int64_t T = 1, me = 0;
 #endif
-            int64_t next_seq = 0;
             for (int64_t item = me; item < total && dp_state != NULL; item += T) {
-                while (first[seq + 1] <= item) seq++;
-                const int64_t local = item - first[seq];
-                const int64_t t = q_start[seq] + local / per_token, kh = local % per_token;
-                const int64_t p = ctx_len[seq] - (q_end[seq] - t);
-                const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-                const int32_t *next_table = NULL;
-                int64_t next_lo = 0, next_p = 0;
-                if (item + T < total) {
-                    if (next_seq < seq) next_seq = seq;
-                    while (first[next_seq + 1] <= item + T) next_seq++;
-                    const int64_t nt = q_start[next_seq] + (item + T - first[next_seq]) / per_token;
-                    next_p = ctx_len[next_seq] - (q_end[next_seq] - nt);
-                    next_lo = (window > 0 && next_p - window + 1 > 0) ? next_p - window + 1 : 0;
-                    next_table = block_tables + next_seq * bt_stride;
-                }
-                const int64_t kh0 = per_token == 1 ? 0 : kh, kh1 = per_token == 1 ? nk : kh + 1;
-                attend_token_dp(kh0, kh1, group, head_dim, q + t * q_ts, (const uint16_t *)k_cache,
-                                (const uint16_t *)v_cache, block_tables + seq * bt_stride,
-                                block_size, row, lo, p, next_table, next_lo, next_p, scale,
-                                out + t * o_ts, dp_state + nq * head_dim,
+                const query_item w = locate_item(item, seq, first, per_token, q_start, q_end,
+                                                 ctx_len, window);
+                seq = w.seq;
+                const int has_next = item + T < total;
+                query_item next = {0, 0, 0, 0, 0};
+                if (has_next)
+                    next = locate_item(item + T, seq, first, per_token, q_start, q_end, ctx_len,
+                                       window);
+                const int64_t kh0 = per_token == 1 ? 0 : w.kh;
+                const int64_t kh1 = per_token == 1 ? nk : w.kh + 1;
+                attend_token_dp(kh0, kh1, group, head_dim, q + w.t * q_ts,
+                                (const uint16_t *)k_cache, (const uint16_t *)v_cache,
+                                block_tables + seq * bt_stride, block_size, row, w.lo, w.p,
+                                has_next ? block_tables + next.seq * bt_stride : NULL, next.lo,
+                                next.p, scale, out + w.t * o_ts, dp_state + nq * head_dim,
                                 dp_state + nq * head_dim + nq, dp_state);
             }
         } else
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < total; item++) {
-            while (first[seq + 1] <= item) seq++;
-            while (first[seq] > item) seq--;
-            const int64_t local = item - first[seq];
-            const int64_t t = q_start[seq] + local / per_token, kh = local % per_token;
-            const int64_t p = ctx_len[seq] - (q_end[seq] - t);
-            const int64_t lo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            const query_item w = locate_item(item, seq, first, per_token, q_start, q_end,
+                                             ctx_len, window);
+            seq = w.seq;
+            const int64_t t = w.t, kh = w.kh, p = w.p, lo = w.lo;
             const float *qt = q + t * q_ts + kh * group * head_dim;
             const int32_t *table = block_tables + seq * bt_stride;
 #ifdef __AVX512F__
@@ -750,15 +758,7 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
             }
             for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
                 const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
-                /* Slots of this chunk's keys, walking the block table (no division per key). */
-                int64_t bi = j0 / block_size, off = j0 % block_size;
-                for (int64_t c = 0; c < n; c++) {
-                    slots[c] = ((int64_t)table[bi] * block_size + off) * row + kh * head_dim;
-                    if (++off == block_size) {
-                        off = 0;
-                        bi++;
-                    }
-                }
+                chunk_rows(table, block_size, row, kh * head_dim, j0, n, slots);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qh = qt + g * head_dim;
                     float *sc = scores[g];
