@@ -341,7 +341,7 @@ def triton_paged_attention(
         first, last = int(listed[0]), int(listed[-1]) + 1
         if listed.numel() != last - first:
             raise ValueError("the listed sequences' tokens must be contiguous in the batch")
-    q_end = seq_ranges[1].to(torch.int64) - first
+    q_end = seq_ranges[1] - first if first else seq_ranges[1]  # (int64, as given)
     _paged_attention_kernel[(last - first, num_heads)](
         query[first:],
         query.stride(0),

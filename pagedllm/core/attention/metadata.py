@@ -124,3 +124,57 @@ def build_attention_metadata(
         prefills=prefills,
         kv_caches=kv_caches,
     )
+
+
+@dataclasses.dataclass(slots=True)
+class KernelStep:
+    """A step as the paged-attention kernels take it (cpu_paged's C kernel, triton_paged):
+    every token's slot, and for each request the kernel attends, its first and end token in
+    the flat batch and its context length (int64 ``[3, S]``) and its blocks (int32 ``[S,
+    max_blocks]``). ``others``: the requests left to another path, as ``(first token,
+    query tokens, context length, blocks)``."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    seq_ranges: torch.Tensor
+    block_tables: torch.Tensor
+    others: list[tuple[int, int, int, list[int]]]
+
+
+def kernel_step(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    max_query: int | None = None,
+) -> KernelStep:
+    """The :class:`KernelStep` of requests adding ``query_lens[i]`` tokens to reach
+    ``context_lens[i]``, whose blocks are ``block_tables[i]``; requests adding more than
+    ``max_query`` tokens (None: no limit) go to ``others``. CPU tensors."""
+    slots: list[int] = []
+    ranges: tuple[list[int], list[int], list[int]] = ([], [], [])
+    tables: list[list[int]] = []
+    others: list[tuple[int, int, int, list[int]]] = []
+    offset = 0
+    for query_len, context_len, blocks in zip(query_lens, context_lens, block_tables, strict=True):
+        for pos in range(context_len - query_len, context_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        if max_query is None or query_len <= max_query:
+            ranges[0].append(offset)
+            ranges[1].append(offset + query_len)
+            ranges[2].append(context_len)
+            tables.append(blocks[: -(-context_len // block_size)])
+        else:
+            others.append((offset, query_len, context_len, blocks))
+        offset += query_len
+    width = max((len(t) for t in tables), default=0)
+    table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+    for row, blocks in enumerate(tables):
+        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return KernelStep(
+        num_tokens=offset,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        seq_ranges=torch.tensor(ranges, dtype=torch.long).reshape(3, -1),
+        block_tables=table,
+        others=others,
+    )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.attention.metadata import PrefillSequence
+from pagedllm.core.attention.metadata import PrefillSequence, kernel_step
 from pagedllm.core.attention.torch_backend import TorchSDPABackend, prefill_attention
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
@@ -67,39 +67,24 @@ class CpuPagedBackend(TorchSDPABackend):
             return super().build_metadata(
                 query_lens, context_lens, block_tables, block_size, kv_caches, device
             )
-        slots: list[int] = []
-        ranges: tuple[list[int], list[int], list[int]] = ([], [], [])
-        tables: list[list[int]] = []
-        prefills: list[PrefillSequence] = []
-        offset = 0
-        for query_len, context_len, blocks in zip(
-            query_lens, context_lens, block_tables, strict=True
-        ):
-            for pos in range(context_len - query_len, context_len):
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            if query_len <= KERNEL_MAX_QUERY:
-                ranges[0].append(offset)
-                ranges[1].append(offset + query_len)
-                ranges[2].append(context_len)
-                tables.append(blocks[: -(-context_len // block_size)])
-            else:
-                context_slots = [
-                    blocks[pos // block_size] * block_size + pos % block_size
-                    for pos in range(context_len)
-                ]
-                prefills.append(
-                    PrefillSequence(offset, offset + query_len, torch.tensor(context_slots))
-                )
-            offset += query_len
-        width = max((len(t) for t in tables), default=0)
-        table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        step = kernel_step(
+            query_lens, context_lens, block_tables, block_size, max_query=KERNEL_MAX_QUERY
+        )
+        prefills = [
+            PrefillSequence(
+                offset,
+                offset + query_len,
+                torch.tensor(
+                    [blocks[p // block_size] * block_size + p % block_size for p in range(context)]
+                ),
+            )
+            for offset, query_len, context, blocks in step.others
+        ]
         return PagedMetadata(
-            num_tokens=offset,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            seq_ranges=torch.tensor(ranges, dtype=torch.long).reshape(3, -1),
-            block_tables=table,
+            num_tokens=step.num_tokens,
+            slot_mapping=step.slot_mapping,
+            seq_ranges=step.seq_ranges,
+            block_tables=step.block_tables,
             prefills=prefills,
             kv_caches=kv_caches,
             ops=ops,

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.attention.metadata import kernel_step
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import AttentionBackend
 from pagedllm.kernels.triton_attention import (
     token_sequences,
@@ -46,7 +48,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self) -> None:
         if not triton_available():
-            raise RuntimeError(
+            raise ConfigError(
                 "the triton_paged attention backend needs the triton package (pip install triton)"
             )
 
@@ -59,31 +61,13 @@ class TritonPagedBackend(AttentionBackend):
         kv_caches: list[torch.Tensor],
         device: torch.device,
     ) -> TritonMetadata:
-        slots: list[int] = []
-        ranges: tuple[list[int], list[int], list[int]] = ([], [], [])
-        offset = 0
-        width = 1
-        for query_len, context_len, blocks in zip(
-            query_lens, context_lens, block_tables, strict=True
-        ):
-            for pos in range(context_len - query_len, context_len):
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            ranges[0].append(offset)
-            ranges[1].append(offset + query_len)
-            ranges[2].append(context_len)
-            width = max(width, -(-context_len // block_size))
-            offset += query_len
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for row, (blocks, context_len) in enumerate(zip(block_tables, context_lens, strict=True)):
-            used = blocks[: -(-context_len // block_size)]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.int32)
-        seq_ranges = torch.tensor(ranges, dtype=torch.long).reshape(3, -1)
+        step = kernel_step(query_lens, context_lens, block_tables, block_size)
         return TritonMetadata(
-            num_tokens=offset,
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
-            seq_ranges=seq_ranges.to(device),
-            block_tables=table.to(device),
-            token_seq=token_sequences(seq_ranges, offset).to(device),
+            num_tokens=step.num_tokens,
+            slot_mapping=step.slot_mapping.to(device),
+            seq_ranges=step.seq_ranges.to(device),
+            block_tables=step.block_tables.to(device),
+            token_seq=token_sequences(step.seq_ranges, step.num_tokens).to(device),
             kv_caches=kv_caches,
             backend=self,
         )
