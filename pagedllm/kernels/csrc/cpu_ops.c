@@ -278,6 +278,21 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
+/* The query heads g in [0, group) sharing a KV head, in tiles of up to 16 / V heads (4 at
+ * most: the register tiles of 16 x V accumulators); CALL(GT, V) runs one tile of GT heads
+ * from head g (GT a constant, 1 where 16 / V is smaller). */
+#define HEAD_TILES(V, CALL)                                                                  \
+    for (int64_t g = 0; g < group;) {                                                        \
+        const int64_t rem = group - g, gt = rem < 16 / (V) ? rem : 16 / (V);                 \
+        switch (gt > 4 ? 4 : gt) {                                                           \
+        case 4: CALL(4 > 16 / (V) ? 1 : 4, V); break;                                        \
+        case 3: CALL(3 > 16 / (V) ? 1 : 3, V); break;                                        \
+        case 2: CALL(2 > 16 / (V) ? 1 : 2, V); break;                                        \
+        default: CALL(1, V); break;                                                          \
+        }                                                                                    \
+        g += gt > 4 ? 4 : gt;                                                                \
+    }
+
 /* Scores of the cn keys whose lane products are lanes[0..cn): the 16 horizontal sums at
  * once, scaled, into out[0..cn). */
 static inline __attribute__((always_inline)) void store_scores(__m512 lanes[16], int cn,
@@ -536,28 +551,15 @@ static void attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t hea
             const int64_t pf_lo = line0 + (line1 - line0) * pass / passes;
             const int64_t pf_hi = line0 + (line1 - line0) * (pass + 1) / passes;
 #define CHUNK_DP(GT, V)                                                                      \
-    attend_chunk_dp(GT, V, qt + h * head_dim, k_cache, v_cache, krow, n, pf,                 \
-                    g == 0 ? pf_n : 0, pf_lo, pf_hi, kh * head_dim, scale, m + h, l + h,     \
-                    acc + h * head_dim)
-#define TILES_DP(V)                                                                          \
-    for (int64_t g = 0; g < group;) {                                                        \
-        const int64_t h = kh * group + g, rem = group - g;                                   \
-        const int64_t gt = rem < 16 / (V) ? rem : 16 / (V);                                  \
-        switch (gt > 4 ? 4 : gt) {                                                           \
-        case 4: CHUNK_DP(4 > 16 / (V) ? 1 : 4, V); break;                                    \
-        case 3: CHUNK_DP(3 > 16 / (V) ? 1 : 3, V); break;                                    \
-        case 2: CHUNK_DP(2 > 16 / (V) ? 1 : 2, V); break;                                    \
-        default: CHUNK_DP(1, V); break;                                                      \
-        }                                                                                    \
-        g += gt > 4 ? 4 : gt;                                                                \
-    }
+    attend_chunk_dp(GT, V, qt + (kh * group + g) * head_dim, k_cache, v_cache, krow, n, pf,  \
+                    g == 0 ? pf_n : 0, pf_lo, pf_hi, kh * head_dim, scale, m + kh * group + g, \
+                    l + kh * group + g, acc + (kh * group + g) * head_dim)
             switch (head_dim) {
-            case 32: TILES_DP(2) break;
-            case 64: TILES_DP(4) break;
-            case 128: TILES_DP(8) break;
-            default: TILES_DP(16) break;
+            case 32: HEAD_TILES(2, CHUNK_DP) break;
+            case 64: HEAD_TILES(4, CHUNK_DP) break;
+            case 128: HEAD_TILES(8, CHUNK_DP) break;
+            default: HEAD_TILES(16, CHUNK_DP) break;
             }
-#undef TILES_DP
 #undef CHUNK_DP
         }
         if (j0 + CHUNK <= p) {
@@ -570,34 +572,22 @@ static void attend_token_dp(int64_t kh0, int64_t kh1, int64_t group, int64_t hea
 }
 #endif
 
-/* Heads [0, group) of one item in tiles of up to 16 / V heads (4 at most); 0 where the
- * head size is not 16, 32, 64, 128 or 256 (the generic loop then runs). */
+/* Heads [0, group) of one item in tiles (HEAD_TILES); 0 where the head size is not 16,
+ * 32, 64, 128 or 256 (the generic loop then runs). */
 static inline __attribute__((always_inline)) int attend_item(
     const int BF, int64_t group, int64_t head_dim, const float *qt, const void *k_cache,
     const void *v_cache, const int32_t *table, int64_t block_size, int64_t row,
     int64_t head_off, int64_t lo, int64_t p, float scale, float *o) {
 #define ATTEND(GT, V) attend_tile(GT, V, BF, qt + g * head_dim, k_cache, v_cache, table,       \
                                   block_size, row, head_off, lo, p, scale, o + g * head_dim)
-#define TILES(V)                                                                             \
-    for (int64_t g = 0; g < group;) {                                                       \
-        const int64_t rem = group - g, gt = rem < 16 / (V) ? rem : 16 / (V);                 \
-        switch (gt > 4 ? 4 : gt) {                                                           \
-        case 4: ATTEND(4 > 16 / (V) ? 1 : 4, V); break;                                     \
-        case 3: ATTEND(3 > 16 / (V) ? 1 : 3, V); break;                                     \
-        case 2: ATTEND(2 > 16 / (V) ? 1 : 2, V); break;                                     \
-        default: ATTEND(1, V); break;                                                        \
-        }                                                                                    \
-        g += gt > 4 ? 4 : gt;                                                                \
-    }
     switch (head_dim) {
-    case 16: TILES(1) return 1;
-    case 32: TILES(2) return 1;
-    case 64: TILES(4) return 1;
-    case 128: TILES(8) return 1;
-    case 256: TILES(16) return 1;
+    case 16: HEAD_TILES(1, ATTEND) return 1;
+    case 32: HEAD_TILES(2, ATTEND) return 1;
+    case 64: HEAD_TILES(4, ATTEND) return 1;
+    case 128: HEAD_TILES(8, ATTEND) return 1;
+    case 256: HEAD_TILES(16, ATTEND) return 1;
     default: return 0;
     }
-#undef TILES
 #undef ATTEND
 }
 #endif
