@@ -222,3 +222,15 @@ def test_an_unknown_attention_backend_is_refused(tmp_path, monkeypatch):
     directory = make_checkpoint(tmp_path / "llama", "llama")
     with pytest.raises(ConfigError, match="PAGEDLLM_ATTENTION_BACKEND='flash_magic'.*triton_paged"):
         LLM(str(directory), dtype="float32")
+
+
+def test_the_triton_backend_is_refused_on_cpu_tensors_without_the_interpreter(monkeypatch):
+    """Without a GPU, Triton compiles for nothing: the backend says so at start-up rather
+    than failing every request."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the backend compiles for it")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        TritonPagedBackend()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(TritonPagedBackend(), TritonPagedBackend)

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 __all__ = [
+    "interpreted",
     "token_sequences",
     "triton_available",
     "triton_paged_attention",
@@ -46,6 +47,12 @@ ATTENTION_BLOCK_N = 32
 
 def triton_available() -> bool:
     return triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, on CPU
+    tensors) rather than compiling them for a GPU (Triton's own reading of the setting)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def _pow2(n: int) -> int:

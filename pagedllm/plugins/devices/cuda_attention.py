@@ -20,6 +20,7 @@ from pagedllm.core.attention.metadata import kernel_step
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import AttentionBackend
 from pagedllm.kernels.triton_attention import (
+    interpreted,
     token_sequences,
     triton_available,
     triton_paged_attention,
@@ -50,6 +51,11 @@ class TritonPagedBackend(AttentionBackend):
         if not triton_available():
             raise ConfigError(
                 "the triton_paged attention backend needs the triton package (pip install triton)"
+            )
+        if not interpreted() and not torch.cuda.is_available():
+            raise ConfigError(
+                "the triton_paged attention backend runs on a GPU that Triton compiles for; "
+                "on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, for tests)"
             )
 
     def build_metadata(
