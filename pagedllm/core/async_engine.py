@@ -58,7 +58,10 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
+    def __init__(self, config: PagedLLMConfig, pm: PluginManager, wait: bool = True) -> None:
+        """Build the engine on its thread; with ``wait=False`` return while it loads
+        (the caller does other start-up work meanwhile) and call :meth:`wait_built`
+        before using it."""
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -75,15 +78,23 @@ class AsyncLLMEngine:
         # counts more threads than cores and its idle workers sleep instead of spinning,
         # which measured as 1.7-2x slower decoding on 2 cores.
         self.engine: LLMEngine
-        built = threading.Event()
-        failed: list[BaseException] = []
+        self._built = threading.Event()
+        self._failed: list[BaseException] = []
         self._thread = threading.Thread(
-            target=self._main, args=(pm, built, failed), name="pagedllm-engine", daemon=True
+            target=self._main,
+            args=(pm, self._built, self._failed),
+            name="pagedllm-engine",
+            daemon=True,
         )
         self._thread.start()
-        built.wait()
-        if failed:
-            raise failed[0]
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> None:
+        """Wait until the engine is built; raise what building it raised."""
+        self._built.wait()
+        if self._failed:
+            raise self._failed[0]
 
     # ------------------------------------------------------------- engine thread
 

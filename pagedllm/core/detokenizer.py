@@ -25,6 +25,7 @@ Decisions the caller relies on:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,12 @@ def _make_decode(
 
 
 def _has_stock_fast_decode(tokenizer: Any) -> bool:
+    from pagedllm.core.tokenizer import JSONTokenizer
+
+    if type(tokenizer) is JSONTokenizer:  # its decode is the Rust decoder's
+        return True
+    if "transformers" not in sys.modules:  # (no transformers tokenizer, then)
+        return False
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase

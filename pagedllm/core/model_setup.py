@@ -191,13 +191,16 @@ def generation_defaults(config: PagedLLMConfig, hf_config: Any) -> tuple[dict[st
     mc = config.model_config
     raw: dict[str, Any] = {}
     if mc.generation_config not in ("vllm", "pagedllm"):
-        from transformers import GenerationConfig
-
         source = mc.model if mc.generation_config == "auto" else mc.generation_config
         try:
             path = resolve_model_path(source, revision=mc.revision)
             if path.is_file():  # a single-file checkpoint (GGUF): look beside it
                 path = path.parent
+            if not (path / "generation_config.json").is_file():
+                # (Checked first: a model without one needs no transformers import.)
+                raise OSError(f"no generation_config.json in {path}")
+            from transformers import GenerationConfig
+
             raw = GenerationConfig.from_pretrained(path).to_diff_dict()
         except (OSError, ConfigError):
             if mc.generation_config != "auto":

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -13,13 +12,13 @@ from fastapi import FastAPI
 
 from pagedllm import __version__
 from pagedllm.core.async_engine import AsyncLLMEngine
-from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.errors import add_exception_handlers, document_errors
 from pagedllm.entrypoints.openai.metrics import Metrics
 from pagedllm.entrypoints.openai.middleware import OPEN_PATHS, add_middleware, api_key
 from pagedllm.entrypoints.openai.routes import add_routes
 from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.serving_setup import PendingServing
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -61,29 +60,15 @@ def build_app(
     return app
 
 
-def _log_config(path: str | None) -> dict[str, Any] | None:
-    """``--log-config-file``: read and applied (uvicorn is given it too)."""
-    if not path:
-        return None
-    import logging.config
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            log_config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--log-config-file {path}: {exc}") from exc
-    logging.config.dictConfig(log_config)
-    return log_config
-
-
-def run_server(engine_args: Any, args: FrontendArgs, pm: Any) -> int:
-    """Load the model, then serve until SIGINT/SIGTERM."""
+def run_server(
+    pending: PendingServing, args: FrontendArgs, pm: Any, log_config: dict[str, Any] | None
+) -> int:
+    """Wait for the model that ``pending`` loads (see
+    :func:`~pagedllm.entrypoints.openai.serving_setup.start_serving`), then serve until
+    SIGINT/SIGTERM. ``log_config``: what ``--log-config-file`` gave, for uvicorn."""
     import uvicorn
 
-    from pagedllm.entrypoints.openai.serving_setup import build_serving
-
-    log_config = _log_config(args.log_config_file)
-    stack = build_serving(engine_args, args, pm)
+    stack = pending.finish()
     config, engine = stack.config, stack.engine
     names = stack.model_names
     app = build_app(args, engine, stack.serving, stack.metrics, pm, config.model_config.model)

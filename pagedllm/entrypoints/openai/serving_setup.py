@@ -7,10 +7,13 @@ commands that serve OpenAI requests in-process (``run-batch``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
@@ -39,37 +42,80 @@ def build_serving(
 ) -> ServingStack:
     """Load the model and start the engine loop; the caller calls ``engine.shutdown()``.
     The options are checked (and the chat template read) before the model loads."""
+    return start_serving(engine_args, options, pm).finish()
+
+
+def apply_log_config(path: str | None) -> dict[str, Any] | None:
+    """``--log-config-file``: read and applied (uvicorn is given it too)."""
+    if not path:
+        return None
+    import logging.config
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            log_config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--log-config-file {path}: {exc}") from exc
+    logging.config.dictConfig(log_config)
+    return log_config
+
+
+def start_serving(
+    engine_args: EngineArgs, options: FrontendArgs, pm: PluginManager
+) -> PendingServing:
+    """Check the options, read the chat template and start loading the model on the
+    engine's thread; :meth:`PendingServing.finish` waits for it."""
     from pagedllm.core.args.checks import invalid_values
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import UsageContext
-    from pagedllm.core.errors import ConfigError
     from pagedllm.entrypoints.openai.chat_utils import load_chat_template
-    from pagedllm.entrypoints.openai.metrics import Metrics
-    from pagedllm.entrypoints.openai.serving import OpenAIServing
 
     problems = invalid_values(options)
     if problems:
         raise ConfigError("; ".join(problems))
     chat_template = load_chat_template(options.chat_template)
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
-    engine = AsyncLLMEngine(config, pm)
-    names = config.model_config.served_model_name
-    reasoning_parser = config.decoding_config.reasoning_parser
-    serving = OpenAIServing(
-        engine,
-        options,
-        model_names=names,
-        chat_template=chat_template,
-        tool_parser=(
-            pm.load("tool_parsers", options.tool_call_parser) if options.tool_call_parser else None
-        ),
-        reasoning_parser=(
-            pm.load("reasoning_parsers", reasoning_parser) if reasoning_parser else None
-        ),
-    )
-    metrics = Metrics(metrics_label(names[0]))
-    engine.step_listeners.append(metrics.on_step)
-    return ServingStack(config, engine, serving, metrics)
+    engine = AsyncLLMEngine(config, pm, wait=False)
+    return PendingServing(config, engine, options, pm, chat_template)
+
+
+@dataclasses.dataclass
+class PendingServing:
+    """A model loading on the engine's thread (see :func:`start_serving`)."""
+
+    config: PagedLLMConfig
+    engine: AsyncLLMEngine
+    options: FrontendArgs
+    pm: PluginManager
+    chat_template: str | None
+
+    def finish(self) -> ServingStack:
+        """Wait for the model, then build what serves it. A load that fails raises
+        here."""
+        from pagedllm.entrypoints.openai.metrics import Metrics
+        from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+        engine, options, pm, config = self.engine, self.options, self.pm, self.config
+        engine.wait_built()
+        names = config.model_config.served_model_name
+        reasoning_parser = config.decoding_config.reasoning_parser
+        serving = OpenAIServing(
+            engine,
+            options,
+            model_names=names,
+            chat_template=self.chat_template,
+            tool_parser=(
+                pm.load("tool_parsers", options.tool_call_parser)
+                if options.tool_call_parser
+                else None
+            ),
+            reasoning_parser=(
+                pm.load("reasoning_parsers", reasoning_parser) if reasoning_parser else None
+            ),
+        )
+        metrics = Metrics(metrics_label(names[0]))
+        engine.step_listeners.append(metrics.on_step)
+        return ServingStack(config, engine, serving, metrics)
 
 
 def metrics_label(name: str) -> str:

@@ -233,16 +233,34 @@ def _check_time() -> None:
             raise TemplateLimitError("the chat template used too much memory")
 
 
-# ------------------------------------------------------------------ transformers
+# ------------------------------------------------------------------ installing
 
 _installed = False
 _install_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=64)
+def _compile_own(source: str) -> Any:
+    from pagedllm.core.chat_template import build_environment
+
+    return build_environment(GuardedEnvironment, wrap_filter=_guard_filter).from_string(source)
+
+
+def _own_guard(source: str) -> Any:
+    return None if _budget() is None else _compile_own(source)
+
+
 def _install() -> None:
-    """Have transformers compile templates into :class:`GuardedEnvironment` while a
-    thread renders inside :func:`bounded` (its own environment everywhere else)."""
+    """Templates compile into :class:`GuardedEnvironment` while a thread renders inside
+    :func:`bounded`: pagedllm's own renderer (:mod:`pagedllm.core.chat_template`), and
+    transformers' where this process has imported it (a transformers tokenizer renders
+    with it; importing it here would cost a start without one 0.6 s)."""
     global _installed
+    from pagedllm.core import chat_template
+
+    chat_template.guard = _own_guard
+    if _installed or "transformers" not in sys.modules:
+        return
     with _install_lock:
         if _installed:
             return

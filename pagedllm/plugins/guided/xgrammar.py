@@ -66,8 +66,13 @@ class XGrammarBackend(GuidedBackend):
         if self._info is None:
             import xgrammar as xgr
 
+            from pagedllm.core.tokenizer import JSONTokenizer
+
+            tokenizer = self.tokenizer
+            if isinstance(tokenizer, JSONTokenizer):  # xgrammar reads transformers' own
+                tokenizer = tokenizer.to_transformers()
             self._info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer,
+                tokenizer,
                 vocab_size=self.vocab_size,
                 stop_token_ids=list(self.eos_token_ids) or None,
             )

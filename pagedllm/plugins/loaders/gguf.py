@@ -46,11 +46,12 @@ def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 def _tokenizer_cache(path: Path) -> Path:
     """Where the tokenizer converted from a GGUF file's metadata is kept (a converted
     tokenizer loads from its ``tokenizer.json`` in a fraction of the conversion's time):
-    keyed by the file's path, size and modification time and the transformers version."""
-    import transformers
+    keyed by the file's path, size and modification time and the transformers version
+    (read from its metadata: importing transformers is what the cache saves)."""
+    from importlib.metadata import version
 
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:20]
     return cache_dir("tokenizers") / f"{path.stem}-{key}"
 
@@ -70,6 +71,19 @@ def _save_tokenizer(tokenizer: Any, target: Path) -> None:
                 os.rename(tmp, target)
     except OSError as exc:
         logger.debug("could not cache the converted tokenizer in %s: %s", target, exc)
+
+
+def _tokenizer_class() -> Any:
+    try:
+        # The class AutoTokenizer picks for a GGUF file, without the seconds its
+        # full-metadata parse (to find the model type) costs.
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend
+    except ImportError:  # older transformers
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
 
 
 def gguf_path_of(model: str, download_dir: str | None = None) -> Path | None:
@@ -153,28 +167,35 @@ class GGUFLoader(ModelLoader):
         return config
 
     def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
+        """The tokenizer transformers converts from the file's metadata, cached as its
+        ``tokenizer.json``; read back with ``tokenizers`` alone
+        (:class:`~pagedllm.core.tokenizer.JSONTokenizer`, no transformers import) where
+        that reproduces it."""
+        from pagedllm.core.tokenizer import load_json_tokenizer
+
         gguf = self.gguf_file(model_config)
-        try:
-            # The class AutoTokenizer picks for a GGUF file, without the seconds its
-            # full-metadata parse (to find the model type) costs.
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend as cls
-        except ImportError:  # older transformers
-            from transformers import AutoTokenizer as cls
         kwargs.pop("use_fast", None)
         kwargs.pop("trust_remote_code", None)
         kwargs.pop("revision", None)  # a local file has no revisions
         cached = _tokenizer_cache(gguf.path)
         if (cached / "tokenizer.json").is_file():
+            light = None if kwargs else load_json_tokenizer(cached)
+            if light is not None:
+                return light
             try:
-                return cls.from_pretrained(cached, **kwargs)
+                return _tokenizer_class().from_pretrained(cached, **kwargs)
             except (OSError, ValueError) as exc:
                 logger.warning("ignoring the cached tokenizer in %s: %s", cached, exc)
         try:
-            tokenizer = cls.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name, **kwargs)
+            tokenizer = _tokenizer_class().from_pretrained(
+                gguf.path.parent, gguf_file=gguf.path.name, **kwargs
+            )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot build the tokenizer of {gguf.path}: {exc}") from exc
         _save_tokenizer(tokenizer, cached)
-        return tokenizer
+        # (The same class a warm start gets, where the cache was written.)
+        light = None if kwargs else load_json_tokenizer(cached)
+        return light if light is not None else tokenizer
 
     def iter_weights(
         self, model_config: ModelConfig, packed: set[str] | frozenset[str] = frozenset()

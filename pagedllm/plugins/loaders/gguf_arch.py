@@ -8,7 +8,6 @@ The names and hyper-parameters follow llama.cpp's ``convert_hf_to_gguf.py`` (and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -117,8 +116,8 @@ def _with_rope(params: dict[str, Any] | None, theta: float) -> dict[str, Any]:
 
 
 # LlamaConfig's fields and defaults (transformers 5), so that the default model's config
-# is built on PreTrainedConfig alone: importing LlamaConfig pulls in transformers'
-# activations, hub kernels and torch._dynamo (about 2 s and 150 MB at start-up).
+# needs no transformers import (about 0.6 s and 25 MB at start-up; LlamaConfig itself
+# pulls in activations, hub kernels and torch._dynamo, 2 s more).
 # tests/test_gguf_model.py checks the result against LlamaConfig itself.
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -134,26 +133,34 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
 }
 
 
-@functools.cache
-def _config_class(model_type: str) -> type:
-    from transformers import PreTrainedConfig
+class PlainConfig:
+    """A model config as plain attributes (what pagedllm's models read of a Hugging
+    Face config), for architectures whose config needs no transformers class."""
 
-    return type(f"GGUF_{model_type}_Config", (PreTrainedConfig,), {"model_type": model_type})
+    def __init__(self, model_type: str, **fields: Any) -> None:
+        self.model_type = model_type
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> PlainConfig:
+        return self
+
+    def __repr__(self) -> str:
+        return f"PlainConfig({self.to_dict()!r})"
 
 
 def _llama_config(gguf: GGUFFile) -> Any:
     md = _Metadata(gguf)
     kwargs = {**_LLAMA_DEFAULTS, **md.common()}
-    rope = _with_rope(md.rope_scaling(), md.rope_theta())
-    config = _config_class("llama")(
+    return PlainConfig(
+        "llama",
         head_dim=md.head_dim(kwargs["hidden_size"], kwargs["num_attention_heads"]),
-        rope_parameters=rope,
+        rope_parameters=_with_rope(md.rope_scaling(), md.rope_theta()),
         architectures=["LlamaForCausalLM"],
         **kwargs,
     )
-    # (The base class keeps no use_cache, which LlamaConfig declares as a field.)
-    config.use_cache = kwargs["use_cache"]
-    return config
 
 
 def _qwen2_config(gguf: GGUFFile) -> Any:
