@@ -213,13 +213,16 @@ def test_model_runs_with_the_devices_thread_count(tmp_path):
         ("avx2 fma", "float32"),  # no 16-bit arithmetic: float32
         ("avx2 avx512f avx512_bf16", "bfloat16"),  # AVX512-BF16: bfloat16, as vLLM-CPU
         ("avx512f amx_bf16 amx_tile", "bfloat16"),
-        ("avx512f avx512_bf16 avx512_fp16", "float16"),  # float16 arithmetic: kept
+        # Both: bfloat16, which pagedllm's CPU kernels compute in.
+        ("avx512f avx512_bf16 avx512_fp16", "bfloat16"),
+        ("avx512f avx512_fp16", "float16"),  # float16 arithmetic alone: kept
     ],
 )
 def test_cpu_auto_dtype_follows_the_cpu_arithmetic(monkeypatch, flags, float16_becomes):
-    """--dtype auto's float16 (float32 and float16 checkpoints) becomes the fastest
-    16-bit type the CPU computes in, or float32; a bfloat16 checkpoint stays bfloat16
-    where the CPU computes in it."""
+    """--dtype auto's float16 (float32 and float16 checkpoints) becomes bfloat16 where
+    the CPU computes in it (pagedllm's CPU kernels do), else float16 where it computes
+    in that, else float32; a bfloat16 checkpoint stays bfloat16 where the CPU computes
+    in it."""
     import torch
 
     from pagedllm.plugins.devices import cpu

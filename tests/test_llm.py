@@ -405,15 +405,15 @@ def test_dtypes(ckpt, llm):
     pairs = zip([t for ts in reference for t in ts], [t for ts in got for t in ts], strict=True)
     agree = sum(a == b for a, b in pairs)
     assert agree >= 0.75 * sum(map(len, reference))
-    # auto: float16 for this float32 checkpoint where the CPU computes in float16, else
-    # bfloat16 where it computes in that (AVX512-BF16, AMX), else float32 (the cpu
-    # device's rule).
+    # auto: bfloat16 for this float32 checkpoint where the CPU computes in that
+    # (AVX512-BF16, AMX), else float16 where it computes in float16, else float32 (the
+    # cpu device's rule).
     from pagedllm.plugins.devices.cpu import CpuDevice, native_arithmetic
 
-    if native_arithmetic(torch.float16):
-        expected = torch.float16
-    elif native_arithmetic(torch.bfloat16):
+    if native_arithmetic(torch.bfloat16):
         expected = torch.bfloat16
+    elif native_arithmetic(torch.float16):
+        expected = torch.float16
     else:
         expected = torch.float32
     bf16_expected = torch.bfloat16 if native_arithmetic(torch.bfloat16) else torch.float32

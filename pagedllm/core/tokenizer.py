@@ -191,10 +191,11 @@ class JSONTokenizer:
         tokenize: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """The chat prompt text (``tokenize=False``) or its ids, as transformers renders
-        it; batches and the other options of transformers' method go to transformers."""
+        """The chat prompt text (``tokenize=False``) or its encoding, as transformers
+        renders it; batches and the other options of transformers' method go to
+        transformers."""
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
-        hf_only = {"return_dict", "return_tensors", "padding", "truncation", "max_length"}
+        hf_only = {"return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
         options = ("return_assistant_tokens_mask", "sanitize_control_tokens")
         if batched or hf_only & set(kwargs) or any(kwargs.get(k) for k in options):
             return self.to_transformers().apply_chat_template(
@@ -209,6 +210,7 @@ class JSONTokenizer:
             )
         for key in options:
             kwargs.pop(key, None)
+        return_dict = kwargs.pop("return_dict", True)
         text = render_chat_template(
             self.get_chat_template(chat_template, tools),
             conversation,
@@ -219,7 +221,12 @@ class JSONTokenizer:
             continue_final_message=continue_final_message,
             **kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        # (transformers 5 returns the encoding, input_ids and attention_mask, unless
+        # return_dict=False asks for the ids alone.)
+        encoding = self(text, add_special_tokens=False)
+        return encoding if return_dict else encoding.input_ids
 
     # ---------------------------------------------------------------- other
 

@@ -78,15 +78,20 @@ class CpuDevice(Device):
         }
 
     def auto_dtype(self, dtype):
-        """The checkpoint rule's type where this CPU computes in it; else, for float16
-        (float32 and float16 checkpoints), bfloat16 on CPUs with bfloat16 arithmetic (as
-        vLLM's CPU backend runs them); else float32."""
+        """For float16 (the rule's type for float32 and float16 checkpoints): bfloat16
+        on CPUs with bfloat16 arithmetic (as vLLM's CPU backend runs them), even where
+        the CPU computes in float16 too, because pagedllm's CPU kernels (attention,
+        the native layer, the 8-bit GGUF products) compute in bfloat16 and float32
+        only: on an AVX512-FP16 Xeon the default GGUF model gave 1116 total tok/s
+        offline in bfloat16 against 408 in float16, and decoded 2.6x faster at batch 1.
+        Else float16 where the CPU computes in it, else float32. A bfloat16 checkpoint
+        stays bfloat16 where the CPU computes in it."""
         import torch
 
-        if native_arithmetic(dtype):
-            return dtype
         if dtype == torch.float16 and native_arithmetic(torch.bfloat16):
             return torch.bfloat16
+        if native_arithmetic(dtype):
+            return dtype
         return torch.float32
 
 
