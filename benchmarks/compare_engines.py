@@ -58,7 +58,8 @@ def cpu_description() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16")
+    isa = [f for f in wanted if f in flags]
     return {"model": model, "cores": len(os.sched_getaffinity(0)), "isa": isa}
 
 

@@ -238,6 +238,25 @@ def test_errors_match_transformers(tokenizers):
         render_chat_template("{{ messages.__class__.__mro__ }}", CONVERSATIONS[0])
 
 
+def test_server_limits_bound_this_renderer(tokenizers):
+    """The server's template guard bounds templates this renderer compiles, in size and
+    in time, as it bounds transformers' (tests/test_robustness.py); outside its block
+    they render as usual."""
+    from pagedllm.entrypoints.openai.template_guard import TemplateLimitError, bounded
+
+    ours = tokenizers[0]
+    huge = "{{ 'a' * 100000000 }}"
+    endless = "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}"
+    with bounded(10_000, 0.5):
+        with pytest.raises(TemplateLimitError, match="longer than|characters"):
+            ours.apply_chat_template(CONVERSATIONS[0], chat_template=huge, tokenize=False)
+        with pytest.raises(TemplateLimitError, match="took longer"):
+            ours.apply_chat_template(CONVERSATIONS[0], chat_template=endless, tokenize=False)
+        assert ours.apply_chat_template(CONVERSATIONS[0], tokenize=False).startswith("<|im_start|>")
+    small = "{{ 'a' * 3 }}"
+    assert ours.apply_chat_template(CONVERSATIONS[0], chat_template=small, tokenize=False) == "aaa"
+
+
 def test_named_templates():
     named = {"default": "D", "tool_use": "T"}
     assert select_template(named, None, None) == "D"

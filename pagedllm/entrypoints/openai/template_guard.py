@@ -1,13 +1,14 @@
 """Chat templates rendered within a size and a time limit.
 
 A chat template is a program, and a request can bring its own (``chat_template``), so
-rendering one is work that grows with the request. Inside :func:`bounded`, templates that
-transformers renders on this thread are compiled into a sandbox that checks, *before*
+rendering one is work that grows with the request. Inside :func:`bounded`, templates
+rendered on this thread (by pagedllm's renderer, :mod:`pagedllm.core.chat_template`, or by
+transformers for a transformers tokenizer) are compiled into a sandbox that checks, *before*
 building it, the size of every string or list an operation would make (``*``, ``+``,
 ``~``, ``%``, ``**``, calls, filters, the output), and a trace on the template's own
 frames stops it past its deadline (a template loop that builds nothing still ends).
 What goes over is a :class:`TemplateLimitError` (a ``ValueError``: the server answers
-400). Outside :func:`bounded` transformers behaves as it always does.
+400). Outside :func:`bounded` templates render as they always do.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class _GuardedCodeGenerator(CodeGenerator):
 
 
 class GuardedEnvironment(ImmutableSandboxedEnvironment):
-    """transformers' chat-template sandbox with the size checks of this module."""
+    """The chat-template sandbox with the size checks of this module."""
 
     code_generator_class = _GuardedCodeGenerator
     intercepted_binops = frozenset({"*", "+", "%", "**"})
