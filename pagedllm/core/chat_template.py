@@ -91,10 +91,10 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     internals through attribute names)."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # (Namespace's own signature)
-        self, rest = args[0], args[1:]
-        for name in dict(*rest, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
             _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, dict(*rest, **kwargs))
+        jinja2.utils.Namespace.__init__(self, attrs)
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)

@@ -179,8 +179,8 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
         # transformers gives a fast tokenizer when the model has no slow one (and
         # transformers 5 builds slow ones only for the few classes that still have one).
         raise ConfigError(
-            f"--tokenizer-mode slow: this model has no slow (Python) tokenizer (transformers "
-            f"loaded the fast {type(tokenizer).__name__} for {mc.tokenizer!r}); use "
+            f"--tokenizer-mode slow: this model has no slow (Python) tokenizer (its "
+            f"tokenizer is the fast {type(tokenizer).__name__} of {mc.tokenizer!r}); use "
             f"--tokenizer-mode auto"
         )
     return tokenizer

@@ -27,6 +27,7 @@ from jinja2.compiler import CodeGenerator
 from jinja2.runtime import str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pagedllm.core import chat_template
 from pagedllm.entrypoints.openai.template_sizes import (
     TemplateLimitError,
     check_binop,
@@ -240,26 +241,31 @@ _installed = False
 _install_lock = threading.Lock()
 
 
+@functools.cache
+def _own_environment() -> GuardedEnvironment:
+    return chat_template.build_environment(GuardedEnvironment, wrap_filter=_guard_filter)
+
+
 @functools.lru_cache(maxsize=64)
 def _compile_own(source: str) -> Any:
-    from pagedllm.core.chat_template import build_environment
-
-    return build_environment(GuardedEnvironment, wrap_filter=_guard_filter).from_string(source)
+    return _own_environment().from_string(source)
 
 
 def _own_guard(source: str) -> Any:
     return None if _budget() is None else _compile_own(source)
 
 
-def _install() -> None:
-    """Templates compile into :class:`GuardedEnvironment` while a thread renders inside
-    :func:`bounded`: pagedllm's own renderer (:mod:`pagedllm.core.chat_template`), and
-    transformers' where this process has imported it (a transformers tokenizer renders
-    with it; importing it here would cost a start without one 0.6 s)."""
-    global _installed
-    from pagedllm.core import chat_template
+# pagedllm's own renderer compiles in the guarded environment while a thread renders
+# inside bounded().
+chat_template.guard = _own_guard
 
-    chat_template.guard = _own_guard
+
+def _install() -> None:
+    """transformers' renderer compiles templates into :class:`GuardedEnvironment` while a
+    thread renders inside :func:`bounded`, where this process has imported transformers
+    (a transformers tokenizer renders with it; importing it here would cost a start
+    without one 0.6 s). pagedllm's own renderer is guarded from this module's import."""
+    global _installed
     if _installed or "transformers" not in sys.modules:
         return
     with _install_lock:
@@ -278,8 +284,8 @@ def _install() -> None:
             )
             return
 
-        @functools.lru_cache(maxsize=64)
-        def compile_guarded(source: str) -> Any:
+        @functools.cache
+        def guarded_environment() -> GuardedEnvironment:
             # transformers' environment (its filters, globals and extensions), taken from
             # an empty template: compiling the request's own there would run its
             # constant expressions unchecked.
@@ -293,7 +299,11 @@ def _install() -> None:
             env.globals.update(base.globals)
             env.tests.update(base.tests)
             env.filters.update({k: _guard_filter(k, f) for k, f in base.filters.items()})
-            return env.from_string(source)
+            return env
+
+        @functools.lru_cache(maxsize=64)
+        def compile_guarded(source: str) -> Any:
+            return guarded_environment().from_string(source)
 
         def compile_template(source: str) -> Any:
             if _budget() is None:
