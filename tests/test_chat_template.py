@@ -324,6 +324,28 @@ def test_settings_it_does_not_reproduce_go_to_transformers(tokenizers, tmp_path)
     assert load_json_tokenizer(tmp_path) is None
 
 
+def test_server_warm_up_compiles_the_template(tokenizers):
+    """The server renders its chat template once as it starts listening (the template
+    engine is imported on first use), so the first chat request finds it compiled; a
+    template that cannot render a one-message chat is left for requests to report."""
+    from pagedllm.entrypoints.openai import template_guard
+    from pagedllm.entrypoints.openai.prompts import PromptPreparer
+
+    ours = tokenizers[0]
+    template = ours.chat_template + "{# warm-up test #}"
+    for source in (template, "{{ raise_exception('no') }}"):
+        preparer = PromptPreparer(ours, 512, 49152, chat_template=source, content_format="auto")
+        try:
+            before = template_guard._compile_own.cache_info()
+            assert preparer.warm_up().result(timeout=60) is None  # (no error either way)
+            after = template_guard._compile_own.cache_info()
+            assert after.misses == before.misses + 1
+            template_guard._compile_own(source)  # what the first request will find
+            assert template_guard._compile_own.cache_info().hits == after.hits + 1
+        finally:
+            preparer.shutdown()
+
+
 def test_default_model_runs_without_importing_transformers(tmp_path):
     """Generation, chat, logprobs, stop strings and structured output (the outlines
     backend) on the default model, warm caches, import no transformers (0.6 s and 25 MB of
@@ -334,6 +356,8 @@ def test_default_model_runs_without_importing_transformers(tmp_path):
         from pagedllm import LLM, GuidedDecodingParams, SamplingParams
 
         llm = LLM({str(SMOLLM2_GGUF)!r}, disable_log_stats=True, max_model_len=512)
+        # Loading imports neither the template engine nor the gguf package (start-up).
+        assert "jinja2" not in sys.modules and "gguf" not in sys.modules
         params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, stop=["zzz"])
         out = llm.generate(["The capital of France is"], params, use_tqdm=False)
         assert out[0].outputs[0].text and out[0].outputs[0].logprobs

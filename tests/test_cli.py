@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from conftest import run_cli
+from conftest import clean_env, run_cli
 
 SEED_SUBCOMMANDS = ["chat", "complete", "serve", "bench", "collect-env", "run-batch"]
 
@@ -16,6 +18,27 @@ def test_top_level_help_and_version():
         assert name in result.stdout
     version = run_cli("-v")
     assert version.returncode == 0 and version.stdout.startswith("pagedllm ")
+
+
+def test_a_subcommand_builds_its_own_parser_alone():
+    """``pagedllm SUBCOMMAND`` builds (and imports) that subcommand's parser only; a
+    mistyped name still gets the whole list to choose from."""
+    script = (
+        "import sys\n"
+        "from pagedllm.entrypoints.cli.main import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('LOADED' if 'pagedllm.entrypoints.cli.bench_serve' in sys.modules else 'NOT')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=clean_env()
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--max-num-seqs" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "NOT"
+    wrong = run_cli("srve")
+    assert wrong.returncode == 2
+    for name in SEED_SUBCOMMANDS:
+        assert name in wrong.stderr, wrong.stderr
 
 
 def test_plugin_subcommand_and_cli_args_hook():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 from kernel_checks import skip_unless_build_failed
 
+from pagedllm.kernels import ggml_types
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row, dequantize
 from pagedllm.kernels.gguf_matmul import fused_max_rows, gguf_linear, gguf_linear_reference
 from pagedllm.kernels.native import cpu_flags
@@ -33,6 +35,19 @@ FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
 }
 QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F32, T.F16, T.BF16)
 ALL_TYPES = (*FP16_FIELDS, T.F32, T.F16, T.BF16)
+
+
+def test_own_type_constants_match_the_gguf_package() -> None:
+    """pagedllm's copy of the GGML type table (read without importing ``gguf``) is the
+    package's: every type, its number and its block layout."""
+    ours = {
+        t.name: (t.value, ggml_types.GGML_QUANT_SIZES[t]) for t in ggml_types.GGMLQuantizationType
+    }
+    theirs = {t.name: (t.value, GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType}
+    assert ours == theirs
+    assert ggml_types.QK_K == gguf.QK_K
+    # Interchangeable as keys: what the package's reader returns finds our tables' entries.
+    assert ggml_types.GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K] == GGML_QUANT_SIZES[T.Q4_K]
 
 
 def _shapes(qtype: GGMLQuantizationType) -> list[tuple[int, ...]]:

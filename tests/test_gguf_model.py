@@ -4,6 +4,8 @@ load: config and tokenizer from the GGUF metadata, greedy tokens and logprobs eq
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from gguf_reference import assert_greedy_parity, hf_gguf_model
@@ -128,7 +130,10 @@ def test_converted_tokenizer_is_cached(tmp_path, monkeypatch, hf_reference):
     config = _engine_config(str(SMOLLM2_GGUF), "gguf")
     first = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
     (cached,) = (tmp_path / "tokenizers").iterdir()
-    assert (cached / "tokenizer.json").is_file()
+    # Merges cached as "a b" strings (quicker to read than pairs; the comparisons below
+    # show the same tokenizer).
+    merges = json.loads((cached / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
     second = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
     theirs = hf_reference[1]
     for ours in (first, second):
@@ -141,6 +146,21 @@ def test_converted_tokenizer_is_cached(tmp_path, monkeypatch, hf_reference):
     (cached / "tokenizer.json").write_text("{not json")
     third = GGUFLoader(config.load_config).load_tokenizer(config.model_config)
     assert third.encode(TEXTS[2]) == theirs.encode(TEXTS[2])
+
+
+def test_merges_with_spaces_stay_pairs(tmp_path):
+    """A merge whose piece holds a space cannot be written as "a b": such a file keeps
+    its pairs, and one without them is rewritten to the same merges."""
+    from pagedllm.plugins.loaders.gguf import _merges_as_strings
+
+    def saved(merges):
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps({"model": {"type": "BPE", "merges": merges}}))
+        _merges_as_strings(path)
+        return json.loads(path.read_text())["model"]["merges"]
+
+    assert saved([["a", "b"], ["a b", "c"]]) == [["a", "b"], ["a b", "c"]]
+    assert saved([["a", "b"], ["ab", "c"]]) == ["a b", "ab c"]
 
 
 def test_greedy_parity_with_transformers(llm, hf_reference):

@@ -22,8 +22,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pagedllm.core.chat_template import render_chat_template, select_template
-
 logger = logging.getLogger("pagedllm.tokenizer")
 
 SPECIAL_TOKEN_NAMES = (
@@ -178,6 +176,8 @@ class JSONTokenizer:
     # ---------------------------------------------------------------- chat
 
     def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        from pagedllm.core.chat_template import select_template  # (jinja2: first use)
+
         return select_template(self.chat_template, chat_template, tools)
 
     def apply_chat_template(
@@ -211,6 +211,8 @@ class JSONTokenizer:
         for key in options:
             kwargs.pop(key, None)
         return_dict = kwargs.pop("return_dict", True)
+        from pagedllm.core.chat_template import render_chat_template
+
         text = render_chat_template(
             self.get_chat_template(chat_template, tools),
             conversation,

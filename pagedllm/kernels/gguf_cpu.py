@@ -10,8 +10,8 @@ import functools
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
 
+from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_dequant import check_raw
 from pagedllm.kernels.native import load_kernel_library
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
+
+from pagedllm.kernels.ggml_types import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 __all__ = ["SUPPORTED_TYPES", "bytes_per_row", "check_raw", "dequantize"]
 

@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
+from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_cpu import FUSED_TYPES, cpu_kernels
 from pagedllm.kernels.gguf_dequant import bytes_per_row, dequantize
 

@@ -14,8 +14,8 @@ Import this module freely; the kernels exist only when ``triton_available()``.
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedllm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagedllm.kernels.gguf_dequant import check_raw
 
 try:

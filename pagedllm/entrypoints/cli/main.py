@@ -16,7 +16,11 @@ from pagedllm.core.plugins import PluginManager, make_plugin_manager
 _BUILTIN_ORDER = ["chat", "complete", "serve", "bench", "collect-env", "run-batch", "plugins"]
 
 
-def build_parser(pm: PluginManager) -> tuple[FlexibleArgumentParser, dict[str, CLISubcommand]]:
+def build_parser(
+    pm: PluginManager, only: str | None = None
+) -> tuple[FlexibleArgumentParser, dict[str, CLISubcommand]]:
+    """The ``pagedllm`` parser with every subcommand, or with ``only`` that one (which must
+    be registered): a run of one subcommand need not import and build the others."""
     parser = FlexibleArgumentParser(
         prog="pagedllm",
         description="pagedllm: LLM inference and serving with a paged KV cache and plugins.",
@@ -29,6 +33,8 @@ def build_parser(pm: PluginManager) -> tuple[FlexibleArgumentParser, dict[str, C
         registry.names(),
         key=lambda n: (_BUILTIN_ORDER.index(n) if n in _BUILTIN_ORDER else len(_BUILTIN_ORDER), n),
     )
+    if only is not None:
+        names = [only]
     commands: dict[str, CLISubcommand] = {}
     for name in names:
         command = registry.load(name)()
@@ -49,11 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     try:
         pm = make_plugin_manager()
-        parser, commands = build_parser(pm)
+        args_list = list(sys.argv[1:] if argv is None else argv)
+        # ``pagedllm SUBCOMMAND ...`` builds that subcommand's parser alone; anything else
+        # (top-level options first, a mistyped name) gets the whole parser and its help.
+        first = args_list[0] if args_list else None
+        only = first if first in pm.registry("cli_subcommands").names() else None
+        parser, commands = build_parser(pm, only)
     except PagedLLMError as exc:
         print(f"pagedllm: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     try:
         return commands[args.subcommand].run(args, pm)
     except PagedLLMError as exc:

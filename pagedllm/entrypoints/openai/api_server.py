@@ -73,6 +73,10 @@ def run_server(
     names = stack.model_names
     app = build_app(args, engine, stack.serving, stack.metrics, pm, config.model_config.model)
 
+    @app.on_event("startup")
+    async def warm_up() -> None:
+        stack.serving.prompts.warm_up()
+
     @app.on_event("shutdown")
     async def stop_engine() -> None:
         engine.shutdown()

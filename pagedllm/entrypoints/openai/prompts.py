@@ -13,15 +13,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pagedllm.entrypoints.openai.chat_utils import render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.entrypoints.openai.template_guard import bounded
 
 T = TypeVar("T")
+
+logger = logging.getLogger("pagedllm.server")
 
 # How long a chat template may take to render, in seconds.
 TEMPLATE_TIMEOUT = 5.0
@@ -126,8 +128,37 @@ class PromptPreparer:
                 prepared.append(PreparedPrompt(self._decode(token_ids), token_ids))
         return prepared
 
+    def warm_up(self) -> concurrent.futures.Future[None]:
+        """Render the served chat template once, for a one-message chat, on a prompt
+        thread; the server starts this once it listens. The template engine (jinja2 and the
+        guard) is imported on first use, which keeps it off the start of the server; this
+        keeps it off the first chat request too. A template that cannot render that chat
+        is left for a request to report."""
+        return self._executor.submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        from pagedllm.entrypoints.openai.template_guard import bounded
+
+        if self.tokenizer is None:
+            return
+        try:
+            with bounded(self.max_prompt_chars, self.template_timeout):
+                render_chat(
+                    self.tokenizer,
+                    [{"role": "user", "content": "Hello"}],
+                    template=self.chat_template,
+                    content_format=self.content_format,
+                    add_generation_prompt=True,
+                    continue_final_message=False,
+                )
+        except Exception as exc:  # (the template's own errors: a request reports them)
+            logger.debug("the chat template did not render a one-message chat: %s", exc)
+
     def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
         """The rendered and tokenized prompt of a chat request."""
+        # (imported here, not at the top: it imports jinja2; see warm_up)
+        from pagedllm.entrypoints.openai.template_guard import bounded
+
         size = sum(
             _text_size(part)
             for part in (

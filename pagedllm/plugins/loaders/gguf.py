@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -46,14 +47,41 @@ def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 def _tokenizer_cache(path: Path) -> Path:
     """Where the tokenizer converted from a GGUF file's metadata is kept (a converted
     tokenizer loads from its ``tokenizer.json`` in a fraction of the conversion's time):
-    keyed by the file's path, size and modification time and the transformers version
-    (read from its metadata: importing transformers is what the cache saves)."""
+    keyed by the file's path, size and modification time, the transformers version (read
+    from its metadata: importing transformers is what the cache saves) and the form the
+    cache is written in (``_CACHE_FORMAT``)."""
     from importlib.metadata import version
 
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
+    identity = (
+        f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
+        f"|{_CACHE_FORMAT}"
+    )
     key = hashlib.sha256(identity.encode()).hexdigest()[:20]
     return cache_dir("tokenizers") / f"{path.stem}-{key}"
+
+
+# 2: BPE merges saved as "a b" strings (see _merges_as_strings).
+_CACHE_FORMAT = 2
+
+
+def _merges_as_strings(json_file: Path) -> None:
+    """Rewrite the BPE merges of a saved ``tokenizer.json`` from ``["a", "b"]`` pairs to
+    ``"a b"`` strings, the other form ``tokenizers`` reads: the same merges, read in about
+    two thirds of the time (20 ms of every start of the default model). Left as they are
+    where a merged piece holds a space, which the string form cannot tell apart."""
+    data = json.loads(json_file.read_text(encoding="utf-8"))
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if model.get("type") != "BPE" or not isinstance(merges, list):
+        return
+    if not all(
+        isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and " " not in p for p in m)
+        for m in merges
+    ):
+        return
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    json_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
 def _save_tokenizer(tokenizer: Any, target: Path) -> None:
@@ -65,6 +93,7 @@ def _save_tokenizer(tokenizer: Any, target: Path) -> None:
         # (Once renamed, the temporary directory is gone: nothing for its clean-up.)
         with tempfile.TemporaryDirectory(dir=target.parent, ignore_cleanup_errors=True) as tmp:
             tokenizer.save_pretrained(tmp)
+            _merges_as_strings(Path(tmp) / "tokenizer.json")
             # A start that finds target already there (OSError) leaves its copy to the
             # clean-up.
             with contextlib.suppress(OSError):

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.core.interfaces import EmbeddingMethod, LinearMethod, QuantizationConfig
+from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row
 from pagedllm.kernels.gguf_matmul import activation_mode, gguf_embedding, gguf_linear
 
