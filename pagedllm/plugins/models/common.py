@@ -100,6 +100,9 @@ def copy_weights(
         if param is None:
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
         if tuple(param.shape) != tuple(tensor.shape):
+            if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
+                tensor = tensor.reshape(param.shape)
+        if tuple(param.shape) != tuple(tensor.shape):
             raise ConfigError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
             )
