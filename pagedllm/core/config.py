@@ -121,6 +121,7 @@ class CacheConfig:
     swap_space_gib: float = _flag("swap_space")
     num_gpu_blocks_override: int | None = _flag("num_gpu_blocks_override")
     kv_cache_dtype: str = _flag("kv_cache_dtype")
+    calculate_kv_scales: bool = _flag("calculate_kv_scales")
     # The KV-cache budget on devices without a memory fraction (the cpu).
     cpu_kvcache_space_gib: float = DEFAULT_CPU_KVCACHE_SPACE_GIB
 
@@ -269,6 +270,15 @@ def create_engine_config(
         "names must be non-empty",
     )
 
+    if args.calculate_kv_scales:
+        _require(
+            args.kv_cache_dtype in ("fp8", "fp8_e4m3"),
+            "--calculate-kv-scales",
+            True,
+            "scales are for an fp8 (e4m3) KV cache: add --kv-cache-dtype fp8 "
+            f"(the cache is {args.kv_cache_dtype!r}; fp8_e5m2 is stored without scales)",
+        )
+
     ignore = args.ignore_patterns
     if isinstance(ignore, str):
         ignore = [ignore]
@@ -318,6 +328,7 @@ def create_engine_config(
             swap_space_gib=float(args.swap_space),
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=bool(args.calculate_kv_scales),
             cpu_kvcache_space_gib=cpu_kvcache_space_gib(),
         ),
         scheduler_config=SchedulerConfig(

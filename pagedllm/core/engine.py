@@ -12,15 +12,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
+from pagedllm.core.attention.layer import Attention
 from pagedllm.core.config import scheduler_class
-from pagedllm.core.errors import EngineDeadError, InvalidRequestError
+from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_setup import load_model, num_kv_blocks
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
 from pagedllm.core.outputs import RequestMetrics, RequestOutput
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner import ModelRunner, kv_cache_spec
+from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
@@ -60,13 +61,26 @@ class LLMEngine:
         self.pm = pm
         if config.model_config.seed is not None:
             torch.manual_seed(config.model_config.seed)
+        cache = config.cache_config
+        # (Checked before the model loads, the long part.)
+        backend_cls = pm.load(
+            "attention_backends", attention_backend_name(config.device_config.device, pm)
+        )
+        if cache.kv_cache_dtype not in backend_cls.kv_cache_dtypes:
+            raise ConfigError(
+                f"--kv-cache-dtype {cache.kv_cache_dtype}: the {backend_cls.name} attention "
+                f"backend of this device stores {', '.join(backend_cls.kv_cache_dtypes)} only"
+            )
         loaded = load_model(config, pm)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
-        cache = config.cache_config
-        spec = kv_cache_spec(loaded.hf_config, loaded.dtype)
+        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype))
+        if cache.calculate_kv_scales:
+            for module in loaded.model.modules():
+                if isinstance(module, Attention):
+                    module.calculate_kv_scales = True
         num_blocks = num_kv_blocks(
             config, spec.bytes_per_block(cache.block_size), self.max_model_len
         )
@@ -89,9 +103,6 @@ class LLMEngine:
         self.scheduler = scheduler_class(sched.scheduler_cls)(
             sched, self.kv_manager, self.max_model_len, guided=self.guided
         )
-        backend_cls = pm.load(
-            "attention_backends", attention_backend_name(config.device_config.device, pm)
-        )
         self.runner = ModelRunner(
             loaded.model,
             spec,
@@ -107,11 +118,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, pm, self.stat_logger)
         self._ids = itertools.count()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
             num_blocks * spec.bytes_per_block(cache.block_size) / 2**30,
+            str(spec.dtype).removeprefix("torch."),
         )
         pm.hook.pagedllm_engine_started(engine=self)
         # Everything built so far (modules, weights' wrappers, plugins, the tokenizer)

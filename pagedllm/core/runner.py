@@ -33,6 +33,18 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
 
 
+_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(cache_config: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype`` (``auto``: the model's)."""
+    return _KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype, model_dtype)
+
+
 def kv_cache_spec(hf_config: Any, dtype: torch.dtype) -> KVCacheSpec:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads

@@ -2,21 +2,70 @@
 
 The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads,
 head_dim]``: keys then values. A token's *slot* is ``block_id * block_size + offset``.
+
+An fp8 cache (``--kv-cache-dtype fp8``: float8_e4m3fn, or float8_e5m2) holds keys divided
+by the layer's ``k_scale`` and values by its ``v_scale``, clamped to the format's range;
+:func:`read_kv` multiplies them back.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: --calculate-kv-scales maps the first
+# batch's largest key to 200 and value to 100, headroom for larger ones later (e4m3's
+# largest value is 448).
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: divided by ``scale`` and clamped to the
+    format's range first when the cache is fp8."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    x = x.float()
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached values (``to_cache``'s) as ``dtype``: multiplied by ``scale`` when fp8."""
+    if x.dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    x = x.float()
+    if scale != 1.0:
+        x = x * scale
+    return x.to(dtype)
+
+
+def calculate_kv_scales(layer: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+    """``--calculate-kv-scales``: the layer's scales from its first batch, once."""
+    tiny = torch.finfo(torch.float32).tiny
+    layer.k_scale = max(key.abs().max().item() / K_SCALE_RANGE, tiny)
+    layer.v_scale = max(value.abs().max().item() / V_SCALE_RANGE, tiny)
+    layer.calculate_kv_scales = False
+
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value`` (``[num_tokens, kv_heads, head_dim]``) at their slots."""
     num_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_heads, head_dim)[slot_mapping] = key.to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
+    dtype = kv_cache.dtype
+    kv_cache[0].view(-1, num_heads, head_dim)[slot_mapping] = to_cache(key, dtype, k_scale)
+    kv_cache[1].view(-1, num_heads, head_dim)[slot_mapping] = to_cache(value, dtype, v_scale)
 
 
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +77,18 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
     values = kv_cache[1].view(-1, num_heads * head_dim).index_select(0, flat)
     shape = (*slots.shape, num_heads, head_dim)
     return keys.view(shape), values.view(shape)
+
+
+def read_kv(
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_kv` in ``dtype``, fp8 values scaled back."""
+    keys, values = gather_kv(kv_cache, slots)
+    return from_cache(keys, dtype, k_scale), from_cache(values, dtype, v_scale)
 
 
 def attention(

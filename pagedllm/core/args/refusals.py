@@ -63,8 +63,6 @@ UNSUPPORTED: dict[str, str] = {
     "worker_cls": _ONE_WORKER,
     "worker_extension_cls": _ONE_WORKER,
     # CacheConfig
-    "kv_cache_dtype": "pagedllm stores the KV cache in the model's data type; use 'auto'",
-    "calculate_kv_scales": "pagedllm has no fp8 KV cache" + _LEAVE_OUT,
     "cpu_offload_gb": "pagedllm does not offload weights to the CPU; use a smaller or "
     "quantized model",
     # MultiModalConfig

@@ -28,6 +28,12 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_index = layer_index
         self.sliding_window = sliding_window
+        # An fp8 KV cache stores keys / k_scale and values / v_scale; with
+        # --calculate-kv-scales the engine sets calculate_kv_scales and the backend
+        # replaces both from the layer's first batch.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calculate_kv_scales = False
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any

@@ -1,7 +1,10 @@
 """The reference attention backend: plain torch, ``scaled_dot_product_attention``.
 
 Decodes (one new token) are attended to together, padded to the longest context;
-prefills and prefill chunks one by one over their whole context.
+prefills and prefill chunks one by one over their whole context. It reads every KV-cache
+dtype, fp8 included (``kv_cache_dtypes``): with an fp8 cache, prefills too read their keys
+and values back from the cache, so that a prompt attends to the same values whether it is
+computed in one step, in chunks or from cached blocks.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from pagedllm.core.attention.metadata import (
     build_attention_metadata,
 )
 from pagedllm.core.interfaces import AttentionBackend
-from pagedllm.kernels.attention import attention, gather_kv, write_kv_cache
+from pagedllm.kernels.attention import (
+    FP8_KV_DTYPES,
+    attention,
+    calculate_kv_scales,
+    read_kv,
+    write_kv_cache,
+)
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
     def build_metadata(
         self,
@@ -50,14 +60,16 @@ class TorchSDPABackend(AttentionBackend):
         key = key.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         value = value.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         kv_cache = metadata.kv_caches[layer.layer_index]
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if getattr(layer, "calculate_kv_scales", False) and kv_cache.dtype in FP8_KV_DTYPES:
+            calculate_kv_scales(layer, key, value)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, *kv_scales(layer))
         if not metadata.prefills and metadata.num_decodes == num_tokens:
             # Decode-only step: no scatter into an output buffer needed.
-            keys, values = gather_kv(kv_cache, metadata.decode_slots)
+            keys, values = read_kv(kv_cache, metadata.decode_slots, query.dtype, *kv_scales(layer))
             out = attention(
                 query.unsqueeze(1),
-                keys.to(query.dtype),
-                values.to(query.dtype),
+                keys,
+                values,
                 metadata.decode_mask(layer.sliding_window),
                 layer.scale,
             )
@@ -65,11 +77,11 @@ class TorchSDPABackend(AttentionBackend):
         output = torch.empty_like(query)
         if metadata.num_decodes:
             idx = metadata.decode_token_indices
-            keys, values = gather_kv(kv_cache, metadata.decode_slots)
+            keys, values = read_kv(kv_cache, metadata.decode_slots, query.dtype, *kv_scales(layer))
             out = attention(
                 query[idx].unsqueeze(1),
-                keys.to(query.dtype),
-                values.to(query.dtype),
+                keys,
+                values,
                 metadata.decode_mask(layer.sliding_window),
                 layer.scale,
             )
@@ -79,6 +91,11 @@ class TorchSDPABackend(AttentionBackend):
                 layer, query, key, value, kv_cache, seq
             )
         return output.view(num_tokens, layer.num_heads * layer.head_dim)
+
+
+def kv_scales(layer: Any) -> tuple[float, float]:
+    """The layer's fp8 KV-cache scales (1.0 for a layer object without them)."""
+    return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
 
 
 def prefill_attention(
@@ -95,11 +112,11 @@ def prefill_attention(
     flat batch, whose keys and values are already in ``kv_cache``."""
     start, end = seq.token_start, seq.token_end
     mask = seq.mask(layer.sliding_window)
-    if mask is None:
+    if mask is None and kv_cache.dtype not in FP8_KV_DTYPES:
         # No cached context: this step's keys are the whole context.
         keys, values = key[start:end], value[start:end]
     else:
-        keys, values = gather_kv(kv_cache, seq.slots)
+        keys, values = read_kv(kv_cache, seq.slots, query.dtype, *kv_scales(layer))
     out = attention(
         query[start:end].unsqueeze(0),
         keys.unsqueeze(0).to(query.dtype),

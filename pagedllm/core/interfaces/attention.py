@@ -21,6 +21,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # The --kv-cache-dtype values this backend reads and writes (the engine refuses
+    # others): the model's dtype only, unless a backend declares fp8 ones.
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @abstractmethod
     def build_metadata(

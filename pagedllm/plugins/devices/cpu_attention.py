@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.attention.metadata import PrefillSequence, kernel_step
-from pagedllm.core.attention.torch_backend import TorchSDPABackend, prefill_attention
+from pagedllm.core.attention.torch_backend import TorchSDPABackend, kv_scales, prefill_attention
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
 
@@ -124,6 +124,7 @@ class CpuPagedBackend(TorchSDPABackend):
                 value.view(num_tokens, kv_heads, head_dim),
                 kv_cache,
                 metadata.slot_mapping,
+                *kv_scales(layer),
             )
             for seq in [*_kernel_sequences(metadata, kv_cache.shape[2]), *metadata.prefills]:
                 _sdpa(layer, query, key, value, kv_cache, seq, out)
