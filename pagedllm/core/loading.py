@@ -26,13 +26,16 @@ def get_quantization_config(
     checkpoint_method = checkpoint_config.pop("quant_method", None)
     if method is None:
         method = checkpoint_method
-    elif checkpoint_method is not None and checkpoint_method != method:
-        raise ConfigError(
-            f"--quantization {method}: the checkpoint is quantized with {checkpoint_method!r}"
-        )
     if method is None:
         return None
     cls = pm.load("quantization_methods", method)
+    if checkpoint_method is not None and checkpoint_method not in (
+        method,
+        *getattr(cls, "checkpoint_methods", ()),
+    ):
+        raise ConfigError(
+            f"--quantization {method}: the checkpoint is quantized with {checkpoint_method!r}"
+        )
     try:
         return cls.from_config(checkpoint_config)
     except ValueError as exc:

@@ -74,6 +74,9 @@ class QuantizationConfig(ABC):
     """
 
     name: ClassVar[str]
+    # Other checkpoint ``quant_method`` values this method reads (an alias such as vLLM's
+    # ``gptq_marlin`` for ``gptq`` checkpoints); its own name always.
+    checkpoint_methods: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abstractmethod
