@@ -140,7 +140,7 @@ def test_greedy_matches_the_dequantized_reference(
     llm = LLM(str(target), dtype="float32", disable_log_stats=True)
     model = llm.llm_engine.loaded.model
     down = model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == torch.uint8 and down.int4_qtype == qtype
+    assert down.weight.dtype == torch.uint8 and down.method.qtype == qtype
     # (Columns are reordered only where act-order made groups that are not contiguous.)
     assert (down.int4_perm is not None) == (act_order and group != -1)
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32  # (ignored)
@@ -153,6 +153,15 @@ def test_greedy_matches_the_dequantized_reference(
         temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
     )
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    # Q/K/V (and gate/up) of one type become one packed product, and the decoder layer
+    # runs natively (one call a layer), unless act-order reordered their columns.
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    ordered = [m.int4_perm is None for m in (*qkv, attn.o_proj, mlp.gate_proj, mlp.down_proj)]
+    assert (attn.qkv.runs[0].qtype is not None) == all(ordered[:3])
+    assert bool(layer._native) == all(ordered)
+    assert all(ordered) == (not act_order or group == -1)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         tokens, top = reference_greedy(reference, prompt, NEW_TOKENS, num_logprobs=1)
         completion = output.outputs[0]

@@ -86,8 +86,8 @@ def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, 
             return None
         weight, qtype = module.weight, module.qtype
     elif isinstance(getattr(module, "method", None), GGUFLinearMethod) and sizes is None:
-        if module.bias is not None:
-            return None
+        if module.bias is not None or getattr(module, "int4_perm", None) is not None:
+            return None  # (a GPTQ layer whose columns are reordered: not a plain product)
         weight, qtype = module.weight, module.method.qtype
     else:
         return None

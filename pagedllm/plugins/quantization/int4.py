@@ -25,6 +25,7 @@ model's dtype instead, with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_matmul import gguf_linear
+from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
 
 logger = logging.getLogger("pagedllm.quantization")
 
@@ -130,11 +132,15 @@ class _Int4Config(QuantizationConfig):
     method_cls: ClassVar[type]
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(GGUFLinearMethod):
     """Registers the checkpoint's tensors; after loading, one GGML weight (see the
-    module's docstring) and, with ``desc_act``, the column order."""
+    module's docstring; ``qtype`` is its type from then on, None where it runs
+    dequantized) and, with ``desc_act``, the column order. Without a column order the
+    layer is a GGUF layer like any other, and the GGUF kernels' fused paths (the native
+    decoder layer) take it."""
 
     def __init__(self, config: _Int4Config) -> None:
+        super().__init__(None)  # (the type is known once the weights are repacked)
         self.config = config
 
     def _groups(self, in_features: int) -> int:
@@ -157,6 +163,7 @@ class Int4LinearMethod(LinearMethod):
             q, groups = q[perm], groups[perm]
         layer.int4_perm = perm
         layer.gguf_shape = (out_features, in_features)
+        fused = getattr(layer, "int4_fused", None)
         repacked = repack_to_gguf(q, zeros, scales, groups)
         if repacked is None:
             if not self.config._warned:
@@ -169,21 +176,74 @@ class Int4LinearMethod(LinearMethod):
             dtype = layer.int4_dtype
             values = (q.float() - zeros[groups].float()) * scales[groups].float()
             layer.weight = nn.Parameter(values.T.contiguous().to(dtype), requires_grad=False)
-            layer.int4_qtype = None
-            return
-        rows, qtype = repacked
-        layer.weight = nn.Parameter(rows, requires_grad=False)
-        layer.int4_qtype = qtype
+            self.qtype = None
+        else:
+            rows, self.qtype = repacked
+            layer.weight = nn.Parameter(rows, requires_grad=False)
+        if fused is not None:
+            fused.layer_ready()
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.int4_perm is not None:
             x = x.index_select(-1, layer.int4_perm)
-        if layer.int4_qtype is None:
+        if self.qtype is None:
             return torch.nn.functional.linear(x, layer.weight, bias)
         out_features, in_features = layer.gguf_shape
-        return gguf_linear(x, layer.weight, layer.int4_qtype, out_features, in_features, bias)
+        return gguf_linear(x, layer.weight, self.qtype, out_features, in_features, bias)
+
+    def fuse(self, layers: Sequence[nn.Module]) -> nn.Module | None:
+        """Layers reading the same input (Q/K/V, gate/up), all or none with a bias, as one
+        product once loaded: see :class:`Int4FusedLinear`."""
+        if len({layer.bias is not None for layer in layers}) != 1:
+            return None
+        if any(layer.method.config is not self.config for layer in layers):
+            return None
+        return Int4FusedLinear(layers)
+
+
+class Int4FusedLinear(PackedFusedLinear):
+    """GPTQ / AWQ layers reading the same input. Once the last of them is repacked, those
+    of one GGML type without a column order become one packed weight (theirs are its row
+    slices): a GGUF fused product like any other. Otherwise each is computed on its own."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        nn.Module.__init__(self)  # (PackedFusedLinear's state is built in layer_ready)
+        self.layers = tuple(layers)  # (not registered: they live where the model put them)
+        self.sizes = [layer.output_size for layer in layers]
+        self.in_features = layers[0].input_size
+        self.qtype = None  # None: computed layer by layer
+        self.register_buffer("weight", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+        self._waiting = len(layers)
+        for layer in layers:
+            layer.int4_fused = self
+
+    def layer_ready(self) -> None:
+        self._waiting -= 1
+        if self._waiting:
+            return
+        qtypes = {layer.method.qtype for layer in self.layers}
+        if len(qtypes) != 1 or None in qtypes:
+            return
+        if any(layer.int4_perm is not None for layer in self.layers):
+            return
+        self.weight = torch.cat([layer.weight.data for layer in self.layers])
+        if self.layers[0].bias is not None:
+            self.bias = torch.cat([layer.bias.data for layer in self.layers])
+        offset = 0
+        for layer, size in zip(self.layers, self.sizes, strict=True):
+            layer.weight = nn.Parameter(self.weight[offset : offset + size], requires_grad=False)
+            if self.bias is not None:
+                layer.bias.data = self.bias[offset : offset + size]
+            offset += size
+        self.qtype = qtypes.pop()
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.qtype is None:
+            return [layer(x) for layer in self.layers]
+        return super().forward(x)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
