@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import load_reference, make_checkpoint, reference_greedy
+from tiny_models import assert_matches_reference, load_reference, make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
@@ -153,16 +153,7 @@ def _quantized_linears(model) -> list[str]:
 
 
 def _assert_matches(llm: LLM, reference) -> None:
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs, strict=True):
-        tokens, top = reference_greedy(reference, prompt, NEW_TOKENS, num_logprobs=1)
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        for step, token in enumerate(tokens):
-            assert abs(completion.logprobs[step][token].logprob - top[step][token]) < 1e-3
+    assert_matches_reference(llm, reference, PROMPTS, NEW_TOKENS, tolerance=1e-3)
 
 
 def _logprobs(llm: LLM) -> list[float]:
@@ -207,6 +198,7 @@ def _write_fp8_checkpoint(
     per_channel: bool = False,
     block: tuple[int, int] | None = None,
     static: bool = False,
+    kv_scales: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``source``'s decoder weights in fp8 as the published layouts store them (vLLM /
     AutoFP8 per tensor, FBGEMM per row, transformers' fine-grained fp8 per block), every
@@ -243,6 +235,8 @@ def _write_fp8_checkpoint(
         if static:
             out[f"{base}.input_scale"] = torch.tensor(0.02)
         dequantized[name] = q.float() * scale
+    for name, value in (kv_scales or {}).items():  # (an fp8 KV cache's, per layer)
+        out[name] = torch.tensor(value)
     (target / "model.safetensors").unlink()
     save_file(out, target / "model.safetensors")
     config = json.loads((target / "config.json").read_text())
@@ -254,6 +248,8 @@ def _write_fp8_checkpoint(
         quant["ignored_layers"] = [IGNORED]
         if block is not None:
             quant["weight_block_size"] = list(block)
+        if kv_scales:
+            quant["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
     config["quantization_config"] = quant
     (target / "config.json").write_text(json.dumps(config))
     return dequantized
@@ -282,6 +278,41 @@ def test_fp8_checkpoints(float_checkpoint, tmp_path, layout):
     _assert_matches(llm, reference)
 
 
+def test_kv_cache_scales_from_the_checkpoint(float_checkpoint, tmp_path):
+    """A checkpoint quantized for an fp8 KV cache carries each layer's key and value
+    scales, in both names they are written under; --kv-cache-dtype fp8 uses them (and
+    --calculate-kv-scales replaces them), a model-dtype cache does not need them."""
+    scales = {
+        "model.layers.0.self_attn.k_scale": 0.011,
+        "model.layers.0.self_attn.v_scale": 0.013,
+        "model.layers.1.self_attn.k_proj.output_scale": 0.017,
+        "model.layers.1.self_attn.v_proj.output_scale": 0.019,
+    }
+    target = tmp_path / "fp8"
+    _write_fp8_checkpoint(float_checkpoint, target, kv_scales=scales)
+
+    def layer_scales(llm) -> list[float]:
+        model = llm.llm_engine.loaded.model
+        attention = [layer.self_attn.attn for layer in model.model.layers]
+        return [scale for attn in attention for scale in (attn.k_scale, attn.v_scale)]
+
+    stored = [torch.tensor(value).item() for value in scales.values()]  # (as float32)
+    fp8 = LLM(str(target), dtype="float32", kv_cache_dtype="fp8", disable_log_stats=True)
+    assert layer_scales(fp8) == stored
+    assert fp8.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs
+    auto = LLM(str(target), dtype="float32", disable_log_stats=True)
+    assert layer_scales(auto) == [1.0] * 4
+    computed = LLM(
+        str(target),
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        calculate_kv_scales=True,
+        disable_log_stats=True,
+    )
+    computed.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not set(stored) & set(layer_scales(computed))
+
+
 def test_settings_it_cannot_read_are_refused(float_checkpoint, tmp_path):
     target = tmp_path / "fp8"
     _write_fp8_checkpoint(float_checkpoint, target)
@@ -290,7 +321,7 @@ def test_settings_it_cannot_read_are_refused(float_checkpoint, tmp_path):
         ({"fmt": "e5m2"}, "only e4m3"),
         ({"activation_scheme": "per-token"}, "activation_scheme"),
         ({"weight_block_size": [128]}, "weight_block_size"),
-        ({"kv_cache_scheme": {}}, "unknown fp8 settings"),
+        ({"kv_cache_schema": {}}, "unknown fp8 settings"),
     ):
         quant = {**config["quantization_config"], **change}
         (target / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))

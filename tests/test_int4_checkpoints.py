@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import load_reference, make_checkpoint, reference_greedy
+from tiny_models import assert_matches_reference, load_reference, make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
@@ -149,10 +149,7 @@ def test_greedy_matches_the_dequantized_reference(
     with torch.no_grad():
         for name, weight in dequantized.items():
             reference.get_submodule(name.removesuffix(".weight")).weight.copy_(weight)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
-    )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_matches_reference(llm, reference, PROMPTS, NEW_TOKENS, tolerance=1e-3)
     # Q/K/V (and gate/up) of one type become one packed product, and the decoder layer
     # runs natively (one call a layer), unless act-order reordered their columns.
     layer = model.model.layers[0]
@@ -162,12 +159,6 @@ def test_greedy_matches_the_dequantized_reference(
     assert (attn.qkv.runs[0].qtype is not None) == all(ordered[:3])
     assert bool(layer._native) == all(ordered)
     assert all(ordered) == (not act_order or group == -1)
-    for prompt, output in zip(PROMPTS, outputs, strict=True):
-        tokens, top = reference_greedy(reference, prompt, NEW_TOKENS, num_logprobs=1)
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        for step, token in enumerate(tokens):
-            assert abs(completion.logprobs[step][token].logprob - top[step][token]) < 1e-3
 
 
 def test_marlin_names_and_refusals(float_checkpoint, tmp_path):

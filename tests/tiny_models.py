@@ -192,3 +192,22 @@ def reference_greedy(
         values, ids = logprobs.topk(num_logprobs)
         top.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
     return tokens, top
+
+
+def assert_matches_reference(
+    llm: Any, model: Any, prompts: list[list[int]], new_tokens: int, tolerance: float
+) -> None:
+    """``llm``'s greedy tokens are ``model``'s (:func:`reference_greedy`) and their
+    logprobs within ``tolerance``."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=1
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, top = reference_greedy(model, prompt, new_tokens, num_logprobs=1)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        for step, token in enumerate(tokens):
+            assert abs(completion.logprobs[step][token].logprob - top[step][token]) < tolerance

@@ -77,10 +77,15 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
         spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype))
-        if cache.calculate_kv_scales:
-            for module in loaded.model.modules():
-                if isinstance(module, Attention):
-                    module.calculate_kv_scales = True
+        for module in loaded.model.modules():
+            if not isinstance(module, Attention):
+                continue
+            if cache.calculate_kv_scales:
+                module.calculate_kv_scales = True
+            elif spec.dtype == torch.float8_e4m3fn:
+                # The checkpoint's own scales, where it was quantized for an fp8 cache.
+                module.k_scale = getattr(module, "checkpoint_k_scale", 1.0)
+                module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)
         num_blocks = num_kv_blocks(
             config, spec.bytes_per_block(cache.block_size), self.max_model_len
         )

@@ -235,7 +235,8 @@ class RuntimeArgs:
         choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
         help="Data type of the KV cache. 'auto' uses the model's data type; 'fp8' (= "
         "'fp8_e4m3') stores keys and values as float8_e4m3fn divided by a per-layer scale "
-        "(1.0, or computed with --calculate-kv-scales), 'fp8_e5m2' as float8_e5m2 without "
+        "(the checkpoint's k_scale/v_scale, else 1.0, or computed with "
+        "--calculate-kv-scales), 'fp8_e5m2' as float8_e5m2 without "
         "scales: half the memory of a bfloat16 cache, so twice the blocks. Attention "
         "reads it back in the model's dtype.",
     )
@@ -244,7 +245,7 @@ class RuntimeArgs:
         group="CacheConfig",
         help="With --kv-cache-dtype fp8: compute each layer's key and value scales from the "
         "first batch it sees (the largest magnitude over 200 for keys, over 100 for values, "
-        "as vLLM does) instead of 1.0.",
+        "as vLLM does) instead of the checkpoint's scales or 1.0.",
     )
     cpu_offload_gb: float = arg(
         0.0,

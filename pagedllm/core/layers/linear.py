@@ -48,6 +48,25 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
+def share_rows(
+    layers: Sequence[nn.Module], sizes: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and one bias, zeros for a layer without one) of ``sum(sizes)`` rows,
+    like the layers' weights, whose row slices become the layers' own ``weight`` (and
+    ``bias``), in order: loading the layers by name then fills the fused tensors."""
+    first = layers[0].weight
+    weight = first.new_empty((sum(sizes), *first.shape[1:]))
+    biases = [layer.bias for layer in layers if layer.bias is not None]
+    bias = biases[0].new_zeros(sum(sizes)) if biases else None
+    offset = 0
+    for layer, size in zip(layers, sizes, strict=True):
+        layer.weight.data = weight[offset : offset + size]
+        if layer.bias is not None:
+            layer.bias.data = bias[offset : offset + size]
+        offset += size
+    return weight, bias
+
+
 class LinearGroup(nn.Module):
     """Linear layers that read the same input, computed as one: ``forward(x)`` returns
     their outputs, in order.
@@ -121,17 +140,7 @@ class FusedLinear(nn.Module):
     def __init__(self, layers: Sequence[Linear]) -> None:
         super().__init__()
         self.sizes = [layer.output_size for layer in layers]
-        first = layers[0].weight
-        weight = first.new_empty((sum(self.sizes), layers[0].input_size))
-        bias = None
-        if any(layer.bias is not None for layer in layers):
-            bias = first.new_zeros(sum(self.sizes))
-        offset = 0
-        for layer, size in zip(layers, self.sizes, strict=True):
-            layer.weight.data = weight[offset : offset + size]
-            if layer.bias is not None:
-                layer.bias.data = bias[offset : offset + size]
-            offset += size
+        weight, bias = share_rows(layers, self.sizes)
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 

@@ -112,6 +112,42 @@ def copy_weights(
     return loaded
 
 
+# Checkpoint names of an fp8 KV cache's scales, by the module that computes the
+# attention: ``<attn>.k_scale`` (AutoFP8, llm-compressor) and the older
+# ``<attn>.k_proj.output_scale``; likewise for values.
+_KV_SCALE_SUFFIXES = {
+    ".k_scale": "k",
+    ".v_scale": "v",
+    ".k_proj.output_scale": "k",
+    ".v_proj.output_scale": "v",
+}
+
+
+def take_kv_scales(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Any = None
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` without the KV-cache scales a checkpoint quantized for an fp8 cache
+    carries; each is kept on its layer's ``Attention`` as ``checkpoint_k_scale`` /
+    ``checkpoint_v_scale``, which the engine uses with ``--kv-cache-dtype fp8``."""
+    from pagedllm.core.attention.layer import Attention
+
+    for name, tensor in weights:
+        suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        owner_name = name[: -len(suffix)]
+        owner_name = rename(f"{owner_name}.x") if rename else f"{owner_name}.x"
+        try:
+            owner = model.get_submodule(owner_name.removesuffix(".x")) if owner_name else None
+        except AttributeError:
+            owner = None
+        layers = [m for m in owner.modules() if isinstance(m, Attention)] if owner else []
+        if len(layers) != 1 or tensor.numel() != 1:
+            raise ConfigError(f"the checkpoint has a KV-cache scale {name!r} for no attention")
+        setattr(layers[0], f"checkpoint_{_KV_SCALE_SUFFIXES[suffix]}_scale", float(tensor))
+
+
 def layer_sliding_windows(config: Any, disable_sliding_window: bool = False) -> list[int | None]:
     """The sliding window of each layer (None = full attention)."""
     window = getattr(config, "sliding_window", None)
@@ -172,4 +208,5 @@ class CausalLM(nn.Module, ModelArchitecture):
         return weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return copy_weights(self, self.prepare_weights(weights), rename=self.checkpoint_name)
+        weights = take_kv_scales(self, self.prepare_weights(weights), self.checkpoint_name)
+        return copy_weights(self, weights, rename=self.checkpoint_name)

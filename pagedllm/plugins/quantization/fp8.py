@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
+from pagedllm.core.layers.linear import share_rows
 from pagedllm.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8
 
 logger = logging.getLogger("pagedllm.quantization")
@@ -66,6 +67,9 @@ class Fp8Config(QuantizationConfig):
             "ignored_layers",
             "modules_to_not_convert",
             "fmt",
+            # (says the checkpoint holds k_scale / v_scale for an fp8 KV cache: read with
+            # the weights, used with --kv-cache-dtype fp8)
+            "kv_cache_scheme",
         }
         unknown = sorted(set(config) - known)
         if unknown:
@@ -214,18 +218,9 @@ class Fp8FusedLinear(nn.Module):
         self.layers = tuple(layers)  # (not registered: they live where the model put them)
         self.sizes = [layer.weight.shape[0] for layer in layers]
         self._waiting = len(layers)
-        first = layers[0].weight
-        weight = first.new_empty((sum(self.sizes), first.shape[1]))
-        bias = None
-        if layers[0].bias is not None:
-            bias = layers[0].bias.new_zeros(sum(self.sizes))
-        offset = 0
-        for layer, size in zip(layers, self.sizes, strict=True):
-            layer.weight.data = weight[offset : offset + size]
-            if bias is not None:
-                layer.bias.data = bias[offset : offset + size]
+        weight, bias = share_rows(layers, self.sizes)
+        for layer in layers:
             layer.fp8_fused = self
-            offset += size
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("scale", None, persistent=False)

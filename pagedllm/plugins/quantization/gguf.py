@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces import EmbeddingMethod, LinearMethod, QuantizationConfig
+from pagedllm.core.layers.linear import share_rows
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row
 from pagedllm.kernels.gguf_matmul import activation_mode, gguf_embedding, gguf_linear
@@ -65,17 +66,7 @@ class PackedFusedLinear(nn.Module):
         self.qtype = qtype
         self.sizes = [layer.gguf_shape[0] for layer in layers]
         self.in_features = layers[0].gguf_shape[1]
-        first = layers[0].weight
-        weight = first.new_empty((sum(self.sizes), first.shape[1]))
-        bias = None
-        if layers[0].bias is not None:
-            bias = layers[0].bias.new_zeros(sum(self.sizes))
-        offset = 0
-        for layer, size in zip(layers, self.sizes, strict=True):
-            layer.weight.data = weight[offset : offset + size]
-            if bias is not None:
-                layer.bias.data = bias[offset : offset + size]
-            offset += size
+        weight, bias = share_rows(layers, self.sizes)
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
