@@ -12,3 +12,7 @@ def pagedllm_register_quantization_methods(registry):
     registry.add("gptq_marlin", "pagedllm.plugins.quantization.int4:GPTQMarlinConfig")
     registry.add("awq", "pagedllm.plugins.quantization.int4:AWQConfig")
     registry.add("awq_marlin", "pagedllm.plugins.quantization.int4:AWQMarlinConfig")
+    registry.add(
+        "compressed-tensors",
+        "pagedllm.plugins.quantization.compressed_tensors:CompressedTensorsConfig",
+    )

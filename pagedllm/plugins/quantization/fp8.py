@@ -39,6 +39,8 @@ class Fp8Config(QuantizationConfig):
     name = "fp8"
     # Scales computed at load: one per tensor (fp8) or per output row (fbgemm_fp8).
     per_channel = False
+    # What a checkpoint with weight_block_size calls its block scales.
+    block_scale_name = "weight_scale_inv"
 
     def __init__(
         self,
@@ -158,7 +160,8 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = param(output_size, input_size, dtype=FP8_DTYPE)
         if config.block is not None:
             rows, cols = config.block
-            layer.weight_scale_inv = param(-(-output_size // rows), -(-input_size // cols))
+            blocks = param(-(-output_size // rows), -(-input_size // cols))
+            setattr(layer, config.block_scale_name, blocks)
         elif config.per_channel:
             layer.weight_scale = param(output_size, 1)
         else:
@@ -176,10 +179,10 @@ class Fp8LinearMethod(LinearMethod):
             group = in_features
         elif config.block is not None:
             rows, cols = config.block
-            scale = layer.weight_scale_inv.data.float().repeat_interleave(rows, dim=0)
-            scale = scale[:out_features].contiguous()
+            blocks = getattr(layer, config.block_scale_name).data.float()
+            scale = blocks.repeat_interleave(rows, dim=0)[:out_features].contiguous()
             group = cols
-            del layer.weight_scale_inv
+            delattr(layer, config.block_scale_name)
         else:
             scale = layer.weight_scale.data.float().reshape(-1, 1).expand(out_features, 1)
             group = in_features

@@ -64,11 +64,17 @@ def _f16_exact(scales: torch.Tensor) -> bool:
 
 
 def repack_to_gguf(
-    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor
+    q: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    groups: torch.Tensor,
+    bits: int = 4,
 ) -> tuple[torch.Tensor, GGMLQuantizationType] | None:
     """GGML rows ``[out, row_bytes]`` holding exactly ``scales[g, o] * (q[i, o] -
-    zeros[g, o])`` for ``q`` ``[in, out]`` and input groups ``groups`` ``[in]`` (which
-    must be contiguous runs), or None where blocks of 32 columns cannot hold it."""
+    zeros[g, o])`` for unsigned ``bits``-bit ``q`` ``[in, out]`` and input groups
+    ``groups`` ``[in]`` (which must be contiguous runs), or None where blocks of 32
+    columns cannot hold it: Q4_0 for 4 bits with every zero point 8, else Q8_0 when
+    every ``q - zero`` fits in 8 bits."""
     in_features, out_features = q.shape
     if in_features % 32 or not _f16_exact(scales):
         return None
@@ -76,10 +82,12 @@ def repack_to_gguf(
     if not torch.equal(block_groups, block_groups[:, :1].expand(-1, 32)):
         return None  # a block of 32 columns spans two groups
     values = (q.to(torch.int16) - zeros[groups].to(torch.int16)).T.contiguous()  # [out, in]
+    if int(values.min()) < -128 or int(values.max()) > 127:
+        return None
     d = scales[block_groups[:, 0]].T.contiguous().half()  # [out, in / 32]
     blocks = in_features // 32
     d_bytes = d.view(torch.uint8).reshape(out_features, blocks, 2)
-    if bool((zeros == 8).all()):
+    if bits == 4 and bool((zeros == 8).all()):
         nibbles = (values + 8).to(torch.uint8).reshape(out_features, blocks, 2, 16)
         packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # low: 0..15, high: 16..31
         qtype = GGMLQuantizationType.Q4_0
@@ -154,8 +162,8 @@ class Int4LinearMethod(GGUFLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, zeros, scales, groups = self._unpack(layer)
         in_features, out_features = q.shape
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            if hasattr(layer, name):
+        for name, _ in list(layer.named_parameters(recurse=False)):
+            if name != "bias":  # (the checkpoint's tensors: repacked below)
                 delattr(layer, name)
         perm = None
         if bool((groups[1:] < groups[:-1]).any()):
@@ -164,7 +172,7 @@ class Int4LinearMethod(GGUFLinearMethod):
         layer.int4_perm = perm
         layer.gguf_shape = (out_features, in_features)
         fused = getattr(layer, "int4_fused", None)
-        repacked = repack_to_gguf(q, zeros, scales, groups)
+        repacked = repack_to_gguf(q, zeros, scales, groups, getattr(self, "bits", 4))
         if repacked is None:
             if not self.config._warned:
                 self.config._warned = True
