@@ -49,13 +49,19 @@ def _write(source, target, weights: QuantizationArgs, fmt: str, activations=None
         if not hasattr(module, "weight_scale"):
             continue
         w = module.weight.data
-        if weights.strategy == "group":
-            runs = w.reshape(w.shape[0], -1, weights.group_size)
-        elif weights.strategy == "channel":
-            runs = w.reshape(w.shape[0], 1, -1)
+        if weights.strategy == "block":
+            rows, cols = weights.block_structure
+            tiles = w.reshape(w.shape[0] // rows, rows, w.shape[1] // cols, cols)
+            low, high = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
         else:
-            runs = w.reshape(1, 1, -1)
-        scale, zero = calculate_qparams(runs.amin(-1), runs.amax(-1), weights)
+            if weights.strategy == "group":
+                runs = w.reshape(w.shape[0], -1, weights.group_size)
+            elif weights.strategy == "channel":
+                runs = w.reshape(w.shape[0], 1, -1)
+            else:
+                runs = w.reshape(1, 1, -1)
+            low, high = runs.amin(-1), runs.amax(-1)
+        scale, zero = calculate_qparams(low, high, weights)
         module.weight_scale.data.copy_(scale.half().float().reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
@@ -96,6 +102,13 @@ CASES = {
     ),
     "fp8-channel": (
         QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"),
+        "float-quantized",
+        None,
+    ),
+    "fp8-block": (
+        QuantizationArgs(
+            num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 32]
+        ),
         "float-quantized",
         None,
     ),
