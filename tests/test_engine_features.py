@@ -31,7 +31,7 @@ def build(model, **kwargs):
     ("kwargs", "message"),
     [
         (dict(task="embed"), "--task embed: pagedllm serves text generation only"),
-        (dict(config_format="mistral"), "--config-format mistral"),
+        (dict(config_format="mistral"), "cannot read the Mistral config"),
         (dict(logits_processor_pattern=".*"), "--logits-processor-pattern"),
         (dict(swap_space=8), "--swap-space=8: pagedllm never swaps"),
         (dict(gpu_memory_utilization=0.5), "does not apply to the cpu device"),

@@ -62,12 +62,20 @@ def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             revision=mc.revision,
             download_dir=config.load_config.download_dir,
         )
-        from transformers import AutoConfig
+        fmt = mc.config_format
+        if fmt == "auto" and path.is_dir() and not (path / "config.json").exists():
+            fmt = "mistral" if (path / "params.json").exists() else "hf"
+        if fmt == "mistral":
+            from pagedllm.plugins.loaders.mistral import mistral_hf_config
 
-        try:
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
+            hf_config = mistral_hf_config(path)
+        else:
+            from transformers import AutoConfig
+
+            try:
+                hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
         if loader is not None and mc.hf_config_path:
             # The checkpoint may still say how its weights are stored (GGUF types), which
             # a config.json from elsewhere cannot know.

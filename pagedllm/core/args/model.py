@@ -107,11 +107,10 @@ class ModelArgs:
     config_format: str = arg(
         "auto",
         group="ModelConfig",
-        supported=("auto", "hf"),
-        unsupported="{option} {value}: only Hugging Face configs are read (use {supported})",
         choices=("auto", "hf", "mistral"),
-        help="Format of the model config: 'hf', 'mistral', or 'auto' (hf when present, "
-        "else mistral).",
+        help="Format of the model config: 'hf' (config.json), 'mistral' (params.json, "
+        "Mistral's own layout; with --load-format mistral), or 'auto' (config.json when "
+        "present, else params.json).",
     )
     dtype: str = arg(
         "auto",

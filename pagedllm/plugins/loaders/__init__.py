@@ -11,3 +11,4 @@ def pagedllm_register_load_formats(registry):
     registry.add("npcache", "pagedllm.plugins.loaders.npcache:NpcacheLoader")
     registry.add("gguf", "pagedllm.plugins.loaders.gguf:GGUFLoader")
     registry.add("dummy", "pagedllm.plugins.loaders.dummy:DummyLoader")
+    registry.add("mistral", "pagedllm.plugins.loaders.mistral:MistralLoader")
