@@ -28,7 +28,7 @@ from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.plugins.quantization.fp8 import Fp8Config, Fp8LinearMethod
-from pagedllm.plugins.quantization.int4 import Int4LinearMethod, _param
+from pagedllm.plugins.quantization.int4 import Int4LinearMethod, _param, unpack_int32
 
 logger = logging.getLogger("pagedllm.quantization")
 
@@ -52,17 +52,6 @@ def _matches(pattern: str, prefix: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], prefix) is not None
     return pattern in ("Linear", prefix)
-
-
-def _unpack_signed(packed: torch.Tensor, bits: int, count: int, dim: int) -> torch.Tensor:
-    """compressed-tensors' ``pack_to_int32`` undone: ``count`` unsigned ``bits``-bit
-    values along ``dim`` (value ``v`` of a run at bits ``v * bits``)."""
-    per = 32 // bits
-    shifts = torch.arange(0, per * bits, bits, dtype=torch.int32)
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if dim == 1:
-        return values.reshape(packed.shape[0], -1)[:, :count]
-    return values.movedim(-1, 1).reshape(-1, packed.shape[1])[:count]
 
 
 class CTIntMethod(Int4LinearMethod):
@@ -108,7 +97,7 @@ class CTIntMethod(Int4LinearMethod):
             shape = tuple(int(v) for v in layer.weight_shape.data.tolist())
             if shape != (out_features, in_features):
                 raise ValueError(f"weight_shape {shape} is not the layer's {layer.ct_shape}")
-            q = _unpack_signed(layer.weight_packed.data, self.bits, in_features, dim=1)
+            q = unpack_int32(layer.weight_packed.data, 1, self.bits, in_features)
         else:
             q = layer.weight.data.to(torch.int32) + offset
         scales = layer.weight_scale.data.float().expand(out_features, -1)
@@ -118,7 +107,7 @@ class CTIntMethod(Int4LinearMethod):
         else:
             zp = layer.weight_zero_point.data
             if self.fmt == "pack-quantized":
-                zp = _unpack_signed(zp, self.bits, out_features, dim=0)
+                zp = unpack_int32(zp, 0, self.bits, out_features)
             else:
                 zp = zp.to(torch.int32).expand(out_features, -1) + offset
             zeros = zp.T.to(torch.int16)

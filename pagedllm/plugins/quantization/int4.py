@@ -40,23 +40,27 @@ logger = logging.getLogger("pagedllm.quantization")
 
 PACK = 8  # 4-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each nibble, AutoAWQ's packing
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[r, c]`` -> uint8 ``[r * 8, c]``: nibble j of row r is row ``8r + j``."""
-    nibbles = (packed.unsqueeze(1) >> _SHIFTS[None, :, None]) & 0xF
-    return nibbles.reshape(-1, packed.shape[1]).to(torch.uint8)
-
-
-def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 ``[r, c]`` -> uint8 ``[r, c * 8]``: nibble j of column c is column
-    ``8c + order[j]`` (``8c + j`` without an order)."""
-    nibbles = ((packed.unsqueeze(-1) >> _SHIFTS) & 0xF).to(torch.uint8)
+def unpack_int32(
+    packed: torch.Tensor,
+    dim: int,
+    bits: int = 4,
+    count: int | None = None,
+    order: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Unsigned ``bits``-bit values packed into int32 ``[r, c]`` along ``dim`` (lowest
+    bits first), as uint8: ``[r * n, c]`` for ``dim`` 0 (field j of row r is row
+    ``n * r + j``), ``[r, c * n]`` for ``dim`` 1 (column ``n * c + order[j]``), with
+    ``n = 32 // bits``; the first ``count`` rows or columns where padding follows."""
+    per = 32 // bits
+    shifts = torch.arange(0, per * bits, bits, dtype=torch.int32)
+    fields = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
     if order is not None:
-        inverse = [order.index(k) for k in range(PACK)]
-        nibbles = nibbles[..., inverse]
-    return nibbles.reshape(packed.shape[0], -1)
+        fields = fields[..., [order.index(k) for k in range(per)]]
+    if dim == 0:
+        return fields.movedim(-1, 1).reshape(-1, packed.shape[1])[:count]
+    return fields.reshape(packed.shape[0], -1)[:, :count]
 
 
 def _f16_exact(scales: torch.Tensor) -> bool:
@@ -275,8 +279,8 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.int4_dtype = params_dtype
 
     def _unpack(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        q = unpack_rows(layer.qweight.data)
-        zeros = unpack_cols(layer.qzeros.data).to(torch.int16) + 1  # (stored minus one)
+        q = unpack_int32(layer.qweight.data, dim=0)
+        zeros = unpack_int32(layer.qzeros.data, dim=1).to(torch.int16) + 1  # (stored minus one)
         groups = layer.g_idx.data.long()
         if int(groups.min()) < 0 or int(groups.max()) >= zeros.shape[0]:
             raise ValueError(f"{self.config.name}: g_idx names groups the layer does not have")
@@ -298,8 +302,8 @@ class AWQLinearMethod(Int4LinearMethod):
         layer.int4_dtype = params_dtype
 
     def _unpack(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
-        q = unpack_cols(layer.qweight.data, AWQ_ORDER)
-        zeros = unpack_cols(layer.qzeros.data, AWQ_ORDER).to(torch.int16)
+        q = unpack_int32(layer.qweight.data, dim=1, order=AWQ_ORDER)
+        zeros = unpack_int32(layer.qzeros.data, dim=1, order=AWQ_ORDER).to(torch.int16)
         in_features = q.shape[0]
         size = in_features if self.config.group_size == -1 else self.config.group_size
         groups = torch.arange(in_features) // size
