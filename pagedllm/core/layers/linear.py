@@ -67,6 +67,21 @@ def share_rows(
     return weight, bias
 
 
+def restack_rows(layers: Sequence[nn.Module], sizes: Sequence[int], name: str) -> torch.Tensor:
+    """For fused layers whose ``name`` tensors were replaced after loading (repacked or
+    quantized, each its own tensor): those tensors stacked into one, whose row slices
+    become the layers' ``name`` again, so that one copy is kept."""
+    stacked = torch.cat([getattr(layer, name).data for layer in layers])
+    offset = 0
+    for layer, size in zip(layers, sizes, strict=True):
+        rows = stacked[offset : offset + size]
+        if isinstance(getattr(layer, name), nn.Parameter):
+            rows = nn.Parameter(rows, requires_grad=False)
+        setattr(layer, name, rows)
+        offset += size
+    return stacked
+
+
 class LinearGroup(nn.Module):
     """Linear layers that read the same input, computed as one: ``forward(x)`` returns
     their outputs, in order.

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
-from pagedllm.core.layers.linear import share_rows
+from pagedllm.core.layers.linear import restack_rows, share_rows
 from pagedllm.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8
 
 logger = logging.getLogger("pagedllm.quantization")
@@ -238,21 +238,11 @@ class Fp8FusedLinear(nn.Module):
         if len(groups) != 1:
             raise ValueError(f"fused fp8 layers with different column groups: {groups}")
         self.group = groups.pop()
-        self.scale = torch.cat([layer.fp8_scale for layer in self.layers]).contiguous()
+        self.scale = restack_rows(self.layers, self.sizes, "fp8_scale")
         if self.weight.dtype != FP8_DTYPE:
             # Quantized at load: each layer's weight is a new tensor; stack them in place
             # of the float one.
-            self.weight = torch.cat([layer.weight.data for layer in self.layers])
-            offset = 0
-            for layer, size in zip(self.layers, self.sizes, strict=True):
-                layer.weight = nn.Parameter(
-                    self.weight[offset : offset + size], requires_grad=False
-                )
-                offset += size
-        offset = 0
-        for layer, size in zip(self.layers, self.sizes, strict=True):
-            layer.fp8_scale = self.scale[offset : offset + size]  # (one copy: the fused one)
-            offset += size
+            self.weight = restack_rows(self.layers, self.sizes, "weight")
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         out = fp8_linear(x, self.weight, self.scale, self.group, self.bias)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
+from pagedllm.core.layers.linear import restack_rows
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_matmul import gguf_linear
 from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
@@ -241,15 +242,9 @@ class Int4FusedLinear(PackedFusedLinear):
             return
         if any(layer.int4_perm is not None for layer in self.layers):
             return
-        self.weight = torch.cat([layer.weight.data for layer in self.layers])
+        self.weight = restack_rows(self.layers, self.sizes, "weight")
         if self.layers[0].bias is not None:
-            self.bias = torch.cat([layer.bias.data for layer in self.layers])
-        offset = 0
-        for layer, size in zip(self.layers, self.sizes, strict=True):
-            layer.weight = nn.Parameter(self.weight[offset : offset + size], requires_grad=False)
-            if self.bias is not None:
-                layer.bias.data = self.bias[offset : offset + size]
-            offset += size
+            self.bias = restack_rows(self.layers, self.sizes, "bias")
         self.qtype = qtypes.pop()
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
