@@ -35,7 +35,7 @@ def float_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ct") / "llama", "llama", seed=11)
 
 
-def _write(source, target, weights: QuantizationArgs, fmt: str, activations=None):
+def _write(source, target, weights: QuantizationArgs, fmt: str, activations=None, fp16_scales=True):
     """The library's own checkpoint of ``source``, min/max scales per its strategy (fp16
     values, so that integer weights repack exactly), and the float32 weights it
     decompresses to."""
@@ -62,7 +62,9 @@ def _write(source, target, weights: QuantizationArgs, fmt: str, activations=None
                 runs = w.reshape(1, 1, -1)
             low, high = runs.amin(-1), runs.amax(-1)
         scale, zero = calculate_qparams(low, high, weights)
-        module.weight_scale.data.copy_(scale.half().float().reshape(module.weight_scale.shape))
+        if fp16_scales:
+            scale = scale.half().float()
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
@@ -137,6 +139,30 @@ def test_library_checkpoints(float_checkpoint, tmp_path, case):
     else:
         assert down.weight.dtype == torch.uint8 and down.method.qtype == qtype
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32  # (ignored)
+    reference = load_reference(float_checkpoint)
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            reference.get_submodule(name).weight.copy_(weight)
+    assert_matches_reference(llm, reference, PROMPTS, NEW_TOKENS, tolerance=1e-3)
+
+
+def test_scales_blocks_cannot_hold_run_dequantized(float_checkpoint, tmp_path, caplog):
+    """float32 scales that are not fp16 values cannot go into GGML blocks: those layers run
+    dequantized (still the library's weights), with a warning, also when the log has
+    already said that the scheme's activation quantization is not used."""
+    weights, fmt, _ = CASES["w8a8-int8"]
+    activations = QuantizationArgs(
+        num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True
+    )
+    target = tmp_path / "f32-scales"
+    dequantized = _write(float_checkpoint, target, weights, fmt, activations, fp16_scales=False)
+    with caplog.at_level("INFO", logger="pagedllm.quantization"):
+        llm = LLM(str(target), dtype="float32", disable_log_stats=True)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("activation quantization is not used" in m for m in messages)
+    assert any("run dequantized" in m for m in messages)
+    down = llm.llm_engine.loaded.model.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == torch.float32 and down.method.qtype is None
     reference = load_reference(float_checkpoint)
     with torch.no_grad():
         for name, weight in dequantized.items():

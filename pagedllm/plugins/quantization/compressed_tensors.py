@@ -128,7 +128,8 @@ class CompressedTensorsConfig(QuantizationConfig):
     ) -> None:
         self.schemes = schemes
         self.ignore = ignore
-        self._warned = False
+        self._warned = False  # (Int4LinearMethod's warning: layers run dequantized)
+        self._told_activations = False
         # One fp8 config per float-quantized scheme, so that its layers can fuse.
         self._fp8: dict[int, Fp8Config] = {}
 
@@ -186,8 +187,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         for index, (targets, weights, activations, fmt) in enumerate(self.schemes):
             if not any(_matches(target, prefix) for target in targets):
                 continue
-            if activations and not self._warned:
-                self._warned = True
+            if activations and not self._told_activations:
+                self._told_activations = True
                 logger.info(
                     "compressed-tensors: activations stay in the model's dtype on the cpu "
                     "(the checkpoint's activation quantization is not used)"

@@ -25,6 +25,7 @@ model's dtype instead, with a warning.
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -160,9 +161,9 @@ class Int4LinearMethod(GGUFLinearMethod):
         size = self.config.group_size
         return 1 if size == -1 else -(-in_features // size)
 
+    @abstractmethod
     def _unpack(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
         """``(q [in, out], zeros [groups, out], scales [groups, out], groups [in])``."""
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, zeros, scales, groups = self._unpack(layer)
