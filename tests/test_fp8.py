@@ -311,6 +311,13 @@ def test_kv_cache_scales_from_the_checkpoint(float_checkpoint, tmp_path):
     )
     computed.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
     assert not set(stored) & set(layer_scales(computed))
+    # A scale for an attention the model does not have is an error naming it.
+    stray = tmp_path / "stray"
+    _write_fp8_checkpoint(
+        float_checkpoint, stray, kv_scales={"model.layers.7.self_attn.k_scale": 0.01}
+    )
+    with pytest.raises(ConfigError, match=r"KV-cache scale 'model\.layers\.7"):
+        LLM(str(stray), dtype="float32", kv_cache_dtype="fp8", disable_log_stats=True)
 
 
 def test_settings_it_cannot_read_are_refused(float_checkpoint, tmp_path):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.core.attention.layer import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
@@ -129,17 +130,16 @@ def take_kv_scales(
     """``weights`` without the KV-cache scales a checkpoint quantized for an fp8 cache
     carries; each is kept on its layer's ``Attention`` as ``checkpoint_k_scale`` /
     ``checkpoint_v_scale``, which the engine uses with ``--kv-cache-dtype fp8``."""
-    from pagedllm.core.attention.layer import Attention
-
     for name, tensor in weights:
         suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
             yield name, tensor
             continue
-        owner_name = name[: -len(suffix)]
-        owner_name = rename(f"{owner_name}.x") if rename else f"{owner_name}.x"
+        target = rename(name) if rename else name
+        if target is None:
+            continue  # (the model drops it, as copy_weights does)
         try:
-            owner = model.get_submodule(owner_name.removesuffix(".x")) if owner_name else None
+            owner = model.get_submodule(target[: -len(suffix)])
         except AttributeError:
             owner = None
         layers = [m for m in owner.modules() if isinstance(m, Attention)] if owner else []
