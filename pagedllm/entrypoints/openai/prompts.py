@@ -137,28 +137,34 @@ class PromptPreparer:
         return self._executor.submit(self._warm_up)
 
     def _warm_up(self) -> None:
-        from pagedllm.entrypoints.openai.template_guard import bounded
-
         if self.tokenizer is None:
             return
         try:
-            with bounded(self.max_prompt_chars, self.template_timeout):
-                render_chat(
-                    self.tokenizer,
-                    [{"role": "user", "content": "Hello"}],
-                    template=self.chat_template,
-                    content_format=self.content_format,
-                    add_generation_prompt=True,
-                    continue_final_message=False,
-                )
+            self._render(
+                [{"role": "user", "content": "Hello"}],
+                self.chat_template,
+                add_generation_prompt=True,
+                continue_final_message=False,
+            )
         except Exception as exc:  # (the template's own errors: a request reports them)
             logger.debug("the chat template did not render a one-message chat: %s", exc)
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        """The rendered and tokenized prompt of a chat request."""
+    def _render(self, messages: list[Any], template: str | None, **options: Any) -> str:
+        """``messages`` through the chat template, within the template limits."""
         # (imported here, not at the top: it imports jinja2; see warm_up)
         from pagedllm.entrypoints.openai.template_guard import bounded
 
+        with bounded(self.max_prompt_chars, self.template_timeout):
+            return render_chat(
+                self.tokenizer,
+                messages,
+                template=template,
+                content_format=self.content_format,
+                **options,
+            )
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
+        """The rendered and tokenized prompt of a chat request."""
         size = sum(
             _text_size(part)
             for part in (
@@ -171,18 +177,15 @@ class PromptPreparer:
         self.check_text_size(size, "messages")
         self._check_truncation(request.truncate_prompt_tokens)
         try:
-            with bounded(self.max_prompt_chars, self.template_timeout):
-                text = render_chat(
-                    self.tokenizer,
-                    request.messages,
-                    template=request.chat_template or self.chat_template,
-                    content_format=self.content_format,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                    tools=request.tools,
-                    documents=request.documents,
-                    chat_template_kwargs=request.chat_template_kwargs,
-                )
+            text = self._render(
+                request.messages,
+                request.chat_template or self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=request.tools,
+                documents=request.documents,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
         token_ids = self.tokenize(text, request.add_special_tokens, "messages")
