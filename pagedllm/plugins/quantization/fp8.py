@@ -29,6 +29,7 @@ from torch import nn
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import restack_rows, share_rows
 from pagedllm.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8
+from pagedllm.plugins.quantization.common import left_in_floats
 
 logger = logging.getLogger("pagedllm.quantization")
 
@@ -101,15 +102,8 @@ class Fp8Config(QuantizationConfig):
         ]
         return cls(serialized=True, activation_scheme=scheme, block=block, ignored=ignored)
 
-    def skips(self, prefix: str) -> bool:
-        """Whether the layer at ``prefix`` stays in floats: the head, and the layers the
-        checkpoint lists (by name or part of a name, as transformers matches them)."""
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
-            return True
-        return any(name and name in prefix for name in self.ignored)
-
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        if self.skips(prefix):
+        if left_in_floats(prefix, self.ignored):
             return None
         if not self._told:
             self._told = True

@@ -36,6 +36,7 @@ from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import restack_rows
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_matmul import gguf_linear
+from pagedllm.plugins.quantization.common import left_in_floats
 from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
 
 logger = logging.getLogger("pagedllm.quantization")
@@ -111,10 +112,9 @@ class _Int4Config(QuantizationConfig):
     _INERT: ClassVar[frozenset[str]] = frozenset()
     _READ: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, group_size: int, ignored: list[str], **settings: Any) -> None:
+    def __init__(self, group_size: int, ignored: list[str]) -> None:
         self.group_size = group_size
         self.ignored = ignored
-        self.settings = settings
         self._warned = False
 
     @classmethod
@@ -137,9 +137,7 @@ class _Int4Config(QuantizationConfig):
         return group, ignored
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        if prefix == "lm_head" or prefix.endswith(".lm_head"):
-            return None
-        if any(name and name in prefix for name in self.ignored):
+        if left_in_floats(prefix, self.ignored):
             return None
         return self.method_cls(self)
 
@@ -152,6 +150,8 @@ class Int4LinearMethod(GGUFLinearMethod):
     dequantized) and, with ``desc_act``, the column order. Without a column order the
     layer is a GGUF layer like any other, and the GGUF kernels' fused paths (the native
     decoder layer) take it."""
+
+    bits = 4  # (of the checkpoint's values: compressed-tensors' may have 8)
 
     def __init__(self, config: _Int4Config) -> None:
         super().__init__(None)  # (the type is known once the weights are repacked)
@@ -178,7 +178,7 @@ class Int4LinearMethod(GGUFLinearMethod):
         layer.int4_perm = perm
         layer.gguf_shape = (out_features, in_features)
         fused = getattr(layer, "int4_fused", None)
-        repacked = repack_to_gguf(q, zeros, scales, groups, getattr(self, "bits", 4))
+        repacked = repack_to_gguf(q, zeros, scales, groups, self.bits)
         if repacked is None:
             if not self.config._warned:
                 self.config._warned = True

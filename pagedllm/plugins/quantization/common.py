@@ -1,0 +1,14 @@
+"""What the built-in quantization methods share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def left_in_floats(prefix: str, ignored: Iterable[str]) -> bool:
+    """Whether the linear layer at ``prefix`` stays in floats: the vocabulary head, and
+    the layers a checkpoint lists (``ignored_layers``, ``modules_to_not_convert``) by name
+    or part of a name, as transformers matches them."""
+    if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        return True
+    return any(name and name in prefix for name in ignored)
