@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
+from pagedllm.plugins.quantization.common import checkpoint_param
 from pagedllm.plugins.quantization.fp8 import Fp8Config, Fp8LinearMethod
-from pagedllm.plugins.quantization.int4 import Int4LinearMethod, _param, unpack_int32
+from pagedllm.plugins.quantization.int4 import Int4LinearMethod, unpack_int32
 
 logger = logging.getLogger("pagedllm.quantization")
 
@@ -76,17 +77,21 @@ class CTIntMethod(Int4LinearMethod):
         scale_rows = 1 if self.strategy == "tensor" else output_size
         if self.fmt == "pack-quantized":
             per = 32 // self.bits
-            layer.weight_packed = _param(output_size, -(-input_size // per), dtype=torch.int32)
-            layer.weight_shape = _param(2, dtype=torch.int64)
+            layer.weight_packed = checkpoint_param(
+                output_size, -(-input_size // per), dtype=torch.int32
+            )
+            layer.weight_shape = checkpoint_param(2, dtype=torch.int64)
             if not self.symmetric:
-                layer.weight_zero_point = _param(-(-output_size // per), groups, dtype=torch.int32)
+                layer.weight_zero_point = checkpoint_param(
+                    -(-output_size // per), groups, dtype=torch.int32
+                )
         else:
-            layer.weight = _param(output_size, input_size, dtype=torch.int8)
+            layer.weight = checkpoint_param(output_size, input_size, dtype=torch.int8)
             if not self.symmetric:
-                layer.weight_zero_point = _param(scale_rows, groups, dtype=torch.int8)
-        layer.weight_scale = _param(scale_rows, groups, dtype=torch.float32)
+                layer.weight_zero_point = checkpoint_param(scale_rows, groups, dtype=torch.int8)
+        layer.weight_scale = checkpoint_param(scale_rows, groups, dtype=torch.float32)
         if self.g_idx:
-            layer.weight_g_idx = _param(input_size, dtype=torch.int32)
+            layer.weight_g_idx = checkpoint_param(input_size, dtype=torch.int32)
         layer.int4_dtype = params_dtype
         layer.ct_shape = (output_size, input_size)
 

@@ -29,7 +29,7 @@ from torch import nn
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import restack_rows, share_rows
 from pagedllm.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8
-from pagedllm.plugins.quantization.common import left_in_floats
+from pagedllm.plugins.quantization.common import checkpoint_param, left_in_floats
 
 logger = logging.getLogger("pagedllm.quantization")
 
@@ -144,24 +144,21 @@ class Fp8LinearMethod(LinearMethod):
     ) -> None:
         config = self.config
 
-        def param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
         layer.fp8_fused = None  # the Fp8FusedLinear computing this layer, if any
         if not config.serialized:
-            layer.weight = param(output_size, input_size, dtype=params_dtype)
+            layer.weight = checkpoint_param(output_size, input_size, dtype=params_dtype)
             return
-        layer.weight = param(output_size, input_size, dtype=FP8_DTYPE)
+        layer.weight = checkpoint_param(output_size, input_size, dtype=FP8_DTYPE)
         if config.block is not None:
             rows, cols = config.block
-            blocks = param(-(-output_size // rows), -(-input_size // cols))
+            blocks = checkpoint_param(-(-output_size // rows), -(-input_size // cols))
             setattr(layer, config.block_scale_name, blocks)
         elif config.per_channel:
-            layer.weight_scale = param(output_size, 1)
+            layer.weight_scale = checkpoint_param(output_size, 1)
         else:
-            layer.weight_scale = param()
+            layer.weight_scale = checkpoint_param()
         if config.activation_scheme == "static":
-            layer.input_scale = param()
+            layer.input_scale = checkpoint_param()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         config = self.config

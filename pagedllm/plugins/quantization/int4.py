@@ -36,7 +36,7 @@ from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import restack_rows
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_matmul import gguf_linear
-from pagedllm.plugins.quantization.common import left_in_floats
+from pagedllm.plugins.quantization.common import checkpoint_param, left_in_floats
 from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
 
 logger = logging.getLogger("pagedllm.quantization")
@@ -254,10 +254,6 @@ class Int4FusedLinear(PackedFusedLinear):
         return super().forward(x)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
-
 class GPTQLinearMethod(Int4LinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, params_dtype: Any
@@ -268,10 +264,10 @@ class GPTQLinearMethod(Int4LinearMethod):
                 f"of {PACK} 4-bit values"
             )
         groups = self._groups(input_size)
-        layer.qweight = _param(input_size // PACK, output_size, dtype=torch.int32)
-        layer.qzeros = _param(groups, output_size // PACK, dtype=torch.int32)
-        layer.scales = _param(groups, output_size, dtype=torch.float32)
-        layer.g_idx = _param(input_size, dtype=torch.int32)
+        layer.qweight = checkpoint_param(input_size // PACK, output_size, dtype=torch.int32)
+        layer.qzeros = checkpoint_param(groups, output_size // PACK, dtype=torch.int32)
+        layer.scales = checkpoint_param(groups, output_size, dtype=torch.float32)
+        layer.g_idx = checkpoint_param(input_size, dtype=torch.int32)
         layer.int4_dtype = params_dtype
 
     def _unpack(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -292,9 +288,9 @@ class AWQLinearMethod(Int4LinearMethod):
                 f"awq: a layer of {output_size} outputs is not a multiple of {PACK} values"
             )
         groups = self._groups(input_size)
-        layer.qweight = _param(input_size, output_size // PACK, dtype=torch.int32)
-        layer.qzeros = _param(groups, output_size // PACK, dtype=torch.int32)
-        layer.scales = _param(groups, output_size, dtype=torch.float32)
+        layer.qweight = checkpoint_param(input_size, output_size // PACK, dtype=torch.int32)
+        layer.qzeros = checkpoint_param(groups, output_size // PACK, dtype=torch.int32)
+        layer.scales = checkpoint_param(groups, output_size, dtype=torch.float32)
         layer.int4_dtype = params_dtype
 
     def _unpack(self, layer: nn.Module) -> tuple[torch.Tensor, ...]:
