@@ -128,9 +128,9 @@ def test_registry_choices_include_plugins_and_refuse_unknown(cli, capsys):
         "dummyq",
     )
     with pytest.raises(SystemExit):
-        parse(cli, "serve", "--load-format", "tensorizer")
+        parse(cli, "serve", "--load-format", "fastsafetensors")
     err = capsys.readouterr().err
-    assert "invalid choice: 'tensorizer'" in err and "dummyfmt" in err and "safetensors" in err
+    assert "invalid choice: 'fastsafetensors'" in err and "dummyfmt" in err and "safetensors" in err
 
 
 def test_no_arguments_give_the_dataclass_defaults(cli):

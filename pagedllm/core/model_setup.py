@@ -17,7 +17,7 @@ from pagedllm.core.model_files import resolve_model_path
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
-    from pagedllm.core.interfaces import Device, ModelLoader
+    from pagedllm.core.interfaces import Device, ModelLoader, QuantizationConfig
     from pagedllm.core.plugins import PluginManager
 
 logger = logging.getLogger("pagedllm.model")
@@ -242,8 +242,24 @@ def _return_freed_memory() -> None:
         pass
 
 
-def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
-    start = time.perf_counter()
+@dataclasses.dataclass(slots=True)
+class BuiltModel:
+    """A model built for its config with the checkpoint's weights in its parameters, not
+    yet processed (quantization methods' and the model's ``process_weights_after_loading``
+    not run): the parameters have the names and layouts the model loads into."""
+
+    hf_config: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    dtype: torch.dtype
+    max_model_len: int
+    architecture: str
+    quant: QuantizationConfig | None
+
+
+def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
+    """The model of ``config``, built on its device, with the weights that
+    ``--load-format`` reads loaded (see :class:`BuiltModel`)."""
     mc = config.model_config
     loader = get_model_loader(config.load_config, pm)
     hf_config = load_hf_config(config, loader)
@@ -290,6 +306,22 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     finally:
         torch.set_default_dtype(previous)
     loader.load_weights(model, mc)
+    return BuiltModel(
+        hf_config=hf_config,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        architecture=architecture,
+        quant=quant,
+    )
+
+
+def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
+    start = time.perf_counter()
+    mc = config.model_config
+    built = build_model(config, pm)
+    model = built.model
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None:
@@ -297,26 +329,26 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     model = model.to(config.device_config.torch_device).eval()
     model.process_weights_after_loading()
     _return_freed_memory()
-    defaults, generation = generation_defaults(config, hf_config)
+    defaults, generation = generation_defaults(config, built.hf_config)
     seconds = time.perf_counter() - start
     logger.info(
         "loaded %s (%s, %s%s) in %.2f s: %.0f MiB of weights; context length %d",
         mc.model,
-        architecture,
-        str(dtype).removeprefix("torch."),
-        f", {quant.name} weights" if quant is not None else "",
+        built.architecture,
+        str(built.dtype).removeprefix("torch."),
+        f", {built.quant.name} weights" if built.quant is not None else "",
         seconds,
         sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-        max_model_len,
+        built.max_model_len,
     )
     return LoadedModel(
-        hf_config=hf_config,
+        hf_config=built.hf_config,
         model=model,
-        tokenizer=tokenizer,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        architecture=architecture,
-        eos_token_ids=_eos_ids(tokenizer, hf_config, generation),
+        tokenizer=built.tokenizer,
+        dtype=built.dtype,
+        max_model_len=built.max_model_len,
+        architecture=built.architecture,
+        eos_token_ids=_eos_ids(built.tokenizer, built.hf_config, generation),
         generation_defaults=defaults,
         max_new_tokens=generation.get("max_new_tokens"),
         load_seconds=seconds,

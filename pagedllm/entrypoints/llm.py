@@ -198,6 +198,23 @@ class LLM:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    # -------------------------------------------------------------------- saving
+
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Save this model's parameters for ``--load-format sharded_state``: files named
+        by ``pattern`` (default ``model-rank-{rank}-part-{part}.safetensors``) of at most
+        ``max_size`` bytes each (one file when None) in the directory ``path``, with the
+        model directory's config and tokenizer files copied beside them. The parameters
+        are read from the checkpoint afresh (the running ones may be repacked), so this
+        needs the memory of a second copy of the weights while it runs."""
+        from pagedllm.plugins.loaders.sharded_state import save_sharded_state
+
+        save_sharded_state(
+            self.llm_engine.config, self.plugin_manager, path, pattern=pattern, max_size=max_size
+        )
+
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, str | dict):

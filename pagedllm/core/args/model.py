@@ -267,8 +267,10 @@ class ModelArgs:
         group="LoadConfig",
         registry="load_formats",
         help="Format of the weights to load, e.g. 'auto' (safetensors, else PyTorch .bin), "
-        "'pt', 'safetensors', 'npcache', 'dummy' (random weights), 'gguf', 'bitsandbytes'. "
-        "Installed loader plugins add names.",
+        "'pt', 'safetensors', 'npcache', 'dummy' (random weights), 'gguf', 'mistral', "
+        "'tensorizer' (a file written by CoreWeave's tensorizer), 'runai_streamer' "
+        "(safetensors read by Run:ai Model Streamer), 'sharded_state' (files saved by "
+        "LLM.save_sharded_state), 'bitsandbytes'. Installed loader plugins add names.",
     )
     download_dir: str | None = arg(
         None,

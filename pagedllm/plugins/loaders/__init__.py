@@ -12,3 +12,6 @@ def pagedllm_register_load_formats(registry):
     registry.add("gguf", "pagedllm.plugins.loaders.gguf:GGUFLoader")
     registry.add("dummy", "pagedllm.plugins.loaders.dummy:DummyLoader")
     registry.add("mistral", "pagedllm.plugins.loaders.mistral:MistralLoader")
+    registry.add("tensorizer", "pagedllm.plugins.loaders.tensorizer:TensorizerLoader")
+    registry.add("sharded_state", "pagedllm.plugins.loaders.sharded_state:ShardedStateLoader")
+    registry.add("runai_streamer", "pagedllm.plugins.loaders.runai_streamer:RunaiStreamerLoader")
