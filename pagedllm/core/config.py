@@ -109,6 +109,7 @@ class LoadConfig:
     ignore_patterns: list[str] = dataclasses.field(default_factory=lambda: ["original/**/*"])
     model_loader_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     use_tqdm_on_load: bool = _flag("use_tqdm_on_load")
+    qlora_adapter_name_or_path: str | None = _flag("qlora_adapter_name_or_path")
 
 
 @dataclasses.dataclass(slots=True)
@@ -317,6 +318,7 @@ def create_engine_config(
             ignore_patterns=list(_unset_or(ignore, LoadConfig, "ignore_patterns")),
             model_loader_extra_config=dict(args.model_loader_extra_config or {}),
             use_tqdm_on_load=args.use_tqdm_on_load,
+            qlora_adapter_name_or_path=args.qlora_adapter_name_or_path,
         ),
         cache_config=CacheConfig(
             block_size=args.block_size or device.default_block_size,

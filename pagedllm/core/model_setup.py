@@ -12,7 +12,11 @@ import torch
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.rotary import rope_parameters
-from pagedllm.core.loading import get_model_loader, get_quantization_config
+from pagedllm.core.loading import (
+    get_model_loader,
+    get_quantization_config,
+    loader_for_quantization,
+)
 from pagedllm.core.model_files import resolve_model_path
 
 if TYPE_CHECKING:
@@ -283,6 +287,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     quant = get_quantization_config(
         mc.quantization, pm, getattr(hf_config, "quantization_config", None)
     )
+    loader = loader_for_quantization(loader, config.load_config, quant, pm)
     loader.download_model(mc)
     # The tokenizer comes before the weights, so that a tokenizer the options refuse
     # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.

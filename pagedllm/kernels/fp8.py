@@ -21,12 +21,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import decoded_by_triton
 from pagedllm.kernels.native import load_kernel_library
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "GEMV_MAX_ROWS",
+    "check_fp8",
     "dequantize_fp8",
     "dequantize_fp8_reference",
     "fp8_linear",
@@ -53,7 +55,7 @@ def quantize_fp8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor,
     return quantized, scale
 
 
-def _check(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
     n, k = weight.shape
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"fp8 weights are {FP8_DTYPE}, not {weight.dtype}")
@@ -68,7 +70,7 @@ def dequantize_fp8_reference(
     weight: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``weight * scale`` in float32, then ``dtype``: what the kernels compute."""
-    _check(weight, scale, group_size)
+    check_fp8(weight, scale, group_size)
     k = weight.shape[1]
     full = scale if scale.shape[1] == 1 else scale.repeat_interleave(group_size, dim=1)[:, :k]
     return (weight.float() * full).to(dtype)
@@ -119,7 +121,7 @@ def dequantize_fp8(
     usable = dtype in (torch.float32, torch.bfloat16) and _usable(weight, scale)
     if kernels is None or not usable:
         return dequantize_fp8_reference(weight, scale, group_size, dtype)
-    _check(weight, scale, group_size)
+    check_fp8(weight, scale, group_size)
     n, k = weight.shape
     groups = scale.shape[1]
     out = torch.empty(n, k, dtype=dtype)
@@ -149,11 +151,15 @@ def fp8_linear(
     k = weight.shape[1]
     rows = x.numel() // k if k else 0
     kernels = _kernels()
+    if decoded_by_triton(weight):
+        from pagedllm.kernels.triton_quant import triton_dequantize_fp8
+
+        return F.linear(x, triton_dequantize_fp8(weight, scale, group_size, x.dtype), bias)
     if kernels is None or not _usable(weight, scale) or x.device.type != "cpu":
         return fp8_linear_reference(x, weight, scale, group_size, bias)
     if not 1 <= rows <= GEMV_MAX_ROWS:
         return F.linear(x, dequantize_fp8(weight, scale, group_size, x.dtype), bias)
-    _check(weight, scale, group_size)
+    check_fp8(weight, scale, group_size)
     n = weight.shape[0]
     x32 = x.reshape(rows, k).to(torch.float32).contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)

@@ -287,6 +287,13 @@ class ModelArgs:
         group="LoadConfig",
         help="JSON object passed to the loader selected by --load-format.",
     )
+    qlora_adapter_name_or_path: str | None = arg(
+        None,
+        group="LoadConfig",
+        help="Name or path of a QLoRA adapter (peft's format). With --quantization "
+        "bitsandbytes on a float checkpoint, only the layers its target_modules name are "
+        "quantized to 4 bits at load; the others stay in floats.",
+    )
     pt_load_map_location: str = arg(
         "cpu",
         group="LoadConfig",

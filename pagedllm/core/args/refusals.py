@@ -132,12 +132,6 @@ class DeprecatedArgs:
         help="Used to turn on reasoning output.",
         removed="use --reasoning-parser NAME; reasoning is enabled whenever a parser is set",
     )
-    qlora_adapter_name_or_path: str | None = arg(
-        None,
-        group=_GROUP,
-        help="Used to name a QLoRA adapter to load.",
-        deprecated="this flag has no effect; do not set it.",
-    )
     max_context_len_to_capture: int | None = arg(
         None,
         group=_GROUP,

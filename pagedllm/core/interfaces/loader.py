@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from pagedllm.core.config import LoadConfig, ModelConfig
@@ -22,6 +22,10 @@ class ModelLoader(ABC):
     - :meth:`load_weights` fills every parameter of ``model``; a checkpoint tensor the
       model does not know, or a parameter left unfilled, is an error naming it.
     """
+
+    # The quantization method whose checkpoints this format is made for (None: any);
+    # the engine refuses it for a model without that method.
+    quantization: ClassVar[str | None] = None
 
     def __init__(self, load_config: LoadConfig) -> None:
         self.load_config = load_config

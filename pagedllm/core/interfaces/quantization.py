@@ -77,6 +77,9 @@ class QuantizationConfig(ABC):
     # Other checkpoint ``quant_method`` values this method reads (an alias such as vLLM's
     # ``gptq_marlin`` for ``gptq`` checkpoints); its own name always.
     checkpoint_methods: ClassVar[tuple[str, ...]] = ()
+    # The load format that reads this method's checkpoints, where the default ones
+    # cannot (``--load-format auto`` then picks it; another explicit format is refused).
+    load_format: ClassVar[str | None] = None
 
     @classmethod
     @abstractmethod

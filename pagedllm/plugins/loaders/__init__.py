@@ -11,6 +11,7 @@ def pagedllm_register_load_formats(registry):
     registry.add("npcache", "pagedllm.plugins.loaders.npcache:NpcacheLoader")
     registry.add("gguf", "pagedllm.plugins.loaders.gguf:GGUFLoader")
     registry.add("dummy", "pagedllm.plugins.loaders.dummy:DummyLoader")
+    registry.add("bitsandbytes", "pagedllm.plugins.loaders.bitsandbytes:BitsAndBytesLoader")
     registry.add("mistral", "pagedllm.plugins.loaders.mistral:MistralLoader")
     registry.add("tensorizer", "pagedllm.plugins.loaders.tensorizer:TensorizerLoader")
     registry.add("sharded_state", "pagedllm.plugins.loaders.sharded_state:ShardedStateLoader")

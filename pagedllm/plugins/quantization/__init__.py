@@ -11,6 +11,7 @@ def pagedllm_register_quantization_methods(registry):
     registry.add("gptq", "pagedllm.plugins.quantization.int4:GPTQConfig")
     registry.add("gptq_marlin", "pagedllm.plugins.quantization.int4:GPTQMarlinConfig")
     registry.add("awq", "pagedllm.plugins.quantization.int4:AWQConfig")
+    registry.add("bitsandbytes", "pagedllm.plugins.quantization.bitsandbytes:BitsAndBytesConfig")
     registry.add("awq_marlin", "pagedllm.plugins.quantization.int4:AWQMarlinConfig")
     registry.add(
         "compressed-tensors",
