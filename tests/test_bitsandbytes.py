@@ -81,6 +81,11 @@ def test_int8_kernel_matches_the_reference():
             rtol=1e-5,
             atol=1e-4,
         )
+    for dtype in (torch.float32, torch.bfloat16):  # (a column tail past the vectors)
+        q3 = torch.randint(-128, 128, (70, 203), dtype=torch.int8)
+        assert torch.equal(
+            k.dequantize_int8(q3, scale, dtype), k.dequantize_int8_reference(q3, scale, dtype)
+        )
     with pytest.raises(ValueError, match="int8"):
         k.linear_int8(torch.zeros(1, 200), q.float(), scale)
 
@@ -117,6 +122,17 @@ def test_other_vector_paths(tmp_path, flags):
         )
         assert status == 0
         torch.testing.assert_close(y, k.linear_int8_reference(x, q, scale), rtol=1e-5, atol=1e-4)
+    for dtype in (torch.float32, torch.bfloat16):  # decoding: bit for bit
+        out = torch.empty(37, 256, dtype=dtype)
+        bf16 = int(dtype == torch.bfloat16)
+        lib.pagedllm_bnb4_dequant(
+            packed.data_ptr(), absmax.data_ptr(), code.data_ptr(), 37, 256, 4, 64,
+            out.data_ptr(), bf16, 2,
+        )  # fmt: skip
+        assert torch.equal(out, k.dequantize_4bit_reference(packed, absmax, code, dtype))
+        out = torch.empty(37, 200, dtype=dtype)
+        lib.pagedllm_int8_dequant(q.data_ptr(), scale.data_ptr(), 37, 200, out.data_ptr(), bf16, 2)
+        assert torch.equal(out, k.dequantize_int8_reference(q, scale, dtype))
 
 
 # ------------------------------------------------------------------------- checkpoints

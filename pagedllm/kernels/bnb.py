@@ -32,6 +32,7 @@ __all__ = [
     "check_4bit",
     "dequantize_4bit",
     "dequantize_4bit_reference",
+    "dequantize_int8",
     "dequantize_int8_reference",
     "int8_row_scale",
     "linear_4bit",
@@ -110,6 +111,8 @@ class _BnbKernels:
         lib.pagedllm_bnb4_gemv.restype = i32
         lib.pagedllm_int8_gemv.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
         lib.pagedllm_int8_gemv.restype = i32
+        lib.pagedllm_int8_dequant.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32]
+        lib.pagedllm_int8_dequant.restype = i32
         self.lib = lib
 
 
@@ -143,6 +146,8 @@ def dequantize_4bit(
         return dequantize_4bit_reference(packed, absmax, code, dtype)
     k = check_4bit(packed, absmax, code)
     n, groups = absmax.shape
+    if (k // groups) % 16:
+        return dequantize_4bit_reference(packed, absmax, code, dtype)
     out = torch.empty(n, k, dtype=dtype)
     kernels.lib.pagedllm_bnb4_dequant(
         packed.data_ptr(),
@@ -207,10 +212,32 @@ def linear_4bit(
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    assert status == 0, "the 4-bit product kernel refused its arguments"
+    if status != 0:
+        raise MemoryError("the 4-bit product kernel could not allocate its activations")
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_int8_reference`, by the CPU kernel where it applies (float32 and
+    bfloat16; bit-identical)."""
+    kernels = _kernels()
+    usable = dtype in (torch.float32, torch.bfloat16) and _on_cpu(q, scale) and _float32(scale)
+    if kernels is None or not usable:
+        return dequantize_int8_reference(q, scale, dtype)
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=dtype)
+    kernels.lib.pagedllm_int8_dequant(
+        q.data_ptr(),
+        scale.data_ptr(),
+        n,
+        k,
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def linear_int8(
@@ -231,8 +258,10 @@ def linear_int8(
     rows = _rows(x, k)
     kernels = _kernels()
     usable = kernels is not None and _on_cpu(x, q, scale) and _float32(scale)
-    if not usable or not 1 <= rows <= GEMV_MAX_ROWS:
+    if not usable:
         return linear_int8_reference(x, q, scale, bias)
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        return F.linear(x, dequantize_int8(q, scale, x.dtype), bias)
     x32 = x.reshape(rows, k).to(torch.float32).contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     kernels.lib.pagedllm_int8_gemv(
