@@ -269,6 +269,9 @@ def test_load_format_and_method_go_together(checkpoints):
         _llm(checkpoints["nf4"], load_format="safetensors")
     with pytest.raises(ConfigError, match="--quantization bitsandbytes"):
         _llm(checkpoints["float"], load_format="bitsandbytes")
+    # --quantization auto (as unset) finds the method in the checkpoint's config.
+    auto = _llm(checkpoints["int8"], quantization="auto")
+    assert auto.llm_engine.loaded.model.model.layers[0].mlp.up_proj.weight.dtype == torch.int8
     # Explicitly named, both work.
     llm = _llm(checkpoints["nf4"], quantization="bitsandbytes", load_format="bitsandbytes")
     assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)[0].outputs[0].text

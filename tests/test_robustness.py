@@ -314,7 +314,7 @@ def test_a_slow_template_holds_up_nobody(server: RemoteServer) -> None:
     """A template that loops until its time limit renders off the event loop: /health
     and other requests are answered meanwhile."""
     loop = (
-        "{% set r = range(200)|list %}"
+        "{% set r = range(500)|list %}"
         "{% for i in r %}{% for j in r %}{% for k in r %}{% endfor %}{% endfor %}{% endfor %}"
     )
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": loop}

@@ -93,6 +93,7 @@ class ModelConfig:
     config_format: str = _flag("config_format")
     enforce_eager: bool = _flag("enforce_eager")
     quantization: str | None = _flag("quantization")
+    model_impl: str = _flag("model_impl")
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -311,6 +312,7 @@ def create_engine_config(
             config_format=args.config_format,
             enforce_eager=bool(args.enforce_eager),
             quantization=args.quantization,
+            model_impl=args.model_impl,
         ),
         load_config=LoadConfig(
             load_format=args.load_format,

@@ -63,11 +63,11 @@ def loader_for_quantization(
 def get_quantization_config(
     method: str | None, pm: PluginManager, checkpoint_config: dict[str, Any] | None = None
 ) -> QuantizationConfig | None:
-    """The quantization config for ``--quantization`` (or the checkpoint's own
-    ``quantization_config``); ``None`` for an unquantized model."""
+    """The quantization config for ``--quantization`` (or, unset or ``auto``, the
+    checkpoint's own ``quantization_config``); ``None`` for an unquantized model."""
     checkpoint_config = dict(checkpoint_config or {})
     checkpoint_method = checkpoint_config.pop("quant_method", None)
-    if method is None:
+    if method in (None, "auto"):
         method = checkpoint_method
     if method is None:
         return None

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from pagedllm.core.interfaces import Device, ModelLoader, QuantizationConfig
     from pagedllm.core.plugins import PluginManager
 
+# The model plugin that runs transformers' own implementation of any causal LM.
+TRANSFORMERS = "TransformersForCausalLM"
 logger = logging.getLogger("pagedllm.model")
 
 _DTYPES = {
@@ -261,6 +263,37 @@ class BuiltModel:
     quant: QuantizationConfig | None
 
 
+def choose_implementation(
+    architectures: list[str], model_impl: str, registry: Any
+) -> tuple[str, str]:
+    """``(architecture, registered model to build)`` for ``--model-impl``: the native
+    implementation of the first architecture that has one; with ``transformers`` (or
+    ``auto`` where none has), transformers' own model on pagedllm's attention
+    (``TransformersForCausalLM``)."""
+    native = next((a for a in architectures if a in registry and a != TRANSFORMERS), None)
+    if model_impl in ("vllm", "pagedllm") or (model_impl == "auto" and native is not None):
+        if native is None:
+            raise ConfigError(
+                f"model architecture {architectures or '(none in config)'} has no native "
+                f"implementation; native ones: "
+                f"{', '.join(n for n in registry.names() if n != TRANSFORMERS)} "
+                "(--model-impl transformers runs others)"
+            )
+        return native, native
+    import transformers
+
+    known = [a for a in architectures if isinstance(getattr(transformers, a, None), type)]
+    causal = [a for a in known if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if not causal or TRANSFORMERS not in registry:
+        native_names = ", ".join(n for n in registry.names() if n != TRANSFORMERS)
+        raise ConfigError(
+            f"model architecture {architectures or '(none in config)'} is not supported: "
+            f"{'transformers has no such class' if not known else 'not a causal LM'} for "
+            f"--model-impl transformers, and the native implementations are {native_names}"
+        )
+    return causal[0], TRANSFORMERS
+
+
 def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     """The model of ``config``, built on its device, with the weights that
     ``--load-format`` reads loaded (see :class:`BuiltModel`)."""
@@ -278,12 +311,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
         )
     registry = pm.registry("models")
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    architecture = next((a for a in architectures if a in registry), None)
-    if architecture is None:
-        raise ConfigError(
-            f"model architecture {architectures or '(none in config)'} is not supported; "
-            f"supported: {', '.join(registry.names())}"
-        )
+    architecture, model_name = choose_implementation(architectures, mc.model_impl, registry)
     quant = get_quantization_config(
         mc.quantization, pm, getattr(hf_config, "quantization_config", None)
     )
@@ -292,7 +320,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     # The tokenizer comes before the weights, so that a tokenizer the options refuse
     # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.
     tokenizer = load_tokenizer(config, loader)
-    model_cls = registry.load(architecture)
+    model_cls = registry.load(model_name)
     device = config.device_config.device
     device.prepare_process()
     torch.set_num_threads(device.num_threads())

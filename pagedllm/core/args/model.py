@@ -215,10 +215,11 @@ class ModelArgs:
     model_impl: str = arg(
         "auto",
         group="ModelConfig",
-        choices=("auto", "vllm", "transformers"),
-        help="Which model implementation to use: the native one, the Transformers one, or "
-        "'auto' (native when available).",
-        unbuilt=UNSUPPORTED["model_impl"],
+        choices=("auto", "vllm", "pagedllm", "transformers"),
+        help="Which model implementation to use: 'pagedllm' (or vLLM's name 'vllm') the "
+        "native one; 'transformers' transformers' own model with pagedllm's paged "
+        "attention (any causal LM whose attention goes through transformers' attention "
+        "interface); 'auto' the native one where there is one, else transformers'.",
     )
     override_neuron_config: dict[str, Any] = arg(
         {},
@@ -238,8 +239,9 @@ class ModelArgs:
         group="ModelConfig",
         aliases=("-q",),
         registry="quantization_methods",
-        help="Weight quantization method. If unset, the model config's quantization_config "
-        "is used, and without one the weights are taken as unquantized.",
+        extra_choices=("auto",),
+        help="Weight quantization method. If unset (or 'auto'), the model config's "
+        "quantization_config is used, and without one the weights are taken as unquantized.",
     )
     allowed_local_media_path: str = arg(
         "",

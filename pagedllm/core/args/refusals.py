@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, str] = {
     "disable_async_output_proc": "pagedllm has no asynchronous output processing to disable"
     + _LEAVE_OUT,
     "disable_cascade_attn": "pagedllm has no cascade attention to disable" + _LEAVE_OUT,
-    "model_impl": "pagedllm picks the model implementation itself" + _LEAVE_OUT,
     "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
     "override_pooler_config": "pagedllm cannot override the pooling config" + _LEAVE_OUT,
     "allowed_local_media_path": _NO_MULTIMODAL,

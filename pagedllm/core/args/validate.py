@@ -76,7 +76,7 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     device = resolve_device(args.device, pm)
     # Import the chosen plugins now, so a broken one fails at start-up, by name.
     pm.load("load_formats", args.load_format)
-    if args.quantization is not None:
+    if args.quantization not in (None, "auto"):
         pm.load("quantization_methods", args.quantization)
     pm.load("attention_backends", attention_backend_name(device, pm))
     _refuse_without_effect(args, device, pm.choices("guided_backends"))

@@ -15,3 +15,8 @@ def pagedllm_register_models(registry):
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
+    # Any transformers causal LM (--model-impl transformers, or auto without a native one).
+    registry.add(
+        "TransformersForCausalLM",
+        "pagedllm.plugins.models.transformers_backend:TransformersForCausalLM",
+    )
