@@ -22,6 +22,11 @@ _LAZY = {
     "TextPrompt": "pagedllm.inputs",
     "TokensPrompt": "pagedllm.inputs",
     "make_plugin_manager": "pagedllm.core.plugins",
+    "PoolingParams": "pagedllm.core.pooling",
+    "PoolingRequestOutput": "pagedllm.core.pooling",
+    "EmbeddingRequestOutput": "pagedllm.core.pooling",
+    "ClassificationRequestOutput": "pagedllm.core.pooling",
+    "ScoringRequestOutput": "pagedllm.core.pooling",
 }
 
 if TYPE_CHECKING:
@@ -29,6 +34,13 @@ if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.outputs import CompletionOutput, RequestOutput
     from pagedllm.core.plugins import make_plugin_manager
+    from pagedllm.core.pooling import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
     from pagedllm.core.sampling import GuidedDecodingParams, SamplingParams
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
@@ -45,12 +57,17 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "GuidedDecodingParams",
     "LLMEngine",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "TextPrompt",
     "TokensPrompt",
     "__version__",

@@ -17,9 +17,17 @@ from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
+from pagedllm.core.model_files import resolve_model_path
 from pagedllm.core.model_setup import load_model, num_kv_blocks
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
 from pagedllm.core.outputs import RequestMetrics, RequestOutput
+from pagedllm.core.pooling import (
+    POOLING_TASKS,
+    PoolerConfig,
+    PoolingParams,
+    resolve_task,
+    sentence_transformers_pooler,
+)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype
 from pagedllm.core.sampling import SamplingParams
@@ -76,6 +84,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
+        self.task = resolve_task(config.model_config.task, loaded.model)
+        self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype))
         for module in loaded.model.modules():
             if not isinstance(module, Attention):
@@ -117,6 +127,7 @@ class LLMEngine:
             config.device_config.torch_device,
             backend_cls(),
         )
+        self.runner.pooler_configs = self.pooler_configs
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
         )
@@ -138,6 +149,39 @@ class LLMEngine:
         # does the interpreter's exit (whose last collections free what is still alive).
         gc.freeze()
         _unfreeze_at_exit()
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine serves a pooling task rather than generation."""
+        return self.task in POOLING_TASKS
+
+    def _set_up_pooling(self, model: Any) -> dict[str, PoolerConfig]:
+        """The pooler of each task the model serves (its defaults under
+        ``--override-pooler-config``). Pooling prompts run whole: no chunked prefill and
+        no prefix cache (a prompt's pooled rows need every token's hidden state)."""
+        config = self.config
+        override = PoolerConfig.from_dict(dict(config.model_config.override_pooler_config or {}))
+        sched = config.scheduler_config
+        if config.cache_config.enable_prefix_caching or sched.enable_chunked_prefill:
+            logger.info("--task %s: prompts run whole (no prefix caching or chunks)", self.task)
+        config.cache_config.enable_prefix_caching = False
+        sched.enable_chunked_prefill = False
+        sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, self.max_model_len)
+        directory = resolve_model_path(
+            config.model_config.model,
+            revision=config.model_config.revision,
+            download_dir=config.load_config.download_dir,
+        )
+        sentence = sentence_transformers_pooler(
+            directory if directory.is_dir() else directory.parent
+        )
+        configs = {}
+        for task in model.pooling_tasks:
+            defaults = model.default_pooler_config(task)
+            if task == "embed" and sentence is not None:
+                defaults = defaults.merged(sentence)
+            configs[task] = defaults.merged(override)
+        return configs
 
     # ---------------------------------------------------------------------- step
 
@@ -225,6 +269,8 @@ class LLMEngine:
     def _new_parent(self, new: NewRequest) -> ParentRequest:
         """The request's state, validated; nothing is queued yet."""
         params, priority = new.params, new.priority
+        if isinstance(params, PoolingParams) or self.is_pooling:
+            return self._new_pooling_parent(new)
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise InvalidRequestError(
                 "priority", "priority is only used with --scheduling-policy priority"
@@ -291,6 +337,68 @@ class LLMEngine:
                 guided_compile=compiled,
             )
             parent.sequences.append(self.output_processor.new_sequence(request, index))
+        return parent
+
+    def _new_pooling_parent(self, new: NewRequest) -> ParentRequest:
+        """A pooling request's state, validated: its prompt runs once, whole."""
+        params = new.params
+        if not self.is_pooling:
+            raise InvalidRequestError(
+                "task",
+                f"this model serves --task {self.task}; pooling requests (embeddings, "
+                "classification, scores, rewards) need an engine started with --task "
+                f"{'/'.join(POOLING_TASKS)}",
+            )
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(
+                "task",
+                f"this model serves --task {self.task} (pooling), not text generation",
+            )
+        params = params.clone()
+        params.task = params.task or self.task
+        if params.task not in self.pooler_configs:
+            raise InvalidRequestError(
+                "task",
+                f"this model serves {', '.join(self.pooler_configs)}, not {params.task}",
+            )
+        try:
+            params.verify(params.task, self.loaded.model, self.loaded.hf_config)
+        except ValueError as exc:
+            raise InvalidRequestError("pooling_params", str(exc)) from None
+        text, token_ids = self.tokenize_prompt(new.prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+            if params.token_type_ids is not None:
+                params.token_type_ids = params.token_type_ids[-params.truncate_prompt_tokens :]
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt ({len(token_ids)} tokens) is longer than the maximum model length "
+                f"of {self.max_model_len} tokens",
+            )
+        if params.token_type_ids is not None and len(params.token_type_ids) != len(token_ids):
+            raise InvalidRequestError("token_type_ids", "one token type per prompt token")
+        now = time.monotonic() if new.arrival_time is None else new.arrival_time
+        placeholder = SamplingParams(max_tokens=1, detokenize=False)
+        parent = ParentRequest(
+            request_id=new.request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=placeholder,
+            sequences=[],
+            metrics=RequestMetrics(arrival_time=now),
+        )
+        request = Request(
+            request_id=new.request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=placeholder,
+            arrival_time=now,
+            priority=new.priority,
+            pooling_params=params,
+        )
+        parent.sequences.append(self.output_processor.new_sequence(request, 0))
         return parent
 
     def abort_request(self, request_ids: str | list[str]) -> None:

@@ -15,6 +15,7 @@ from pagedllm.core.detokenizer import (
     convert_ids_to_tokens_for_logprobs,
 )
 from pagedllm.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.core.pooling import PoolingOutput, PoolingRequestOutput
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.sampling import RequestOutputKind
 
@@ -58,6 +59,8 @@ class ParentRequest:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    # A pooling request's result, once its prompt has run.
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:
@@ -134,7 +137,11 @@ class OutputProcessor:
             if parent is None:  # a sibling sequence failed earlier in this step
                 continue
             error = request.failure
-            if error is None:
+            if error is None and request.pooling_params is not None:
+                parent.pooled = result.pooled[request.request_id]
+                parent.metrics.first_token_time = parent.metrics.last_token_time = now
+                self.finish(parent.sequences[0], "stop", None)
+            elif error is None:
                 num_sampled += 1
                 try:
                     self._on_new_token(request, parent, result, now, step)
@@ -315,6 +322,15 @@ class OutputProcessor:
 
     def make_output(self, parent: ParentRequest) -> RequestOutput | None:
         """The output to emit now for ``parent`` (None when its kind says to wait)."""
+        if parent.pooled is not None:
+            parent.metrics.finished_time = time.monotonic()
+            return PoolingRequestOutput(
+                request_id=parent.request_id,
+                outputs=PoolingOutput(parent.pooled),
+                prompt_token_ids=parent.prompt_token_ids,
+                prompt=parent.prompt,
+                metrics=parent.metrics,
+            )
         params = parent.params
         kind = params.output_kind
         finished = parent.finished

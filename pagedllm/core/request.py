@@ -78,6 +78,9 @@ class Request:
     guided_compile: Future[Any] | None = None
     # The error that made the engine give up on this request (it is then aborted).
     failure: BaseException | None = None
+    # Set for a pooling request (--task embed/classify/score/reward): its prompt runs
+    # once and the result is pooled from its hidden states; no token is sampled.
+    pooling_params: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

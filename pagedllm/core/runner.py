@@ -10,6 +10,7 @@ logprobs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +76,8 @@ class ModelRunner:
             torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler()
+        # The pooler of each pooling task the engine serves (set by the engine).
+        self.pooler_configs: dict[str, Any] = {}
 
     @torch.inference_mode()
     def execute(
@@ -91,6 +94,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling_requests = []
         prompt_rows: list[tuple[Any, int, int, list[int]]] = []
+        pooling_rows: list[tuple[Any, int, Any]] = []
         offset = 0
         for item in output.scheduled:
             request = item.request
@@ -101,7 +105,10 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             block_tables.append(item.block_ids)
-            if item.reaches_end:
+            if request.pooling_params is not None:
+                if item.reaches_end:
+                    pooling_rows.append((request, offset, item))
+            elif item.reaches_end:
                 sample_rows.append(offset + item.num_new_tokens - 1)
                 sampling_requests.append(request)
             if request.sampling_params.prompt_logprobs is not None:
@@ -117,6 +124,12 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         input_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if getattr(self.model, "is_encoder", False):
+            # An encoder attends within each prompt, both ways, and reads token types.
+            self.model.token_type_ids = self._token_type_ids(output)
+            self.model.step_ranges = list(
+                itertools.pairwise(itertools.accumulate(query_lens, initial=0))
+            )
         hidden = self.model(input_ids, input_positions, metadata)
 
         result = RunnerOutput()
@@ -132,6 +145,10 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
+        for request, start, item in pooling_rows:
+            result.pooled[request.request_id] = self._pool(
+                request, hidden[start : start + item.num_new_tokens], item
+            )
         for request, start, count, targets in prompt_rows:
             logits = self.model.compute_logits(hidden[start : start + count])
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
@@ -140,3 +157,27 @@ class ModelRunner:
                 request.sampling_params.prompt_logprobs,
             )
         return result
+
+    def _pool(self, request: Any, hidden: torch.Tensor, item: Any) -> torch.Tensor:
+        """A pooling request's result from the hidden states of its whole prompt (the
+        engine schedules pooling prompts whole: no chunks, no cached prefix)."""
+        from pagedllm.core.pooling import activate, select_rows
+
+        if item.num_computed_tokens != 0:
+            raise RuntimeError("a pooling prompt must be computed in one step")
+        params = request.pooling_params
+        config = self.pooler_configs[params.task]
+        rows = select_rows(hidden, request.prompt_token_ids, config)
+        scores = self.model.pooling_head(rows, params.task)
+        return activate(scores, params.task, config, params).cpu()
+
+    def _token_type_ids(self, output: SchedulerOutput) -> torch.Tensor:
+        """The step's token types (segment ids), in the order of its tokens: each
+        pooling request's own where it has them, else zeros."""
+        types: list[int] = []
+        for item in output.scheduled:
+            params = item.request.pooling_params
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            given = params.token_type_ids if params is not None else None
+            types.extend(given[start:end] if given else [0] * (end - start))
+        return torch.tensor(types, dtype=torch.long, device=self.device)

@@ -275,6 +275,13 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if request.request_id in result.pooled:  # a pooling request: done
+                self.running.remove(request)
+                self.requests.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED_STOPPED
+                self.kv.free(request)
+                updated.append(request)
+                continue
             token = result.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue

@@ -61,5 +61,7 @@ class RunnerOutput:
     logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # request id -> prompt logprobs computed this step, in prompt order
     prompt_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    # request id -> the pooled result of a pooling request whose prompt ended this step
+    pooled: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Set when computing the step failed: every scheduled request fails with it.
     error: Exception | None = None

@@ -13,6 +13,13 @@ from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError, EngineDeadError, RequestFailedError
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.plugins import PluginManager, make_plugin_manager
+from pagedllm.core.pooling import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.inputs import PromptType
 
@@ -132,7 +139,8 @@ class LLM:
                     finished[output.request_id] = output
                     bar.update(1)
                     prompt_tokens += len(output.prompt_token_ids)
-                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        output_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(
                         f"input: {prompt_tokens / elapsed:.1f} toks/s, "
@@ -197,6 +205,134 @@ class LLM:
         )
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    # ------------------------------------------------------------------- pooling
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled result of each prompt (``outputs.data``, a tensor) for the pooling
+        task the engine serves (``--task embed|classify|score|reward``), or ``task``."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts"
+                )
+        params_list = [
+            dataclasses.replace(
+                params,
+                task=task or params.task,
+                truncate_prompt_tokens=truncate_prompt_tokens or params.truncate_prompt_tokens,
+            )
+            for params in params_list
+        ]
+        return self._run_requests(prompt_list, params_list, use_tqdm)
+
+    def embed(self, prompts: Any, pooling_params: Any = None, **kwargs: Any) -> list[Any]:
+        """An embedding of each prompt (``outputs.embedding``)."""
+        outputs = self.encode(prompts, pooling_params, task="embed", **kwargs)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def classify(self, prompts: Any, pooling_params: Any = None, **kwargs: Any) -> list[Any]:
+        """Class probabilities of each prompt (``outputs.probs``)."""
+        outputs = self.encode(prompts, pooling_params, task="classify", **kwargs)
+        return [ClassificationRequestOutput.from_base(o) for o in outputs]
+
+    def reward(self, prompts: Any, pooling_params: Any = None, **kwargs: Any) -> list[Any]:
+        """A reward model's scores of each prompt (``outputs.data``: one row per token
+        with the default ``ALL`` pooler)."""
+        return self.encode(prompts, pooling_params, task="reward", **kwargs)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A score for each pair: one ``text_1`` against every ``text_2``, or the two
+        lists pairwise. A cross-encoder (a classification model) reads each pair as one
+        prompt; an embedding model scores the cosine similarity of the two embeddings."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(
+                f"score pairs one text_1 with every text_2, or lists of equal length; got "
+                f"{len(firsts)} and {len(seconds)}"
+            )
+        engine = self.llm_engine
+        params = pooling_params or PoolingParams()
+        if "score" in engine.pooler_configs:  # a cross-encoder
+            tokenizer = self.get_tokenizer()
+            prompts: list[PromptType] = []
+            params_list = []
+            for first, second in zip(firsts, seconds, strict=True):
+                encoded = tokenizer(first, text_pair=second)
+                prompts.append({"prompt_token_ids": list(encoded["input_ids"])})
+                types = encoded.get("token_type_ids")
+                params_list.append(
+                    dataclasses.replace(params, token_type_ids=list(types) if types else None)
+                )
+            outputs = self.encode(
+                prompts,
+                params_list,
+                use_tqdm=use_tqdm,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                task="score",
+            )
+            return [
+                ScoringRequestOutput.from_score(o, o.outputs.data.reshape(-1)[0]) for o in outputs
+            ]
+        unique = list(dict.fromkeys([*firsts, *seconds]))
+        embedded = self.encode(
+            unique,
+            params,
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            task="embed",
+        )
+        vectors = {
+            text: out.outputs.data.reshape(-1) for text, out in zip(unique, embedded, strict=True)
+        }
+        import torch
+
+        results = []
+        for first, second in zip(firsts, seconds, strict=True):
+            similarity = torch.nn.functional.cosine_similarity(
+                vectors[first], vectors[second], dim=0
+            )
+            base = embedded[unique.index(second)]
+            results.append(ScoringRequestOutput.from_score(base, similarity.item()))
+        return results
+
+    def _run_requests(
+        self, prompts: list[PromptType], params_list: list[Any], use_tqdm: bool
+    ) -> list[Any]:
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(self._counter)
+                self._counter += 1
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
 
     # -------------------------------------------------------------------- saving
 

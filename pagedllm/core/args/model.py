@@ -28,8 +28,8 @@ class ModelArgs:
     task: str = arg(
         "auto",
         group="ModelConfig",
-        supported=("auto", "generate"),
-        unsupported="{option} {value}: pagedllm serves text generation only (use {supported})",
+        supported=("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
+        unsupported="{option} {value}: not supported by pagedllm (use {supported})",
         choices=(
             "auto",
             "classify",
@@ -41,8 +41,10 @@ class ModelArgs:
             "score",
             "transcription",
         ),
-        help="What the model is used for; one engine serves a single task. 'auto' picks the "
-        "task when the model supports only one.",
+        help="What the model is used for: 'generate' (text), or a pooling task: 'embed' "
+        "(embeddings; 'embedding' is the older name), 'classify', 'score' (sentence pairs: a "
+        "cross-encoder's score or the cosine of two embeddings), 'reward'. 'auto' picks "
+        "generation for models that generate, else the model's pooling task.",
     )
     tokenizer: str | None = arg(
         None,
@@ -230,9 +232,9 @@ class ModelArgs:
     override_pooler_config: dict[str, Any] | None = arg(
         None,
         group="ModelConfig",
-        help="JSON object overriding the pooling config of a pooling model, e.g. "
-        '{"pooling_type": "mean", "normalize": false}.',
-        unbuilt=UNSUPPORTED["override_pooler_config"],
+        help="JSON object overriding the pooling config of a pooling task: pooling_type "
+        "(CLS, LAST, MEAN, ALL, STEP), normalize, softmax, step_tag_id, returned_token_ids; "
+        'e.g. {"pooling_type": "MEAN", "normalize": false}.',
     )
     quantization: str | None = arg(
         None,

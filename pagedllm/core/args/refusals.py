@@ -38,7 +38,6 @@ UNSUPPORTED: dict[str, str] = {
     + _LEAVE_OUT,
     "disable_cascade_attn": "pagedllm has no cascade attention to disable" + _LEAVE_OUT,
     "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
-    "override_pooler_config": "pagedllm cannot override the pooling config" + _LEAVE_OUT,
     "allowed_local_media_path": _NO_MULTIMODAL,
     "enable_sleep_mode": "pagedllm has no sleep mode" + _LEAVE_OUT,
     "enable_prompt_embeds": "pagedllm accepts only text or token-id prompts" + _LEAVE_OUT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +29,25 @@ class ModelArchitecture(ABC):
     - :meth:`load_weights` consumes ``(checkpoint_name, tensor)`` pairs and returns the
       parameter names it filled.
     """
+
+    # Whether it generates text (``--task generate``), and the pooling tasks it serves
+    # (``--task embed|classify|score|reward``); the first of these is its task under
+    # ``--task auto`` (generation where it generates).
+    supports_generation: ClassVar[bool] = True
+    pooling_tasks: ClassVar[tuple[str, ...]] = ("embed",)
+
+    def default_pooler_config(self, task: str) -> Any:
+        """The pooler of ``task`` before ``--override-pooler-config`` (a
+        ``pagedllm.core.pooling.PoolerConfig``). A generative model's embedding is its
+        last token's final hidden state, normalized, as vLLM's."""
+        from pagedllm.core.pooling import PoolerConfig
+
+        return PoolerConfig(pooling_type="LAST", normalize=True, softmax=False)
+
+    def pooling_head(self, rows: torch.Tensor, task: str) -> torch.Tensor:
+        """What the head makes of the pooled hidden states: nothing for embeddings; a
+        classifier's scores for classification models."""
+        return rows
 
     @abstractmethod
     def forward(

@@ -15,6 +15,13 @@ def pagedllm_register_models(registry):
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
+    # Sequence classification / reward heads on the native decoders.
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
+        name = f"{family}ForSequenceClassification"
+        registry.add(name, f"pagedllm.plugins.models.classification:{name}")
+    # Encoders for embeddings, classification and cross-encoder scores.
+    for name in ("BertModel", "BertForSequenceClassification"):
+        registry.add(name, f"pagedllm.plugins.models.bert:{name}")
     # Any transformers causal LM (--model-impl transformers, or auto without a native one).
     registry.add(
         "TransformersForCausalLM",
