@@ -184,11 +184,12 @@ def _online_bf16_weights(scores, values):
     return acc / total
 
 
-def _reference_attention(cache, q, k, v, sequences, window, bf16_products=False):
+def _reference_attention(cache, q, k, v, sequences, window, bf16_products=False, soft_cap=None):
     """Float64 softmax attention over each request's context, read slot by slot.
     ``bf16_products``: the rounding of torch's bfloat16 attention (and of the kernel's
     bfloat16 dot-product path): queries rounded to bfloat16, and the softmax's unnormalised
-    probabilities rounded to bfloat16 where they weight the values (not in their sum)."""
+    probabilities rounded to bfloat16 where they weight the values (not in their sum).
+    ``soft_cap``: scaled scores become ``soft_cap * tanh(score / soft_cap)``."""
     kv_heads, d = cache.shape[-2:]
     if bf16_products:
         q = q.bfloat16()
@@ -210,6 +211,8 @@ def _reference_attention(cache, q, k, v, sequences, window, bf16_products=False)
             scores = (
                 torch.einsum("hd,khd->hk", q[offset + t].double().view(heads, d), keys) * d**-0.5
             )
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             seen = torch.arange(context_len) <= p
             if window:
                 seen &= p - torch.arange(context_len) < window

@@ -1,10 +1,10 @@
 """``--model-impl transformers``: transformers' own models on pagedllm's paged attention.
 
-Tiny random checkpoints of architectures pagedllm has no native implementation of (made
-with transformers) keep transformers' greedy tokens, top logprobs within 1e-4 in float32,
-with prefix caching (a second pass hits), chunked prefill with a small budget, and a KV
-cache small enough to preempt; ``--model-impl auto`` picks the backend for them. A native
-architecture runs through it too when asked."""
+Tiny random checkpoints of several architectures (made with transformers) keep
+transformers' greedy tokens, top logprobs within 1e-4 in float32, with prefix caching (a
+second pass hits), chunked prefill with a small budget, and a KV cache small enough to
+preempt. ``--model-impl auto`` picks the backend for those pagedllm has no native
+implementation of; the others (and a Llama) run through it when asked."""
 
 from __future__ import annotations
 
@@ -57,16 +57,17 @@ OTHER_ARCHITECTURES: dict[str, tuple[Any, dict[str, Any]]] = {
             attention_multiplier=0.3,
         ),
     ),
-    # Gemma 2: sliding-window layers, final logit soft-capping, scaled queries
+    # Gemma 2: sliding-window layers, attention and final logit soft-capping (a cap low
+    # enough to matter), scaled queries
     "gemma2": (
         transformers.Gemma2Config,
         dict(
             num_key_value_heads=2,
             head_dim=16,
             sliding_window=12,
-            attn_logit_softcapping=None,
+            attn_logit_softcapping=1.0,
             final_logit_softcapping=30.0,
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=1,
         ),
     ),
     # multi-query attention, learned positions (GPT-2 style, n_* names)
@@ -75,6 +76,11 @@ OTHER_ARCHITECTURES: dict[str, tuple[Any, dict[str, Any]]] = {
         dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),
     ),
 }
+
+
+# Architectures pagedllm also implements natively (auto would pick that one, which
+# tests/test_parity.py checks): run with --model-impl transformers.
+NATIVE = {"gemma2"}
 
 
 def _make(directory: Path, name: str) -> Path:
@@ -108,9 +114,16 @@ def reference(request, tmp_path_factory):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_parity(reference, setting):
-    _name, directory, expected = reference
-    llm = LLM(str(directory), dtype="float32", disable_log_stats=True, **SETTINGS[setting])
-    assert isinstance(llm.llm_engine.loaded.model, TransformersForCausalLM)  # (auto)
+    name, directory, expected = reference
+    impl = "transformers" if name in NATIVE else "auto"
+    llm = LLM(
+        str(directory),
+        dtype="float32",
+        model_impl=impl,
+        disable_log_stats=True,
+        **SETTINGS[setting],
+    )
+    assert isinstance(llm.llm_engine.loaded.model, TransformersForCausalLM)
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=NUM_LOGPROBS
     )

@@ -189,11 +189,12 @@ def test_backend_matches_the_reference_backend(window):
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "mistral"])
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "gemma2"])
 def test_a_model_on_the_triton_backend_keeps_greedy_parity(architecture, tmp_path, monkeypatch):
     """PAGEDLLM_ATTENTION_BACKEND=triton_paged on the cpu device (interpreted kernels):
     transformers' greedy tokens, with prefix caching and prompts chunked over their cached
-    part (Mistral: a sliding window shorter than the prompts)."""
+    part (Mistral: a sliding window shorter than the prompts; Gemma 2: soft-capped
+    attention scores too)."""
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton_paged")
     directory = make_checkpoint(tmp_path / architecture, architecture)
     reference = load_reference(directory)

@@ -106,6 +106,26 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             final_logit_softcapping=30.0,
         ),
     ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            # Scores large and a cap low enough that capping them changes the greedy
+            # tokens (Gemma 2's own cap is 50).
+            query_pre_attn_scalar=1,
+            attn_logit_softcapping=1.0,
+            max_position_embeddings=256,
+            sliding_window=12,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
+        ),
+    ),
     "phi3": (
         transformers.Phi3Config,
         transformers.Phi3ForCausalLM,

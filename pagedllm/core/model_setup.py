@@ -338,6 +338,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
             )
     finally:
         torch.set_default_dtype(previous)
+    _check_attention_backend(model, architecture, config, pm)
     loader.load_weights(model, mc)
     return BuiltModel(
         hf_config=hf_config,
@@ -348,6 +349,27 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
         architecture=architecture,
         quant=quant,
     )
+
+
+def _check_attention_backend(
+    model: torch.nn.Module, architecture: str, config: PagedLLMConfig, pm: PluginManager
+) -> None:
+    """A model whose attention soft-caps its scores needs a backend that computes it;
+    refused by name before the weights load."""
+    from pagedllm.core.args.validate import attention_backend_name
+    from pagedllm.core.attention import Attention
+
+    capped = any(
+        isinstance(m, Attention) and m.logits_soft_cap is not None for m in model.modules()
+    )
+    if not capped:
+        return
+    backend = pm.load("attention_backends", attention_backend_name(config.device_config.device, pm))
+    if not backend.logits_soft_cap:
+        raise ConfigError(
+            f"{architecture} soft-caps its attention scores (attn_logit_softcapping), which "
+            f"the {backend.name} attention backend does not compute"
+        )
 
 
 def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:

@@ -98,10 +98,16 @@ def attention(
     mask: torch.Tensor | None,
     scale: float,
     is_causal: bool = False,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Batched attention. ``query`` is ``[B, q, heads, d]``, ``key``/``value`` are
     ``[B, k, kv_heads, d]`` (grouped-query heads are shared), ``mask`` is a boolean
-    ``[B, 1, q, k]`` (True = attend) or None. Returns ``[B, q, heads, d]``."""
+    ``[B, 1, q, k]`` (True = attend) or None. Returns ``[B, q, heads, d]``.
+
+    ``soft_cap``: scaled scores become ``soft_cap * tanh(score / soft_cap)`` before the
+    mask and softmax (Gemma 2's attention logit soft-capping)."""
+    if soft_cap is not None:
+        return capped_attention(query, key, value, mask, scale, soft_cap, is_causal)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -112,6 +118,34 @@ def attention(
         enable_gqa=query.shape[2] != key.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def capped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """:func:`attention` with soft-capped scores, computed as transformers' eager
+    attention computes it (SDPA has no soft-cap): scores in the query's dtype, softmax
+    in float32."""
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
 
 
 def causal_window_mask(

@@ -18,6 +18,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_index: int,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -28,6 +29,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_index = layer_index
         self.sliding_window = sliding_window
+        # Scores become cap * tanh(score / cap) before the softmax (Gemma 2); backends
+        # that honour it say so (AttentionBackend.logits_soft_cap), the engine refuses
+        # the others.
+        self.logits_soft_cap = logits_soft_cap
         # An fp8 KV cache stores keys / k_scale and values / v_scale; with
         # --calculate-kv-scales the engine sets calculate_kv_scales and the backend
         # replaces both from the layer's first batch.

@@ -31,6 +31,7 @@ from pagedllm.kernels.attention import (
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    logits_soft_cap = True
 
     def build_metadata(
         self,
@@ -72,6 +73,7 @@ class TorchSDPABackend(AttentionBackend):
                 values,
                 metadata.decode_mask(layer.sliding_window),
                 layer.scale,
+                soft_cap=soft_cap(layer),
             )
             return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
         output = torch.empty_like(query)
@@ -84,6 +86,7 @@ class TorchSDPABackend(AttentionBackend):
                 values,
                 metadata.decode_mask(layer.sliding_window),
                 layer.scale,
+                soft_cap=soft_cap(layer),
             )
             output[idx] = out.squeeze(1)
         for seq in metadata.prefills:
@@ -96,6 +99,11 @@ class TorchSDPABackend(AttentionBackend):
 def kv_scales(layer: Any) -> tuple[float, float]:
     """The layer's fp8 KV-cache scales (1.0 for a layer object without them)."""
     return getattr(layer, "k_scale", 1.0), getattr(layer, "v_scale", 1.0)
+
+
+def soft_cap(layer: Any) -> float | None:
+    """The layer's attention logit soft-cap (None for a layer object without one)."""
+    return getattr(layer, "logits_soft_cap", None)
 
 
 def prefill_attention(
@@ -124,5 +132,6 @@ def prefill_attention(
         mask,
         layer.scale,
         is_causal=mask is None,
+        soft_cap=soft_cap(layer),
     )
     return out.squeeze(0)

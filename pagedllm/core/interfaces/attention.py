@@ -24,6 +24,10 @@ class AttentionBackend(ABC):
     # The --kv-cache-dtype values this backend reads and writes (the engine refuses
     # others): the model's dtype only, unless a backend declares fp8 ones.
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # Whether forward soft-caps the scores of layers with ``layer.logits_soft_cap`` set
+    # (``cap * tanh(score / cap)`` before the softmax, Gemma 2); the engine refuses
+    # models with such layers on a backend that does not.
+    logits_soft_cap: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(

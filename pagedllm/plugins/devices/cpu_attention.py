@@ -7,7 +7,8 @@ kernel, all of them in one call; longer prefills to ``scaled_dot_product_attenti
 in the reference backend, whose GEMM-based kernel is faster over many query rows. A
 bfloat16 cache (``--dtype bfloat16``) is read and written by the kernel on AVX-512 CPUs
 for head sizes 16 to 256 (queries and outputs in float32). Where the kernel cannot run
-(not built, or another cache type) every step takes the reference path.
+(not built, or another cache type) every step takes the reference path, and so do layers
+with soft-capped attention scores (Gemma 2), which the kernel does not compute.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Any
 import torch
 
 from pagedllm.core.attention.metadata import PrefillSequence, kernel_step
-from pagedllm.core.attention.torch_backend import TorchSDPABackend, kv_scales, prefill_attention
+from pagedllm.core.attention.torch_backend import (
+    TorchSDPABackend,
+    kv_scales,
+    prefill_attention,
+    soft_cap,
+)
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
 
@@ -117,8 +123,10 @@ class CpuPagedBackend(TorchSDPABackend):
             or not kernel_reads_cache
             or head_dim > MAX_HEAD_DIM
             or heads // kv_heads > MAX_GROUP
+            or soft_cap(layer) is not None
         ):
-            # Past the kernel's limits: every request through SDPA.
+            # Past the kernel's limits (soft-capped scores included): every request
+            # through the reference attention.
             write_kv_cache(
                 key.view(num_tokens, kv_heads, head_dim),
                 value.view(num_tokens, kv_heads, head_dim),

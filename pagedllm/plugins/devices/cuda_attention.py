@@ -46,6 +46,7 @@ class TritonMetadata:
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton_paged"
+    logits_soft_cap = True
 
     def __init__(self) -> None:
         if not triton_available():
@@ -98,5 +99,6 @@ class TritonPagedBackend(AttentionBackend):
             layer.head_dim,
             layer.scale,
             layer.sliding_window,
+            softcap=getattr(layer, "logits_soft_cap", None),
             token_seq=metadata.token_seq,
         )

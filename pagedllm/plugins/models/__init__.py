@@ -11,6 +11,7 @@ def pagedllm_register_models(registry):
     registry.add("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     registry.add("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     registry.add("Qwen3ForCausalLM", f"{_LLAMA}:Qwen3ForCausalLM")
+    registry.add("Gemma2ForCausalLM", "pagedllm.plugins.models.gemma2:Gemma2ForCausalLM")
     registry.add("Gemma3ForCausalLM", "pagedllm.plugins.models.gemma3:Gemma3ForCausalLM")
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")

@@ -1,11 +1,13 @@
 """Gemma 3 (text): interleaved sliding-window and global layers, each kind with its own
 RoPE base, q/k norms, four norms per layer (all ``x * (1 + w)``), a scaled embedding and
 an optional final logit soft-cap. Module names mirror Hugging Face's ``Gemma3ForCausalLM``.
+Gemma 2 (``gemma2.py``) is the same model without q/k norms, with one RoPE table and
+soft-capped attention scores: the differences are class attributes here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +27,11 @@ def _norm(size: int, config: Any) -> RMSNorm:
 
 
 class Gemma3Attention(nn.Module):
+    # An RMSNorm over each Q and K head before the rotary embedding.
+    qk_norm: ClassVar[bool] = True
+    # Attention scores soft-capped at the config's attn_logit_softcapping.
+    soft_cap: ClassVar[bool] = False
+
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -38,28 +45,33 @@ class Gemma3Attention(nn.Module):
         self.v_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.v_proj")
         self.o_proj = Linear(q_size, hidden, bias, quant, f"{prefix}.o_proj")
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
-        self.q_norm = _norm(self.head_dim, config)
-        self.k_norm = _norm(self.head_dim, config)
+        self.q_norm = _norm(self.head_dim, config) if self.qk_norm else None
+        self.k_norm = _norm(self.head_dim, config) if self.qk_norm else None
         scale = config.query_pre_attn_scalar**-0.5
+        cap = config.attn_logit_softcapping if self.soft_cap else None
         self.attn = Attention(
-            self.num_heads, self.head_dim, scale, self.num_kv_heads, layer, window
+            self.num_heads, self.head_dim, scale, self.num_kv_heads, layer, window, cap
         )
 
     def forward(self, positions, hidden, rotary: RotaryEmbedding, metadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden)
-        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
         return self.o_proj(out)
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = Gemma3Attention
+
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer]
-        self.self_attn = Gemma3Attention(config, layer, window, quant, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(config, layer, window, quant, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config, quant, f"{prefix}.mlp")
         size = config.hidden_size
         self.input_layernorm = _norm(size, config)
@@ -75,6 +87,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    layer_cls: type[nn.Module] = Gemma3DecoderLayer
+
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
         self.embed_tokens = VocabEmbedding(
@@ -84,11 +98,15 @@ class Gemma3Model(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         windows = layer_sliding_windows(config, disable_sliding_window)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, windows[i], quant, f"model.layers.{i}")
+            self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config.hidden_size, config)
-        self.rotary = nn.ModuleDict(
+        self.rotary = self.rotary_tables(config, max_positions)
+
+    def rotary_tables(self, config: Any, max_positions: int) -> nn.ModuleDict:
+        """The RoPE table of each layer type, each from its own RoPE parameters."""
+        return nn.ModuleDict(
             {
                 kind: RotaryEmbedding(config, config.head_dim, max_positions, layer_type=kind)
                 for kind in sorted(set(config.layer_types))
@@ -105,6 +123,7 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     tie_by_default = True
+    model_cls: type[nn.Module] = Gemma3Model
 
     def __init__(
         self,
@@ -115,15 +134,18 @@ class Gemma3ForCausalLM(CausalLM):
         disable_sliding_window: bool = False,
     ) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ConfigError("Gemma 3 with attn_logit_softcapping is not supported")
+        name = type(self).__name__
+        attention = self.model_cls.layer_cls.attention_cls
+        if not attention.soft_cap and getattr(config, "attn_logit_softcapping", None) is not None:
+            # (transformers' Gemma 3 stores it and does not apply it.)
+            raise ConfigError(f"{name} with attn_logit_softcapping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise ConfigError(
-                "Gemma 3 with bidirectional attention (embedding models) is not supported"
+                f"{name} with bidirectional attention (embedding models) is not supported"
             )
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
-        self.model = Gemma3Model(config, quant_config, max_positions, disable_sliding_window)
+        self.model = self.model_cls(config, quant_config, max_positions, disable_sliding_window)
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
         self.softcap = getattr(config, "final_logit_softcapping", None)
 

@@ -12,10 +12,10 @@ through the step's metadata, so prefix caching, chunked prefill and preemption w
 as for the native models. transformers builds no mask and no cache for it.
 
 It takes models whose attention goes through that interface (most of transformers'
-decoder-only models). Attention with logit soft-capping or attention sinks, and
-quantization methods, are refused by name. The vocabulary head's output is scaled as the
-model's own forward scales it where its config says so (``final_logit_softcapping``,
-``logit_scale``, ``logits_scaling``).
+decoder-only models); attention logit soft-capping (Gemma 2) is the attention layer's.
+Attention sinks and quantization methods are refused by name. The vocabulary head's
+output is scaled as the model's own forward scales it where its config says so
+(``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``).
 """
 
 from __future__ import annotations
@@ -51,13 +51,14 @@ def _attention(
     """transformers' attention-function signature over pagedllm's paged attention:
     ``query`` ``[1, heads, tokens, d]``, ``key``/``value`` ``[1, kv_heads, tokens, d]``;
     returns ``[1, tokens, heads, d]``."""
-    for name in ("s_aux", "sinks", "softcap"):
+    for name in ("s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the transformers backend has no attention {name}")
     metadata, layers = _STEP.get()
     layer = layers[module.layer_idx]
     if scaling is not None:
         layer.scale = scaling
+    layer.logits_soft_cap = kwargs.get("softcap")
     _, heads, tokens, head_dim = query.shape
     out = layer(
         query[0].transpose(0, 1).reshape(tokens, heads * head_dim),
@@ -102,11 +103,6 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
                 f"--model-impl transformers runs unquantized weights; --quantization "
                 f"{quant_config.name} needs a native implementation"
             )
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ConfigError(
-                "--model-impl transformers: attention logit soft-capping "
-                "(attn_logit_softcapping) is not supported"
-            )
         import transformers
         from transformers.initialization import no_init_weights
 
@@ -137,8 +133,11 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         windows = layer_sliding_windows(config, disable_sliding_window)
+        # (The soft-cap is what the model passes at each call; set here too, so that the
+        # engine refuses an attention backend that cannot compute it before the start.)
+        cap = getattr(config, "attn_logit_softcapping", None) or None
         self.attn = nn.ModuleList(
-            Attention(heads, head_dim, head_dim**-0.5, kv_heads, i, windows[i])
+            Attention(heads, head_dim, head_dim**-0.5, kv_heads, i, windows[i], cap)
             for i in range(config.num_hidden_layers)
         )
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
