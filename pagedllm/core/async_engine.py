@@ -247,7 +247,8 @@ class AsyncLLMEngine:
         """Compile ``params``' guided-decoding constraint (cached) without blocking the
         event loop; ``ValueError`` says what is wrong with it. A caller that is cancelled
         (its client went away) stops the compile unless another request waits on it."""
-        guided = as_guided_params(params.guided_decoding)
+        # (pooling requests have no constraint)
+        guided = as_guided_params(getattr(params, "guided_decoding", None))
         if guided is None:
             return
         if self.engine.guided is None:

@@ -30,6 +30,11 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     random_id,
 )
+from pagedllm.entrypoints.openai.serving_pooling import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
@@ -41,13 +46,16 @@ logger = logging.getLogger("pagedllm.run_batch")
 @dataclasses.dataclass(frozen=True, slots=True)
 class Endpoint:
     request_type: type[BaseModel]
-    handler: str  # the OpenAIServing method
+    handler: str  # the OpenAIServing method (a dotted path: pooling.embeddings)
     id_prefix: str
 
 
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, "create_chat_completion", "chatcmpl"),
     "/v1/completions": Endpoint(CompletionRequest, "create_completion", "cmpl"),
+    "/v1/embeddings": Endpoint(EmbeddingRequest, "pooling.embeddings", "embd"),
+    "/v1/score": Endpoint(ScoreRequest, "pooling.score", "score"),
+    "/v1/rerank": Endpoint(RerankRequest, "pooling.rerank", "rerank"),
 }
 _LINE_KEYS = {"custom_id", "method", "url", "body"}
 
@@ -86,7 +94,7 @@ def parse_line(text: str, line_number: int) -> BatchLine:
             400, f"{where}: {problems or 'body: invalid request body'}", param="body"
         )
         return line
-    if line.request.stream:
+    if getattr(line.request, "stream", False):
         line.error = OpenAIError(
             400, f"{where}: body.stream: streaming is not supported in a batch", param="stream"
         )
@@ -136,7 +144,9 @@ async def run_line(line: BatchLine, serving: OpenAIServing, log: RequestLog) -> 
     assert line.endpoint is not None
     request_id = line.request.request_id or random_id(line.endpoint.id_prefix)
     log(request_id, line.request)
-    handler = getattr(serving, line.endpoint.handler)
+    handler: Any = serving
+    for name in line.endpoint.handler.split("."):
+        handler = getattr(handler, name)
     try:
         result = await handler(line.request, request_id)
     except Exception as exc:

@@ -26,6 +26,13 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedllm.entrypoints.openai.serving_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
@@ -123,6 +130,26 @@ def add_routes(
                 raise RequestValidationError(exc.errors()) from exc
             raise
         raise OpenAIError(400, "the body needs 'messages' (chat) or 'prompt' (completions)")
+
+    pooling = serving.pooling
+
+    def pooled(path_prefix: str, handler: Any, body_cls: type) -> Any:
+        async def endpoint(body: Any, request: Request) -> Response:
+            request_id = _request_id(request, body.request_id, path_prefix)
+            log_request(request_id, body)
+            return await _respond(await _until_disconnect(request, handler(body, request_id)))
+
+        # (FastAPI reads the body's model from the annotation)
+        endpoint.__annotations__ = {"body": body_cls, "request": Request, "return": Response}
+        return endpoint
+
+    app.post("/v1/embeddings")(pooled("embd", pooling.embeddings, EmbeddingRequest))
+    app.post("/pooling")(pooled("pool", pooling.pooling, PoolingRequest))
+    app.post("/classify")(pooled("classify", pooling.classify, ClassificationRequest))
+    for path in ("/score", "/v1/score"):
+        app.post(path)(pooled("score", pooling.score, ScoreRequest))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(pooled("rerank", pooling.rerank, RerankRequest))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

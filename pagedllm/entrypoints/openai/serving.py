@@ -5,6 +5,7 @@ preparer, the checks a request passes before it reaches the engine, and ``/token
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from pagedllm.core.interfaces import ReasoningParser, ToolParser
     from pagedllm.core.sampling import SamplingParams
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+    from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
 
 
 class OpenAIServing:
@@ -66,6 +68,13 @@ class OpenAIServing:
             chat_template=chat_template,
             content_format=options.chat_template_content_format,
         )
+
+    @functools.cached_property
+    def pooling(self) -> PoolingServing:
+        """The pooling endpoints' handlers (embeddings, scores, ...)."""
+        from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
+
+        return PoolingServing(self)
 
     @property
     def model_name(self) -> str:
