@@ -129,6 +129,11 @@ def test_a_decoder_as_an_embedding_model(tmp_path):
         generator.embed({"prompt_token_ids": PROMPTS[0]})
     with pytest.raises(ConfigError, match="--task classify"):
         LLM(str(directory), task="classify")
+    # vLLM's newer spelling: --runner pooling (--convert embed) is --task embed.
+    runner = LLM(str(directory), runner="pooling", convert="embed", disable_log_stats=True)
+    assert runner.llm_engine.task == "embed"
+    with pytest.raises(ConfigError, match="contradicts"):
+        LLM(str(directory), runner="generate", task="embed")
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,8 @@ class ModelConfig:
     enforce_eager: bool = _flag("enforce_eager")
     quantization: str | None = _flag("quantization")
     model_impl: str = _flag("model_impl")
+    runner: str = _flag("runner")
+    convert: str = _flag("convert")
     override_pooler_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -314,6 +316,8 @@ def create_engine_config(
             enforce_eager=bool(args.enforce_eager),
             quantization=args.quantization,
             model_impl=args.model_impl,
+            runner=args.runner,
+            convert=args.convert,
             override_pooler_config=dict(args.override_pooler_config or {}),
         ),
         load_config=LoadConfig(

@@ -84,7 +84,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
-        self.task = resolve_task(config.model_config.task, loaded.model)
+        mc = config.model_config
+        self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype))
         for module in loaded.model.modules():

@@ -46,6 +46,20 @@ class ModelArgs:
         "cross-encoder's score or the cosine of two embeddings), 'reward'. 'auto' picks "
         "generation for models that generate, else the model's pooling task.",
     )
+    runner: str = arg(
+        "auto",
+        group="ModelConfig",
+        choices=("auto", "generate", "pooling"),
+        help="vLLM's newer spelling of the task: 'generate' text, or 'pooling' (the model's "
+        "pooling task, or the one --convert names); 'auto' follows --task.",
+    )
+    convert: str = arg(
+        "auto",
+        group="ModelConfig",
+        choices=("auto", "none", "embed", "classify", "reward"),
+        help="With --runner pooling: the pooling task to serve ('embed' turns a generative "
+        "model into an embedding model); 'auto'/'none' take the model's own.",
+    )
     tokenizer: str | None = arg(
         None,
         group="ModelConfig",
