@@ -247,3 +247,33 @@ def test_bad_pooler_settings(minilm, tmp_path):
     )
     with pytest.raises(ConfigError, match="Dense"):
         LLM(str(odd))
+
+
+@pytest.mark.parametrize("family", ["Roberta", "XLMRoberta"])
+def test_roberta_encoders(family, tmp_path):
+    """RoBERTa / XLM-RoBERTa: an embedding model (CLS, normalized) and a cross-encoder
+    head (dense, tanh, out_proj), against transformers; positions after the padding id."""
+    directory = tmp_path / family
+    tokenizer = make_tokenizer(directory)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+        num_labels=1, pad_token_id=tokenizer.pad_token_id, type_vocab_size=1,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    classifier = getattr(transformers, f"{family}ForSequenceClassification")(config).eval()
+    classifier.save_pretrained(directory / "cls")
+    make_tokenizer(directory / "cls")
+    encoder = getattr(transformers, f"{family}Model")(config).eval()
+    encoder.save_pretrained(directory / "enc")
+    make_tokenizer(directory / "enc")
+    llm = LLM(str(directory / "enc"), dtype="float32", disable_log_stats=True)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    cross = LLM(str(directory / "cls"), task="score", dtype="float32", disable_log_stats=True)
+    scores = cross.encode([{"prompt_token_ids": p} for p in PROMPTS], task="score", use_tqdm=False)
+    for prompt, output, score in zip(PROMPTS, outputs, scores, strict=True):
+        with torch.no_grad():
+            first = encoder(torch.tensor([prompt])).last_hidden_state[0, 0]
+            logit = classifier(torch.tensor([prompt])).logits[0, 0]
+        _close(output.outputs.embedding, torch.nn.functional.normalize(first, dim=0))
+        _close(score.outputs.data.reshape(-1)[0], torch.sigmoid(logit))

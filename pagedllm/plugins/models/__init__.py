@@ -23,6 +23,9 @@ def pagedllm_register_models(registry):
     # Encoders for embeddings, classification and cross-encoder scores.
     for name in ("BertModel", "BertForSequenceClassification"):
         registry.add(name, f"pagedllm.plugins.models.bert:{name}")
+    for kind in ("Model", "ForSequenceClassification"):
+        for family in ("Roberta", "XLMRoberta"):
+            registry.add(f"{family}{kind}", f"pagedllm.plugins.models.bert:Roberta{kind}")
     # Any transformers causal LM (--model-impl transformers, or auto without a native one).
     registry.add(
         "TransformersForCausalLM",

@@ -36,7 +36,10 @@ class BertEmbeddings(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor
     ) -> torch.Tensor:
         embedded = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
-        return self.LayerNorm(embedded + self.position_embeddings(positions))
+        return self.LayerNorm(embedded + self.position_embeddings(positions + self.offset))
+
+    # RoBERTa numbers positions from its padding id + 1 (0 for BERT).
+    offset = 0
 
 
 class BertSelfAttention(nn.Module):
@@ -129,10 +132,11 @@ class BertPooler(nn.Module):
 
 class _BertBase(nn.Module, ModelArchitecture):
     supports_generation = False
+    # The encoder's name prefix in checkpoints of the task models (and of pretraining
+    # checkpoints loaded as the bare encoder).
+    prefix = "bert"
     # (the runner sets token_type_ids and step_ranges, each prompt's tokens, per step)
     is_encoder = True
-    # The checkpoint's prefix of the encoder's names ("" for BertModel).
-    prefix = ""
 
     def __init__(
         self,
@@ -149,9 +153,10 @@ class _BertBase(nn.Module, ModelArchitecture):
         if getattr(config, "is_decoder", False):
             raise ConfigError("BERT configured as a decoder is not supported")
         self.config = config
-        base = f"{self.prefix}." if self.prefix else ""
         self.embeddings = BertEmbeddings(config)
-        self.encoder = BertEncoder(config, quant_config, f"{base}encoder")
+        if self.positions_after_padding:
+            self.embeddings.offset = config.pad_token_id + 1
+        self.encoder = BertEncoder(config, quant_config, "encoder")
         self.pooler = BertPooler(config) if self.has_pooler else None
         # The step's token types and each prompt's (start, end) among its tokens, set by
         # the runner before each forward.
@@ -159,6 +164,7 @@ class _BertBase(nn.Module, ModelArchitecture):
         self.step_ranges: list[tuple[int, int]] = []
 
     has_pooler = False
+    positions_after_padding = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any):
         types = self.token_type_ids
@@ -173,13 +179,11 @@ class _BertBase(nn.Module, ModelArchitecture):
         raise RuntimeError(f"{type(self).__name__} is an encoder; it does not generate")
 
     def _rename(self, name: str) -> str | None:
-        if name.endswith("embeddings.position_ids") or name.startswith("cls."):
+        if name.endswith("embeddings.position_ids") or name.startswith(("cls.", "lm_head.")):
             return None  # (a buffer older checkpoints saved; pretraining heads)
-        if self.prefix:
-            if name.startswith(f"{self.prefix}."):
-                return name[len(self.prefix) + 1 :]
-            return name
-        return name.removeprefix("bert.")
+        if name.startswith(f"{self.prefix}."):
+            return name[len(self.prefix) + 1 :]
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return copy_weights(self, weights, rename=self._rename)
@@ -202,7 +206,6 @@ class BertForSequenceClassification(_BertBase):
     state through BERT's pooler (dense, tanh) and the ``classifier`` layer."""
 
     pooling_tasks = ("classify", "score")
-    prefix = "bert"
     has_pooler = True
 
     def __init__(self, config: Any, quant_config: Any = None, **kwargs: Any) -> None:
@@ -214,3 +217,40 @@ class BertForSequenceClassification(_BertBase):
 
     def pooling_head(self, rows: torch.Tensor, task: str) -> torch.Tensor:
         return self.classifier(self.pooler(rows))
+
+
+class RobertaModel(BertModel):
+    """RoBERTa / XLM-RoBERTa encoders (embedding models such as e5, bge-m3): BERT's
+    layers with positions counted from the padding id + 1."""
+
+    prefix = "roberta"
+    positions_after_padding = True
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first)))
+
+
+class RobertaForSequenceClassification(_BertBase):
+    """RoBERTa / XLM-RoBERTa classifiers and cross-encoders (e.g. bge-reranker): the
+    first token's state through the classification head (dense, tanh, out_proj)."""
+
+    pooling_tasks = ("classify", "score")
+    prefix = "roberta"
+    positions_after_padding = True
+
+    def __init__(self, config: Any, quant_config: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, quant_config, **kwargs)
+        self.classifier = RobertaClassificationHead(config)
+
+    def default_pooler_config(self, task: str) -> PoolerConfig:
+        return PoolerConfig(pooling_type="CLS", normalize=False, softmax=True)
+
+    def pooling_head(self, rows: torch.Tensor, task: str) -> torch.Tensor:
+        return self.classifier(rows)
