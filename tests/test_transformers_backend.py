@@ -80,7 +80,7 @@ OTHER_ARCHITECTURES: dict[str, tuple[Any, dict[str, Any]]] = {
 
 # Architectures pagedllm also implements natively (auto would pick that one, which
 # tests/test_parity.py checks): run with --model-impl transformers.
-NATIVE = {"gemma2"}
+NATIVE = {"gemma2", "stablelm"}
 
 
 def _make(directory: Path, name: str) -> Path:

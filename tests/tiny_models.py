@@ -126,6 +126,20 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "phi": (
+        transformers.PhiConfig,
+        transformers.PhiForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            partial_rotary_factor=0.5,
+            qk_layernorm=True,
+        ),
+    ),
     "phi3": (
         transformers.Phi3Config,
         transformers.Phi3ForCausalLM,
@@ -139,6 +153,22 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             original_max_position_embeddings=256,
             partial_rotary_factor=0.5,
             sliding_window=20,
+        ),
+    ),
+    "stablelm": (
+        transformers.StableLmConfig,
+        transformers.StableLmForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            partial_rotary_factor=0.5,
+            use_qkv_bias=True,
+            qk_layernorm=True,
+            use_parallel_residual=True,
         ),
     ),
     "opt": (
@@ -161,6 +191,11 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
+# Architectures whose one-dimensional parameters (norm weights, biases: ones and zeros as
+# transformers initialises them) are randomised too, so that loading them is checked.
+RANDOM_1D = frozenset({"gemma2", "phi", "stablelm"})
+
+
 def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
     """Save a tiny random ``name`` model (config kwargs updated by ``overrides``) and the
     test tokenizer into ``directory``."""
@@ -181,6 +216,8 @@ def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any)
         for param in model.parameters():
             if param.dim() > 1:
                 param.mul_(3.0)
+            elif name in RANDOM_1D:
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -13,7 +13,9 @@ def pagedllm_register_models(registry):
     registry.add("Qwen3ForCausalLM", f"{_LLAMA}:Qwen3ForCausalLM")
     registry.add("Gemma2ForCausalLM", "pagedllm.plugins.models.gemma2:Gemma2ForCausalLM")
     registry.add("Gemma3ForCausalLM", "pagedllm.plugins.models.gemma3:Gemma3ForCausalLM")
+    registry.add("PhiForCausalLM", "pagedllm.plugins.models.phi:PhiForCausalLM")
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
+    registry.add("StableLmForCausalLM", "pagedllm.plugins.models.stablelm:StableLmForCausalLM")
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
     # Sequence classification / reward heads on the native decoders.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,6 +51,22 @@ class RMSNorm(nn.Module):
         return total, self(total)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with frozen parameters and :meth:`add_forward`, so that decoder
+    layers written for :class:`RMSNorm` take it too."""
+
+    def __init__(self, size: int, eps: float, bias: bool = True) -> None:
+        super().__init__(size, eps=eps, bias=bias)
+        self.requires_grad_(False)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, self(residual + x))``."""
+        total = residual + x
+        return total, self(total)
+
+
 SILU_NAMES = frozenset({"silu", "swish"})
 
 
@@ -74,6 +90,36 @@ def activation(name: str) -> nn.Module:
     if name not in ACT2FN:
         raise ConfigError(f"activation {name!r} is not supported")
     return ACT2FN[name]
+
+
+class TwoLayerMLP(nn.Module):
+    """``proj(act(fc(x)))``: the MLP of GPT-2-style blocks. The two layers are registered
+    under their checkpoint names, ``names`` (a subclass per model sets them)."""
+
+    names: ClassVar[tuple[str, str]] = ("fc1", "fc2")
+
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        bias: bool,
+        act: str,
+        quant: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        fc_name, proj_name = self.names
+        fc = Linear(hidden, inner, bias, quant, f"{prefix}.{fc_name}")
+        proj = Linear(inner, hidden, bias, quant, f"{prefix}.{proj_name}")
+        setattr(self, fc_name, fc)
+        setattr(self, proj_name, proj)
+        # (A tuple: the layers are registered once, under their names above.)
+        self.layers = (fc, proj)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc, proj = self.layers
+        return proj(self.act(fc(x)))
 
 
 def copy_weights(
@@ -171,6 +217,8 @@ class CausalLM(nn.Module, ModelArchitecture):
 
     # Whether the head is tied when the config does not say.
     tie_by_default: bool = False
+    # Whether an untied head has a bias (Phi's has).
+    head_bias: ClassVar[bool] = False
 
     def init_head(
         self,
@@ -183,9 +231,16 @@ class CausalLM(nn.Module, ModelArchitecture):
         ``quant_config`` may quantize (prefix ``lm_head``)."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
         if self.tie_word_embeddings:
+            if self.head_bias:
+                raise ConfigError(
+                    f"{type(self).__name__} with tie_word_embeddings (a head with a bias "
+                    "tied to the embedding) is not supported"
+                )
             self.lm_head = embedding
         else:
-            self.lm_head = Linear(input_size, config.vocab_size, False, quant_config, "lm_head")
+            self.lm_head = Linear(
+                input_size, config.vocab_size, self.head_bias, quant_config, "lm_head"
+            )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

@@ -17,7 +17,7 @@ from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import Linear
-from pagedllm.plugins.models.common import CausalLM, activation
+from pagedllm.plugins.models.common import CausalLM, TwoLayerMLP
 
 _CONV1D_WEIGHTS = (
     ".attn.c_attn.weight",
@@ -64,17 +64,13 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out)
 
 
-class GPT2MLP(nn.Module):
+class GPT2MLP(TwoLayerMLP):
+    names = ("c_fc", "c_proj")
+
     def __init__(self, config: Any, quant: QuantizationConfig | None, prefix: str) -> None:
-        super().__init__()
         hidden = config.hidden_size
         inner = getattr(config, "n_inner", None) or 4 * hidden
-        self.c_fc = Linear(hidden, inner, True, quant, f"{prefix}.c_fc")
-        self.c_proj = Linear(inner, hidden, True, quant, f"{prefix}.c_proj")
-        self.act = activation(config.activation_function)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        super().__init__(hidden, inner, True, config.activation_function, quant, prefix)
 
 
 class GPT2Block(nn.Module):

@@ -34,6 +34,10 @@ class LlamaAttention(nn.Module):
     o_bias: ClassVar[bool | None] = None
     # RMSNorm over each head of Q and K before the rotary embedding.
     qk_norm: ClassVar[bool] = False
+    # Checkpoint names of the output projection and of the Q and K norms (Phi's are
+    # dense, q_layernorm and k_layernorm).
+    o_proj_name: ClassVar[str] = "o_proj"
+    qk_norm_names: ClassVar[tuple[str, str]] = ("q_norm", "k_norm")
 
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
@@ -41,19 +45,34 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        qkv_bias, o_bias = self.biases(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = Linear(hidden, q_size, qkv_bias, quant, f"{prefix}.q_proj")
         self.k_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.k_proj")
         self.v_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.v_proj")
-        self.o_proj = Linear(q_size, hidden, o_bias, quant, f"{prefix}.o_proj")
+        o_name = self.o_proj_name
+        setattr(self, o_name, Linear(q_size, hidden, o_bias, quant, f"{prefix}.{o_name}"))
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if self.qk_norm else None
+        norms = self.qk_norms(config)
+        self.has_qk_norm = norms is not None
+        for name, norm in zip(self.qk_norm_names, norms or (None, None), strict=True):
+            setattr(self, name, norm)
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
+        )
+
+    def biases(self, config: Any) -> tuple[bool, bool]:
+        """Whether the Q/K/V projections and the output projection have biases."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        return qkv_bias, attention_bias if self.o_bias is None else self.o_bias
+
+    def qk_norms(self, config: Any) -> tuple[nn.Module, nn.Module] | None:
+        """The norms of each Q and of each K head (``[T, heads, head_dim]``), or None."""
+        if not self.qk_norm:
+            return None
+        return RMSNorm(self.head_dim, config.rms_norm_eps), RMSNorm(
+            self.head_dim, config.rms_norm_eps
         )
 
     def forward(
@@ -67,11 +86,12 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv(hidden)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.has_qk_norm:
+            q_name, k_name = self.qk_norm_names
+            q, k = getattr(self, q_name)(q), getattr(self, k_name)(k)
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
-        return self.o_proj(out)
+        return getattr(self, self.o_proj_name)(out)
 
 
 SILU_KERNEL_MAX_ROWS = 64
@@ -112,8 +132,20 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer, window, quant, f"{prefix}.self_attn")
         self.mlp = self.mlp_cls(config, quant, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.make_norm(config)
+        # Attention and MLP both read the normed input and add to the residual together
+        # (Phi; StableLM's use_parallel_residual): no second norm.
+        self.parallel = self.parallel_residual(config)
+        self.post_attention_layernorm = None if self.parallel else self.make_norm(config)
+
+    @staticmethod
+    def make_norm(config: Any) -> nn.Module:
+        """A norm over the hidden size (the layer's and the model's final one)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @classmethod
+    def parallel_residual(cls, config: Any) -> bool:
+        return False
 
     # The layer as one native call where it qualifies (pagedllm.kernels.cpu_layer); built
     # at the first step, once the weights are loaded. False: it does not qualify.
@@ -129,6 +161,10 @@ class LlamaDecoderLayer(nn.Module):
                 out = self._native(positions, hidden, metadata)
                 if out is not None:
                     return out
+        if self.parallel:
+            normed = self.input_layernorm(hidden)
+            attn = self.self_attn(positions, normed, rotary, metadata)
+            return hidden + attn + self.mlp(normed)
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
         hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
         return hidden + self.mlp(normed)
@@ -136,6 +172,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    # The final norm's checkpoint name (Phi's is final_layernorm).
+    norm_name: ClassVar[str] = "norm"
 
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
@@ -147,7 +185,7 @@ class LlamaModel(nn.Module):
             self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        setattr(self, self.norm_name, self.layer_cls.make_norm(config))
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
@@ -157,7 +195,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
             hidden = layer(positions, hidden, self.rotary_emb, metadata)
-        return self.norm(hidden)
+        return getattr(self, self.norm_name)(hidden)
 
 
 class LlamaForCausalLM(CausalLM):
