@@ -22,6 +22,9 @@ _LAZY = {
     "TextPrompt": "pagedllm.inputs",
     "TokensPrompt": "pagedllm.inputs",
     "make_plugin_manager": "pagedllm.core.plugins",
+    "BeamSearchParams": "pagedllm.core.beam_search",
+    "BeamSearchOutput": "pagedllm.core.beam_search",
+    "BeamSearchSequence": "pagedllm.core.beam_search",
     "PoolingParams": "pagedllm.core.pooling",
     "PoolingRequestOutput": "pagedllm.core.pooling",
     "EmbeddingRequestOutput": "pagedllm.core.pooling",
@@ -30,6 +33,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from pagedllm.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from pagedllm.core.engine import LLMEngine
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.outputs import CompletionOutput, RequestOutput
@@ -57,6 +61,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",

@@ -904,7 +904,7 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str]] = [
     (b'{"prompt": [-1]}', 400, "vocabulary"),
     (b'{"prompt": [[5, 600]]}', 400, "vocabulary"),
     (b'{"prompt": "Hi", "suffix": "x"}', 400, "suffix"),
-    (b'{"prompt": "Hi", "use_beam_search": true}', 400, "beam"),
+    (b'{"prompt": "Hi", "use_beam_search": true, "stream": true}', 400, "beam"),
     (b'{"prompt": "Hi", "guided_regex": "a(b"}', 400, "invalid regex"),
     (('{"prompt": "' + "word " * 300 + '"}').encode(), 400, "maximum context length"),
 ]

@@ -7,6 +7,7 @@ import gc
 from collections.abc import Sequence
 from typing import Any
 
+from pagedllm.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedllm.core.config import UsageContext
 from pagedllm.core.engine import LLMEngine
 from pagedllm.core.engine_args import EngineArgs
@@ -205,6 +206,32 @@ class LLM:
         )
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    # --------------------------------------------------------------- beam search
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best beams of each prompt (``sequences``, best first:
+        ``tokens`` prompt included, ``cum_logprob``, ``text``), searched as vLLM does (see
+        :mod:`pagedllm.core.beam_search`)."""
+        engine = self.llm_engine
+        token_lists = [engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        eos = engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else None
+        search = BeamSearch(token_lists, params, eos)
+        from tqdm import tqdm
+
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            while not search.done:
+                beams = search.pending()
+                step = [{"prompt_token_ids": beam.tokens} for beam in beams]
+                search.advance(self.generate(step, search.step_params, use_tqdm=False))
+                bar.update(1)
+        return search.results(self.get_tokenizer())
 
     # ------------------------------------------------------------------- pooling
 

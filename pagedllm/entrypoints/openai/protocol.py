@@ -27,6 +27,17 @@ MAX_REQUEST_ID_LENGTH = 256
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+# The request fields beam search reads (the others must keep their defaults).
+BEAM_SEARCH_FIELDS = frozenset(
+    {
+        "model", "n", "best_of", "max_tokens", "ignore_eos", "temperature", "length_penalty",
+        "include_stop_str_in_output", "use_beam_search", "prompt", "request_id", "user",
+        "priority", "truncate_prompt_tokens", "add_special_tokens", "skip_special_tokens",
+        "spaces_between_special_tokens", "stream", "echo",
+    }
+)  # fmt: skip
+
+
 class OpenAIModel(BaseModel):
     # NaN and infinities (which Python's JSON parser accepts) are refused like any other
     # invalid number.
@@ -143,14 +154,31 @@ class SamplingFields(OpenAIModel):
     def _refuse_unbuilt(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise ValueError("length_penalty only applies to beam search (use_beam_search)")
         if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported")
-        if self.length_penalty != 1.0:
-            raise ValueError("length_penalty only applies to beam search, which is not supported")
+            self._check_beam_search()
         self.guided_decoding()  # refuses conflicting or malformed constraints
         if self.logits_processors:
             raise ValueError("logits_processors: custom logits processors are not supported")
         return self
+
+    def _check_beam_search(self) -> None:
+        if isinstance(self, ChatCompletionRequest):
+            raise ValueError("use_beam_search is served on /v1/completions")
+        if self.stream:
+            raise ValueError("use_beam_search: beam search does not stream")
+        if getattr(self, "echo", False):
+            raise ValueError("use_beam_search: echo is not supported with beam search")
+        others = sorted(
+            name
+            for name in self.model_fields_set - BEAM_SEARCH_FIELDS
+            if getattr(self, name) != type(self).model_fields[name].default
+        )
+        if others:
+            raise ValueError(f"use_beam_search: {others} do not apply to beam search")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
 
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """The constraint the request asks for: ``response_format`` (``json_object``,

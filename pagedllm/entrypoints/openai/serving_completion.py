@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
@@ -24,6 +25,8 @@ async def create_completion(
     serving.check_model(request.model)
     serving.check_sequences(_num_prompts(request.prompt), request)
     prompts = await serving.prompts.run(serving.prompts.completion_prompts, request)
+    if request.use_beam_search:
+        return await beam_search_completion(serving, request, request_id, prompts)
     # echo with max_tokens=0 scores the prompt (as lm-eval does): one token is computed
     # and dropped, as in vLLM.
     max_tokens = 1 if _echo_only(request) else request.max_tokens
@@ -155,3 +158,78 @@ def _num_prompts(prompt: Any) -> int:
 
 def _echo_only(request: CompletionRequest) -> bool:
     return request.echo and request.max_tokens == 0
+
+
+async def beam_search_completion(
+    serving: OpenAIServing,
+    request: CompletionRequest,
+    request_id: str,
+    prompts: list[PreparedPrompt],
+) -> dict[str, Any]:
+    """``use_beam_search``: ``best_of`` beams (``n`` when unset) per prompt, the ``n`` best
+    returned as its choices, best first (vLLM's beam search, see
+    :mod:`pagedllm.core.beam_search`)."""
+    width = request.best_of or request.n
+    max_tokens = min(serving.max_tokens(request.max_tokens, p) for p in prompts)
+    params = BeamSearchParams(
+        beam_width=width,
+        max_tokens=max_tokens,
+        ignore_eos=request.ignore_eos,
+        temperature=request.temperature or 0.0,
+        length_penalty=request.length_penalty,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
+    engine = serving.engine.engine
+    eos = engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else None
+    search = BeamSearch([p.token_ids for p in prompts], params, eos)
+    step = 0
+    while not search.done:
+        beams = search.pending()
+        outputs: list[Any] = [None] * len(beams)
+        step_prompts = [PreparedPrompt(None, beam.tokens) for beam in beams]
+        async for index, output in serving.generate_all(
+            f"{request_id}-{step}",
+            step_prompts,
+            [search.step_params] * len(beams),
+            request.priority,
+        ):
+            if output.finished:
+                outputs[index] = output
+        search.advance(outputs)
+        step += 1
+    tokenizer = serving.tokenizer
+    choices = []
+    completion_tokens = 0
+    for prompt_index, result in enumerate(search.results(None)):
+        for rank, beam in enumerate(result.sequences[: request.n]):
+            tokens = beam.output_tokens
+            completion_tokens += len(tokens)
+            text = ""
+            if tokenizer is not None:
+                keep_eos = request.include_stop_str_in_output or beam.finish_reason != "stop"
+                text = tokenizer.decode(
+                    tokens if keep_eos else tokens[:-1],
+                    skip_special_tokens=request.skip_special_tokens,
+                )
+            choices.append(
+                {
+                    "index": prompt_index * request.n + rank,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": beam.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": serving.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
