@@ -31,7 +31,7 @@ KINDS = {
     "Device and attention backend": ("devices", "dummydev"),
     "Load format": ("load_formats", "dummyfmt"),
     "Quantization method": ("quantization_methods", "dummyq"),
-    "Model architecture": ("models", "GPTNeoXForCausalLM"),
+    "Model architecture": ("models", "DummyNeoXForCausalLM"),
     "Tool parser": ("tool_parsers", "dummy_tool"),
     "Reasoning parser": ("reasoning_parsers", "dummy_reasoning"),
     "Guided-decoding backend": ("guided_backends", "dummy_choice"),
@@ -86,8 +86,10 @@ def test_every_kind_comes_from_the_installed_entry_point(pm):
 # ------------------------------------------------------------------ models
 
 
-def make_neox(directory: Path, seed: int = 0) -> Path:
-    """A tiny random GPT-NeoX checkpoint, written by ``transformers``."""
+def make_neox(directory: Path, seed: int = 0, architecture: str = "DummyNeoXForCausalLM") -> Path:
+    """A tiny random GPT-NeoX checkpoint, written by ``transformers``, whose config names
+    ``architecture``: the dummy plugin's by default (pagedllm's own is
+    ``GPTNeoXForCausalLM``, what transformers writes)."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(directory)
     config = transformers.GPTNeoXConfig(
@@ -108,6 +110,9 @@ def make_neox(directory: Path, seed: int = 0) -> Path:
             if param.dim() > 1:
                 param.mul_(3.0)
     model.save_pretrained(directory, safe_serialization=True)
+    config_file = directory / "config.json"
+    saved = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**saved, "architectures": [architecture]}, indent=2))
     return directory
 
 
@@ -128,7 +133,7 @@ def test_model_architecture_from_a_plugin_matches_transformers(neox):
     reference = load_reference(neox)
     tokenizer = make_tokenizer(neox)
     llm = LLM(str(neox), dtype="float32", disable_log_stats=True)
-    assert llm.llm_engine.loaded.architecture == "GPTNeoXForCausalLM"
+    assert llm.llm_engine.loaded.architecture == "DummyNeoXForCausalLM"
     assert type(llm.llm_engine.loaded.model).__module__ == "pagedllm_dummy_plugin.model"
     for prompt in PROMPTS:
         ids = tokenizer(prompt).input_ids
@@ -138,6 +143,22 @@ def test_model_architecture_from_a_plugin_matches_transformers(neox):
         for step, logprobs in zip(top, out.logprobs, strict=True):
             for token, value in step.items():
                 assert logprobs[token].logprob == pytest.approx(value, abs=1e-4)
+
+
+def test_a_plugin_architecture_beside_the_built_in_one(neox, tmp_path, pm):
+    """The same weights under transformers' architecture name run pagedllm's own
+    GPT-NeoX, the plugin's staying registered under its name; both match transformers."""
+    builtin = make_neox(tmp_path / "builtin", architecture="GPTNeoXForCausalLM")
+    llm = LLM(str(builtin), dtype="float32", disable_log_stats=True)
+    assert llm.llm_engine.loaded.architecture == "GPTNeoXForCausalLM"
+    assert type(llm.llm_engine.loaded.model).__module__ == "pagedllm.plugins.models.gpt_neox"
+    registry = pm.registry("models")
+    assert registry.entry("GPTNeoXForCausalLM").source != "dummy"
+    assert registry.entry("DummyNeoXForCausalLM").source == "dummy"
+    ids = make_tokenizer(builtin)(PROMPTS[1]).input_ids
+    ours = greedy(LLM(str(neox), dtype="float32", disable_log_stats=True), ids)
+    assert greedy(llm, ids).token_ids == ours.token_ids
+    assert ours.token_ids == reference_greedy(load_reference(builtin), ids, 12)[0]
 
 
 def test_device_and_attention_backend_from_a_plugin(neox):

@@ -183,6 +183,18 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             word_embed_proj_dim=64,
         ),
     ),
+    "gpt_neox": (
+        transformers.GPTNeoXConfig,
+        transformers.GPTNeoXForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            partial_rotary_factor=0.5,
+        ),
+    ),
     "gpt2": (
         transformers.GPT2Config,
         transformers.GPT2LMHeadModel,
@@ -193,7 +205,7 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 
 # Architectures whose one-dimensional parameters (norm weights, biases: ones and zeros as
 # transformers initialises them) are randomised too, so that loading them is checked.
-RANDOM_1D = frozenset({"gemma2", "phi", "stablelm"})
+RANDOM_1D = frozenset({"gemma2", "phi", "stablelm", "gpt_neox"})
 
 
 def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
@@ -217,7 +229,7 @@ def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any)
             if param.dim() > 1:
                 param.mul_(3.0)
             elif name in RANDOM_1D:
-                param.add_(torch.randn_like(param) * 0.2)
+                param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -30,7 +30,7 @@ def pagedllm_register_quantization_methods(registry):
 
 @hookimpl
 def pagedllm_register_models(registry):
-    registry.add("GPTNeoXForCausalLM", "pagedllm_dummy_plugin.model:GPTNeoXForCausalLM")
+    registry.add("DummyNeoXForCausalLM", "pagedllm_dummy_plugin.model:DummyNeoXForCausalLM")
 
 
 @hookimpl

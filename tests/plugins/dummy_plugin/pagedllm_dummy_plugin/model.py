@@ -1,5 +1,7 @@
-"""GPT-NeoX (Pythia), an architecture pagedllm itself does not ship, for the checkpoints
-``transformers`` writes as ``GPTNeoXForCausalLM``. Module names mirror Hugging Face's, so
+"""A GPT-NeoX (Pythia) of the plugin's own, registered as ``DummyNeoXForCausalLM``: it
+runs the checkpoints ``transformers`` writes for ``GPTNeoXForCausalLM`` whose config names
+that architecture instead (pagedllm ships its own ``GPTNeoXForCausalLM``, which a plugin
+could replace only with ``override=True``). Module names mirror Hugging Face's, so
 checkpoint tensors load by name."""
 
 from __future__ import annotations
@@ -72,14 +74,14 @@ class NeoXLayer(nn.Module):
         return hidden + attn + self.mlp.dense_4h_to_h(nn.functional.gelu(h))
 
 
-class GPTNeoXForCausalLM(nn.Module, ModelArchitecture):
+class DummyNeoXForCausalLM(nn.Module, ModelArchitecture):
     def __init__(
         self, config, quant_config=None, *, max_positions=None, disable_sliding_window=False
     ):
         super().__init__()
         if config.hidden_act != "gelu":
             raise ValueError(
-                f"GPTNeoXForCausalLM: hidden_act {config.hidden_act!r} is not supported"
+                f"DummyNeoXForCausalLM: hidden_act {config.hidden_act!r} is not supported"
             )
         max_positions = max_positions or config.max_position_embeddings
         self.gpt_neox = nn.Module()
@@ -112,7 +114,7 @@ class GPTNeoXForCausalLM(nn.Module, ModelArchitecture):
             param = params.get(name)
             if param is None:
                 raise ValueError(
-                    f"the checkpoint has a weight {name!r} GPTNeoXForCausalLM does not know"
+                    f"the checkpoint has a weight {name!r} DummyNeoXForCausalLM does not know"
                 )
             if param.shape != tensor.shape:
                 shape, expected = tuple(tensor.shape), tuple(param.shape)

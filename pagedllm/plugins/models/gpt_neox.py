@@ -1,0 +1,148 @@
+"""GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE, ...): LayerNorms, one fused
+``query_key_value`` projection holding each head's query, key and value side by side,
+partial rotary embeddings (``partial_rotary_factor``, once ``rotary_pct``), attention and
+MLP in parallel where ``use_parallel_residual`` (each with its own norm), a GELU MLP.
+Module names mirror Hugging Face's ``GPTNeoXForCausalLM``; the head, saved as
+``embed_out``, is ``lm_head`` here (the name quantization methods keep in floats).
+
+:class:`GroupedQKVAttention` is Falcon's attention too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.interfaces import QuantizationConfig
+from pagedllm.core.layers.embedding import VocabEmbedding
+from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.plugins.models.common import CausalLM, LayerNorm, TwoLayerMLP
+
+
+class GroupedQKVAttention(nn.Module):
+    """Attention over one fused ``query_key_value`` projection whose rows hold, for each
+    KV head, the query heads sharing it, then its key, then its value (GPT-NeoX: one query
+    per KV head; Falcon's new decoder architecture: several), with an output projection
+    ``dense``. Q, K and V are split from the checkpoint's layout at run time, so a
+    quantization method sees the layer as saved."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        layer: int,
+        window: int | None,
+        quant: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden // num_heads
+        qkv_size = (num_heads + 2 * num_kv_heads) * self.head_dim
+        self.query_key_value = Linear(hidden, qkv_size, bias, quant, f"{prefix}.query_key_value")
+        self.dense = Linear(hidden, hidden, bias, quant, f"{prefix}.dense")
+        scale = self.head_dim**-0.5
+        self.attn = Attention(num_heads, self.head_dim, scale, num_kv_heads, layer, window)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q ``[T, heads, d]``, K and V ``[T, kv_heads, d]``, each dense."""
+        tokens, group = qkv.shape[0], self.num_heads // self.num_kv_heads
+        grouped = qkv.view(tokens, self.num_kv_heads, group + 2, self.head_dim)
+        q = grouped[:, :, :group].reshape(tokens, self.num_heads, self.head_dim)
+        return q, grouped[:, :, group].contiguous(), grouped[:, :, group + 1].contiguous()
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding | None,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.split(self.query_key_value(hidden))
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
+        out = self.attn(
+            q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), metadata
+        )
+        return self.dense(out)
+
+
+class NeoXMLP(TwoLayerMLP):
+    """GPT-NeoX's and Falcon's MLP."""
+
+    names = ("dense_h_to_4h", "dense_4h_to_h")
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.post_attention_layernorm = LayerNorm(hidden, eps)
+        heads = config.num_attention_heads
+        self.attention = GroupedQKVAttention(
+            hidden, heads, heads, config.attention_bias, layer, None, quant, f"{prefix}.attention"
+        )
+        inter, act = config.intermediate_size, config.hidden_act
+        self.mlp = NeoXMLP(hidden, inter, True, act, quant, f"{prefix}.mlp")
+        self.parallel = bool(config.use_parallel_residual)
+
+    def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
+        attn = self.attention(positions, self.input_layernorm(hidden), rotary, metadata)
+        if self.parallel:
+            return hidden + attn + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
+        return hidden + self.mlp(normed)
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.embed_in = VocabEmbedding(config.vocab_size, hidden, quant, "gpt_neox.embed_in")
+        self.layers = nn.ModuleList(
+            GPTNeoXLayer(config, i, quant, f"gpt_neox.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.final_layer_norm = LayerNorm(hidden, config.layer_norm_eps)
+        head_dim = hidden // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+
+    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
+        hidden = self.embed_in(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, self.rotary_emb, metadata)
+        return self.final_layer_norm(hidden)
+
+
+class GPTNeoXForCausalLM(CausalLM):
+    def __init__(
+        self,
+        config: Any,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        max_positions: int | None = None,
+        disable_sliding_window: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.gpt_neox = GPTNeoXModel(config, quant_config, max_positions)
+        self.init_head(config, self.gpt_neox.embed_in, config.hidden_size, quant_config)
+
+    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.gpt_neox(input_ids, positions, attn_metadata)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.endswith((".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")):
+            return None  # (buffers older checkpoints saved)
+        if name.startswith("embed_out."):
+            name = f"lm_head.{name.removeprefix('embed_out.')}"
+        return super().checkpoint_name(name)
