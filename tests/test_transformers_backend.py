@@ -162,7 +162,8 @@ def test_refusals(tmp_path):
         LLM(str(directory), model_impl="pagedllm")
     with pytest.raises(ConfigError, match="--quantization fp8"):
         LLM(str(directory), quantization="fp8")
-    # A model with its own attention classes (not transformers' interface).
+    # A model with its own attention classes (not transformers' interface; pagedllm's
+    # own Falcon is what auto picks).
     falcon = tmp_path / "falcon"
     tokenizer = make_tokenizer(falcon)
     config = transformers.FalconConfig(
@@ -171,4 +172,4 @@ def test_refusals(tmp_path):
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(falcon)
     with pytest.raises(ConfigError, match="attention interface"):
-        LLM(str(falcon))
+        LLM(str(falcon), model_impl="transformers")

@@ -183,6 +183,33 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             word_embed_proj_dim=64,
         ),
     ),
+    "falcon": (
+        transformers.FalconConfig,
+        transformers.FalconForCausalLM,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "falcon_mqa": (
+        transformers.FalconConfig,
+        transformers.FalconForCausalLM,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            multi_query=True,
+            parallel_attn=True,
+            bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
     "gpt_neox": (
         transformers.GPTNeoXConfig,
         transformers.GPTNeoXForCausalLM,
@@ -205,7 +232,7 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 
 # Architectures whose one-dimensional parameters (norm weights, biases: ones and zeros as
 # transformers initialises them) are randomised too, so that loading them is checked.
-RANDOM_1D = frozenset({"gemma2", "phi", "stablelm", "gpt_neox"})
+RANDOM_1D = frozenset({"gemma2", "phi", "stablelm", "gpt_neox", "falcon", "falcon_mqa"})
 
 
 def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any) -> Path:

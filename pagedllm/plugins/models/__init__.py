@@ -17,6 +17,7 @@ def pagedllm_register_models(registry):
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
     registry.add("StableLmForCausalLM", "pagedllm.plugins.models.stablelm:StableLmForCausalLM")
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
+    registry.add("FalconForCausalLM", "pagedllm.plugins.models.falcon:FalconForCausalLM")
     registry.add("GPTNeoXForCausalLM", "pagedllm.plugins.models.gpt_neox:GPTNeoXForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
     # Sequence classification / reward heads on the native decoders.

@@ -96,10 +96,11 @@ class GPTNeoXLayer(nn.Module):
 
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
         attn = self.attention(positions, self.input_layernorm(hidden), rotary, metadata)
+        # (Sums in transformers' order.)
         if self.parallel:
-            return hidden + attn + self.mlp(self.post_attention_layernorm(hidden))
+            return self.mlp(self.post_attention_layernorm(hidden)) + attn + hidden
         hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
-        return hidden + self.mlp(normed)
+        return self.mlp(normed) + hidden
 
 
 class GPTNeoXModel(nn.Module):
