@@ -206,7 +206,8 @@ class PagedLLMConfig:
     )
     # Features pagedllm does not build yet are refused before these could be set.
     lora_config: None = None
-    speculative_config: None = None
+    # --speculative-config (a pagedllm.core.spec_decode.SpeculativeConfig), or None.
+    speculative_config: Any = None
 
 
 # Defaults that depend on who starts the engine (as in vLLM: the server keeps steps
@@ -247,6 +248,14 @@ def _require(condition: bool, option: str, value: Any, why: str) -> None:
 def _unset_or(value: Any, config_cls: type, name: str) -> Any:
     """``value``, or the config's default for ``name`` when the option is unset."""
     return declared_default(config_cls, name) if value is None else value
+
+
+def _speculative_config(values: dict[str, Any] | None) -> Any:
+    if not values:
+        return None
+    from pagedllm.core.spec_decode import SpeculativeConfig
+
+    return SpeculativeConfig.from_dict(dict(values))
 
 
 def create_engine_config(
@@ -371,6 +380,7 @@ def create_engine_config(
             reasoning_parser=args.reasoning_parser,
         ),
         observability_config=ObservabilityConfig(disable_log_stats=args.disable_log_stats),
+        speculative_config=_speculative_config(args.speculative_config),
     )
     pm.hook.pagedllm_update_config(config=config)
     return config

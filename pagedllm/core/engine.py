@@ -116,8 +116,13 @@ class LLMEngine:
                 tuple(loaded.eos_token_ids),
             )
         sched = config.scheduler_config
+        spec_kwargs = {}
+        if config.speculative_config is not None:
+            if self.is_pooling:
+                raise ConfigError("--speculative-config applies to text generation")
+            spec_kwargs["speculative"] = config.speculative_config
         self.scheduler = scheduler_class(sched.scheduler_cls)(
-            sched, self.kv_manager, self.max_model_len, guided=self.guided
+            sched, self.kv_manager, self.max_model_len, guided=self.guided, **spec_kwargs
         )
         self.runner = ModelRunner(
             loaded.model,

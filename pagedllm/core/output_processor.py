@@ -142,7 +142,7 @@ class OutputProcessor:
                 parent.metrics.first_token_time = parent.metrics.last_token_time = now
                 self.finish(parent.sequences[0], "stop", None)
             elif error is None:
-                num_sampled += 1
+                num_sampled += max(request.num_new_output_tokens, 1)
                 try:
                     self._on_new_token(request, parent, result, now, step)
                 except Exception as exc:
@@ -182,8 +182,18 @@ class OutputProcessor:
         step: ProcessedStep,
     ) -> None:
         seq = parent.sequences[request.sequence_index]
-        token = request.output_token_ids[-1]
-        stop = self.on_token(seq, token, result.logprobs.get(request.request_id))
+        # (several tokens when speculative decoding kept drafts; they have no logprobs)
+        count = max(request.num_new_output_tokens, 1)
+        stop = None
+        for back in range(count - 1, 0, -1):
+            stop = self.on_token(seq, request.output_token_ids[-back - 1], None)
+            if stop is not None:  # a stop string: the tokens after it never happened
+                del request.output_token_ids[-back:]
+                del request.all_token_ids[-back:]
+                break
+        if stop is None:
+            token = request.output_token_ids[-1]
+            stop = self.on_token(seq, token, result.logprobs.get(request.request_id))
         metrics = parent.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -95,12 +95,15 @@ class ModelRunner:
         sampling_requests = []
         prompt_rows: list[tuple[Any, int, int, list[int]]] = []
         pooling_rows: list[tuple[Any, int, Any]] = []
+        spec_rows: list[tuple[Any, int, list[int]]] = []
         offset = 0
         for item in output.scheduled:
             request = item.request
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
-            token_ids.extend(request.all_token_ids[start:end])
+            drafts = item.draft_token_ids
+            token_ids.extend(request.all_token_ids[start : end - len(drafts)])
+            token_ids.extend(drafts)
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
@@ -108,6 +111,9 @@ class ModelRunner:
             if request.pooling_params is not None:
                 if item.reaches_end:
                     pooling_rows.append((request, offset, item))
+            elif drafts:
+                # The last known token's row and each draft's: k + 1 distributions.
+                spec_rows.append((request, offset + item.num_new_tokens - 1 - len(drafts), drafts))
             elif item.reaches_end:
                 sample_rows.append(offset + item.num_new_tokens - 1)
                 sampling_requests.append(request)
@@ -145,6 +151,10 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
+        for request, first, drafts in spec_rows:
+            result.spec_token_ids[request.request_id] = self._verify(
+                request, hidden[first : first + len(drafts) + 1], drafts
+            )
         for request, start, item in pooling_rows:
             result.pooled[request.request_id] = self._pool(
                 request, hidden[start : start + item.num_new_tokens], item
@@ -181,3 +191,18 @@ class ModelRunner:
             given = params.token_type_ids if params is not None else None
             types.extend(given[start:end] if given else [0] * (end - start))
         return torch.tensor(types, dtype=torch.long, device=self.device)
+
+    def _verify(self, request: Any, hidden: torch.Tensor, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the target's distributions at the last known token and
+        each draft (processed as the sampler processes them), and the tokens the
+        rejection sampler keeps (see :mod:`pagedllm.core.spec_decode`)."""
+        from pagedllm.core.sampling.sampler import apply_logits_processing, warp
+        from pagedllm.core.spec_decode import accept_drafts
+
+        logits = self.model.compute_logits(hidden).float().contiguous()
+        md = SamplingMetadata.from_requests([request] * len(hidden), logits.shape[-1], self.device)
+        apply_logits_processing(logits, md)
+        if md.all_greedy:
+            return accept_drafts(None, logits.argmax(dim=-1), drafts, None)
+        warp(logits, md)
+        return accept_drafts(logits.softmax(dim=-1), None, drafts, md.generators.get(0))

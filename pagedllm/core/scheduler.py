@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.spec_decode import SpeculativeConfig, can_speculate, make_proposer
 from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.waiting_queue import WaitingQueue
 
@@ -36,8 +37,14 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         guided: GuidedDecodingManager | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        # Speculative decoding: the proposer of draft tokens, and the counts behind the
+        # metrics (drafts proposed, drafts kept, steps that verified drafts).
+        self.speculative = speculative
+        self.proposer = make_proposer(speculative)
+        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.kv = kv_manager
         self.max_model_len = max_model_len
         # Guided decoding: the token mask before a step, each new token's acceptance after.
@@ -139,10 +146,17 @@ class Scheduler:
         preempted: list[str] = []
 
         # Running requests, in order; the victims of preemption come from the back.
+        speculate = self.proposer is not None and (
+            self.speculative.disable_by_batch_size is None
+            or len(self.running) < self.speculative.disable_by_batch_size
+        )
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._limit(request, request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            drafts = self._propose(request, budget) if speculate and num_known == 1 else []
+            num_new = self._limit(request, num_known + len(drafts), budget)
+            drafts = drafts[: max(0, num_new - num_known)]
             if num_new <= 0:
                 index += 1
                 continue
@@ -161,7 +175,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the same index is the next request now
-            scheduled[request] = ScheduledRequest(request, num_new, request.num_computed_tokens)
+            scheduled[request] = ScheduledRequest(
+                request, num_new, request.num_computed_tokens, draft_token_ids=drafts
+            )
             budget -= num_new
             index += 1
 
@@ -227,6 +243,18 @@ class Scheduler:
             aborted=aborted,
         )
 
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: as many as its budget, its max_tokens
+        and the model length leave after the token it samples anyway."""
+        if not can_speculate(request):
+            return []
+        params = request.sampling_params
+        room = self.max_model_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        k = min(self.speculative.num_speculative_tokens, room, budget - 1)
+        return self.proposer.propose(request, k) if k > 0 else []
+
     def _abort_uncompiled(self) -> list[tuple[Request, BaseException]]:
         """Finish (as aborted) the waiting requests whose constraint failed to compile."""
         aborted = []
@@ -274,7 +302,19 @@ class Scheduler:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            drafts = item.draft_token_ids
+            request.num_computed_tokens = (
+                item.num_computed_tokens + item.num_new_tokens - len(drafts)
+            )
+            if drafts and request.request_id in result.spec_token_ids:
+                tokens = result.spec_token_ids[request.request_id]
+                # The kept drafts' KV is valid; the rejected ones' slots are rewritten later.
+                request.num_computed_tokens += len(tokens) - 1
+                self.spec_stats["drafts"] += 1
+                self.spec_stats["draft_tokens"] += len(drafts)
+                self.spec_stats["accepted_tokens"] += len(tokens) - 1
+                self._append_tokens(request, tokens, updated)
+                continue
             if request.request_id in result.pooled:  # a pooling request: done
                 self.running.remove(request)
                 self.requests.pop(request.request_id, None)
@@ -285,20 +325,28 @@ class Scheduler:
             token = result.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
+            self._append_tokens(request, [token], updated)
+        return updated
+
+    def _append_tokens(self, request: Request, tokens: list[int], updated: list[Request]) -> None:
+        """Append a step's new tokens one by one, stopping at the first that ends the
+        request (the rest are dropped)."""
+        request.num_new_output_tokens = 0
+        for token in tokens:
             request.append_output_token_ids([token])
+            request.num_new_output_tokens += 1
             try:
                 status = self._check_stop(request, token)
             except Exception as exc:  # a matcher's error fails its request only
                 self._fail(request, exc)
-                updated.append(request)
-                continue
+                break
             if status is not None:
                 self.running.remove(request)
                 self.requests.pop(request.request_id, None)
                 request.status = status
                 self.kv.free(request)
-            updated.append(request)
-        return updated
+                break
+        updated.append(request)
 
     def _fail_scheduled(self, output: SchedulerOutput, error: Exception) -> list[Request]:
         failed = [item.request for item in output.scheduled if not item.request.is_finished]

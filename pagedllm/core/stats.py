@@ -25,6 +25,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Speculative decoding: verification steps of drafts, drafts proposed and kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -46,7 +50,9 @@ class StatLogger:
     def on_step(self, output: SchedulerOutput, num_sampled: int) -> None:
         # Tokens computed this step that were not the previous step's sampled token.
         prompt = output.num_scheduled_tokens - sum(
-            1 for s in output.scheduled if s.num_computed_tokens >= s.request.num_prompt_tokens
+            1 + len(s.draft_token_ids)
+            for s in output.scheduled
+            if s.num_computed_tokens >= s.request.num_prompt_tokens
         )
         self.prompt_tokens += prompt
         self.generation_tokens += num_sampled
@@ -67,6 +73,10 @@ class StatLogger:
             num_preemptions=self.engine.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            **{
+                f"spec_{key}": value
+                for key, value in getattr(self.engine.scheduler, "spec_stats", {}).items()
+            },
         )
 
     def log(self) -> None:
@@ -83,5 +93,13 @@ class StatLogger:
             stats.kv_cache_usage * 100,
             stats.prefix_cache_hit_rate * 100,
         )
+        if stats.spec_draft_tokens:
+            logger.info(
+                "speculative decoding: %.1f%% of %d draft tokens accepted, mean acceptance "
+                "length %.2f (tokens per verification step, the sampled one included)",
+                100 * stats.spec_accepted_tokens / stats.spec_draft_tokens,
+                stats.spec_draft_tokens,
+                1 + stats.spec_accepted_tokens / max(stats.spec_drafts, 1),
+            )
         self._interval_prompt = self._interval_generation = 0
         self._last_log = now

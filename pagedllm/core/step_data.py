@@ -25,11 +25,15 @@ class ScheduledRequest:
     # The request's block table after this step's allocation: physical block ids in
     # token order (the runner reads it; it never asks the KV-cache manager).
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Speculative decoding: the draft tokens computed after the request's known ones
+    # (counted in num_new_tokens).
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def reaches_end(self) -> bool:
         """Whether this step computes the request's last known token, so it samples."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,7 +54,11 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """The requests that sample a token this step, in batch order: the rows of the
         logits and of a guided-decoding token mask."""
-        return [item.request for item in self.scheduled if item.reaches_end]
+        return [
+            item.request
+            for item in self.scheduled
+            if item.reaches_end and not item.draft_token_ids and item.request.pooling_params is None
+        ]
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +69,8 @@ class RunnerOutput:
     logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # request id -> prompt logprobs computed this step, in prompt order
     prompt_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    # request id -> the tokens a speculative step appends (kept drafts, then one more)
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # request id -> the pooled result of a pooling request whose prompt ended this step
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Set when computing the step failed: every scheduled request fails with it.

@@ -82,7 +82,6 @@ UNSUPPORTED: dict[str, str] = {
     "max_prompt_adapters": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapter_token": _NO_PROMPT_ADAPTERS,
     # SpeculativeConfig
-    "speculative_config": _NO_SPEC_DECODING,
     # ObservabilityConfig
     "show_hidden_metrics_for_version": "pagedllm has not hidden any metrics, so there are "
     "none to bring back" + _LEAVE_OUT,
@@ -92,7 +91,8 @@ UNSUPPORTED: dict[str, str] = {
     "cuda_graph_sizes": _NO_CUDA_GRAPHS,
     "num_scheduler_steps": "pagedllm schedules every step" + _LEAVE_OUT,
     "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,
-    "num_lookahead_slots": _NO_SPEC_DECODING + _LEAVE_OUT,
+    "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
+    "(--speculative-config)" + _LEAVE_OUT,
     "disable_chunked_mm_input": _NO_MULTIMODAL,
     "disable_hybrid_kv_cache_manager": "pagedllm has no hybrid KV-cache manager to disable"
     + _LEAVE_OUT,
@@ -104,7 +104,7 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 _GROUP = "Deprecated"
-_SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}' (" + _NO_SPEC_DECODING + ")"
+_SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}'"
 _IMAGE_FLAGS_REMOVED = (
     "multi-modal inputs are now described by the model's own processor; use "
     "--mm-processor-kwargs and --limit-mm-per-prompt"

@@ -368,6 +368,9 @@ class RuntimeArgs:
     speculative_config: dict[str, Any] | None = arg(
         None,
         group="SpeculativeConfig",
-        help="Speculative decoding settings as a JSON object.",
-        unbuilt=UNSUPPORTED["speculative_config"],
+        help='Speculative decoding as a JSON object: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
+        '(prompt lookup), or {"model": DRAFT, "num_speculative_tokens": 3} (a draft '
+        'model sharing the tokenizer); "disable_by_batch_size": N stops speculating '
+        "while N or more requests run.",
     )

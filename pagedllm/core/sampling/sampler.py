@@ -135,11 +135,9 @@ def _apply_penalties(flat_logits: torch.Tensor, md: SamplingMetadata) -> None:
         flat_logits[output_index] = flat_logits[output_index] - md.presence_output
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """One token id per row (long ``[num_reqs]``); random rows modify ``logits``."""
-    if md.all_greedy:
-        return logits.argmax(dim=-1)
-    greedy = logits.argmax(dim=-1) if md.greedy_mask is not None else None
+def warp(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Temperature, min-p, top-k and top-p, in place: the logits whose softmax is the
+    distribution a random row draws from."""
     if md.temperature is not None:
         logits.div_(md.temperature)
     if md.min_p is not None:
@@ -152,6 +150,14 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         _apply_top_k_top_p(logits, md.top_k, md.top_p)
     elif md.top_k is not None:
         _apply_top_k(logits, md.top_k, md.max_top_k)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One token id per row (long ``[num_reqs]``); random rows modify ``logits``."""
+    if md.all_greedy:
+        return logits.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1) if md.greedy_mask is not None else None
+    warp(logits, md)
     # Inverse CDF: one uniform per row, found in the row's cumulative distribution. A
     # seeded row draws its uniform from its own generator, so it ignores the rest of the
     # batch. U is scaled by the row's total (cumsum rounding) and kept > 0, so a token of

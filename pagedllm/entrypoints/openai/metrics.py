@@ -76,6 +76,14 @@ class Metrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
         )
+        self.spec = {
+            "drafts": counter("spec_decode_num_drafts", "Verification steps with draft tokens."),
+            "draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+            "accepted_tokens": counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens kept by verification."
+            ),
+        }
+        self._last_spec = dict.fromkeys(self.spec, 0)
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
@@ -97,14 +105,19 @@ class Metrics:
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self._last_preemptions = stats.num_preemptions
         self._last_prompt, self._last_generation = stats.prompt_tokens, stats.generation_tokens
+        for key, metric in self.spec.items():
+            value = getattr(stats, f"spec_{key}")
+            metric.labels(m).inc(value - self._last_spec[key])
+            self._last_spec[key] = value
         for output in outputs:
             if output.finished:
                 self.on_finished(output)
 
     def on_finished(self, output: RequestOutput) -> None:
         m = self.model
-        for completion in output.outputs:
-            reason = completion.finish_reason or "abort"
+        # (a pooling request's output is its pooled result: it ends once, stopped)
+        completions = output.outputs if isinstance(output.outputs, list) else []
+        for reason in [c.finish_reason or "abort" for c in completions] or ["stop"]:
             self.request_success.labels(m, reason).inc()
         metrics = output.metrics
         if metrics is None:

@@ -1,0 +1,185 @@
+"""Speculative decoding (``--speculative-config``): cheap proposals of the next few tokens,
+verified by the target model in one step, kept so that the output is distributed exactly
+as without speculation.
+
+A request in its decode phase gets up to ``num_speculative_tokens`` draft tokens from the
+proposer (``ngram``: prompt lookup, the tokens that followed the latest earlier
+occurrence of the request's last n-gram; or a draft model's greedy continuation). The
+scheduler schedules the last sampled token and the drafts together; the runner takes the
+target's distribution at each of those positions and keeps the drafts one by one by
+rejection sampling. The drafts are proposals ``q`` that put all their mass on one token
+(deterministic proposers), so draft ``d`` is kept with probability ``p(d)`` (always when
+greedy and ``d`` is the argmax); at the first rejection the token is drawn from ``p``
+without ``d`` (renormalized: ``max(0, p - q)``), and when every draft is kept a bonus
+token is drawn from the last position. Greedy outputs are therefore identical to no
+speculation, and sampled ones have the target distribution.
+
+Drafts go only to requests whose sampling the runner can verify per position without
+sequence state: no repetition/frequency/presence penalties, bad words, guided decoding,
+logprobs, or pending ``min_tokens``; the others decode one token a step as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pagedllm.core.errors import ConfigError
+
+_KNOWN = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "draft_tensor_parallel_size",
+    "max_model_len",
+    "quantization",
+    "acceptance_method",
+}
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        def fail(message: str) -> ConfigError:
+            return ConfigError(f"--speculative-config: {message}")
+
+        unknown = sorted(set(values) - _KNOWN)
+        if unknown:
+            raise fail(f"unknown key(s) {unknown} (known: {sorted(_KNOWN)})")
+        method = values.get("method") or ("draft_model" if values.get("model") else None)
+        if method == "[ngram]":
+            method = "ngram"
+        if method not in ("ngram", "draft_model"):
+            raise fail(
+                f"method {method!r} is not supported (use 'ngram', or a draft 'model'); "
+                "EAGLE and MTP heads are not implemented"
+            )
+        k = values.get("num_speculative_tokens")
+        if not isinstance(k, int) or k < 1:
+            raise fail(f"num_speculative_tokens must be a positive integer, not {k!r}")
+        if values.get("draft_tensor_parallel_size", 1) != 1:
+            raise fail("draft_tensor_parallel_size must be 1")
+        if values.get("acceptance_method", "rejection_sampler") != "rejection_sampler":
+            raise fail("only the rejection_sampler acceptance method is implemented")
+        if values.get("quantization") is not None:
+            raise fail("a quantized draft model is not supported")
+        config = cls(method=method, num_speculative_tokens=k, model=values.get("model"))
+        if method == "ngram":
+            if values.get("model"):
+                raise fail("method 'ngram' takes no model")
+            config.prompt_lookup_max = int(values.get("prompt_lookup_max", 5))
+            config.prompt_lookup_min = int(values.get("prompt_lookup_min", 1))
+            if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+                raise fail("prompt_lookup_min must be between 1 and prompt_lookup_max")
+        elif not config.model:
+            raise fail("a draft model needs 'model'")
+        if values.get("max_model_len") is not None and method == "ngram":
+            raise fail("max_model_len applies to a draft model")
+        limit = values.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise fail(f"disable_by_batch_size must be a positive integer, not {limit!r}")
+        config.disable_by_batch_size = limit
+        return config
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the sequence's
+    last ``n`` tokens, for ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.max_n = config.prompt_lookup_max
+        self.min_n = config.prompt_lookup_min
+
+    def propose(self, request: Any, k: int) -> list[int]:
+        return self.lookup(request.all_token_ids, k)
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < 2:
+            return []
+        tokens = torch.tensor(token_ids)
+        length = len(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tokens[length - n :]
+            windows = tokens[: length - 1].unfold(0, n, 1)  # starts 0 .. length - 1 - n
+            hits = (windows == suffix).all(dim=1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return token_ids[start : start + k]
+        return []
+
+
+def make_proposer(config: SpeculativeConfig | None) -> Any:
+    """The proposer for ``config`` (None without speculative decoding). A draft model's
+    proposer is given its model by the engine (:class:`DraftModelProposer`)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return None  # (the engine sets the draft model's proposer once it is loaded)
+
+
+def can_speculate(request: Any) -> bool:
+    """Whether the runner can verify drafts for ``request`` position by position."""
+    params = request.sampling_params
+    return (
+        request.pooling_params is None
+        and not request.is_guided
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.bad_words_token_ids
+        and request.num_output_tokens >= params.min_tokens
+        and params.n == 1
+    )
+
+
+def accept_drafts(
+    probs: torch.Tensor | None,
+    greedy_tokens: torch.Tensor | None,
+    drafts: list[int],
+    generator: torch.Generator | None,
+) -> list[int]:
+    """The tokens a verification step appends: the kept drafts, then one more (a
+    correction at the first rejection, or a bonus). ``probs`` ``[k + 1, vocab]`` is the
+    target's sampling distribution at each position (None for a greedy request, whose
+    ``greedy_tokens`` ``[k + 1]`` are the argmaxes)."""
+    if probs is None:
+        assert greedy_tokens is not None
+        best = greedy_tokens.tolist()
+        kept = []
+        for i, draft in enumerate(drafts):
+            if best[i] != draft:
+                return [*kept, best[i]]
+            kept.append(draft)
+        return [*kept, best[len(drafts)]]
+    kept = []
+    for i, draft in enumerate(drafts):
+        row = probs[i]
+        u = torch.rand((), generator=generator, device=row.device)
+        if u < row[draft]:
+            kept.append(draft)
+            continue
+        residual = row.clone()
+        residual[draft] = 0.0
+        if residual.sum() <= 0:  # (p was all on the draft: it cannot be rejected)
+            kept.append(draft)
+            continue
+        token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+        return [*kept, int(token)]
+    bonus = torch.multinomial(probs[len(drafts)], 1, generator=generator)
+    return [*kept, int(bonus)]

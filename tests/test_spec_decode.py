@@ -1,0 +1,168 @@
+"""Speculative decoding (``--speculative-config``): greedy outputs identical to no
+speculation (with prefix caching, chunked prefill and preemption), sampled outputs
+distributed as the target model's (a chi-square test against transformers' exact
+probabilities), the batch-size cut-off, the metrics, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from openai_server import RemoteServer, start_servers
+from test_parity import SETTINGS
+from tiny_models import make_checkpoint
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.spec_decode import NgramProposer, SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# Repetitive prompts (prompt lookup finds their n-grams) and one that is not.
+PROMPTS = [
+    [1, 5, 9, 23, 42, 77, 30, 5, 9, 23, 42],
+    [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4],
+    [1, 7, 7, 7, 33, 100, 12, 64, 8, 19, 2],
+    [6, 60, 61, 62, 63, 64, 65, 6, 60, 61] * 4,
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("spec") / "qwen2", "qwen2", seed=1)
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_ngram_proposer():
+    proposer = NgramProposer(SpeculativeConfig.from_dict(NGRAM))
+    assert proposer.lookup([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # [2, 3] seen before
+    assert proposer.lookup([1, 2, 3, 1, 2, 5, 1, 2], 2) == [5, 1]  # the latest match
+    assert proposer.lookup([1, 2, 3, 4], 2) == []
+    assert proposer.lookup([7, 7], 3) == [7]
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_outputs_are_unchanged(checkpoint, setting):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    kwargs = dict(dtype="float32", disable_log_stats=True, **SETTINGS[setting])
+    expected = _tokens(LLM(str(checkpoint), **kwargs), params)
+    llm = LLM(str(checkpoint), speculative_config=NGRAM, **kwargs)
+    assert _tokens(llm, params) == expected
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats["draft_tokens"] > 0 and 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+    if setting == "preemption":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    engine = llm.llm_engine
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_sampled_outputs_keep_the_target_distribution(checkpoint):
+    """600 seeded samples (temperature 0.5, top-5) with prompt lookup proposing: the
+    distribution of their first two tokens (the second one verified against a draft)
+    against the exact probabilities of the 25 outcomes, computed with transformers."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    temperature = 0.5
+
+    def top5(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        values, tokens = logits.topk(5)
+        probs = (values / temperature).softmax(-1)
+        return dict(zip(tokens.tolist(), probs.tolist(), strict=True))
+
+    # [a, b, c, a] with [a, b, c] the model's greedy run from a, for an ``a`` where the
+    # model goes on with b, c: after a first token b, prompt lookup proposes c, which
+    # the target keeps or rejects (both happen).
+    for a in range(6, 512):
+        start = model.generate(torch.tensor([[a]]), max_new_tokens=2, do_sample=False)[0]
+        prompt = [*start.tolist(), a]
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)[0]
+        if greedy.tolist()[len(prompt) :] == prompt[1:3]:
+            break
+    exact = {}
+    for first, p1 in top5(prompt).items():
+        for second, p2 in top5([*prompt, first]).items():
+            exact[(first, second)] = p1 * p2
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=NGRAM)
+    n = 600
+    params = [
+        SamplingParams(temperature=temperature, top_k=5, max_tokens=3, ignore_eos=True, seed=i)
+        for i in range(n)
+    ]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    counts: dict[tuple[int, int], int] = {}
+    for output in outputs:
+        key = tuple(output.outputs[0].token_ids[:2])
+        assert key in exact, key
+        counts[key] = counts.get(key, 0) + 1
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+    # Chi-square over the outcomes expected at least 5 times (the rest pooled).
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for key, probability in exact.items():
+        if probability * n >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(probability * n)
+        else:
+            rest_o += counts.get(key, 0)
+            rest_e += probability * n
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    # 0.1% critical values of chi-square by degrees of freedom (at most 25 cells).
+    critical = [
+        10.8, 13.8, 16.3, 18.5, 20.5, 22.5, 24.3, 26.1, 27.9, 29.6, 31.3, 32.9, 34.5,
+        36.1, 37.7, 39.3, 40.8, 42.3, 43.8, 45.3, 46.8, 48.3, 49.7, 51.2, 52.6,
+    ]  # fmt: skip
+    assert chi2 < critical[len(observed) - 2], (chi2, observed, expected)
+
+
+def test_disable_by_batch_size(checkpoint):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = {**NGRAM, "disable_by_batch_size": 1}
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=config)
+    _tokens(llm, params)  # every step has a running request: never speculates
+    assert llm.llm_engine.scheduler.spec_stats["draft_tokens"] == 0
+
+
+def test_requests_that_cannot_be_verified_decode_as_usual(checkpoint):
+    """Logprobs, penalties: no drafts for them, and the same output."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, repetition_penalty=1.2)
+    expected = _tokens(LLM(str(checkpoint), dtype="float32", disable_log_stats=True), params)
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=NGRAM)
+    assert _tokens(llm, params) == expected
+    assert llm.llm_engine.scheduler.spec_stats["draft_tokens"] == 0
+
+
+def test_bad_configs():
+    for config, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+        ({**NGRAM, "bogus": 1}, "bogus"),
+        ({**NGRAM, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.from_dict(config)
+
+
+def test_metrics(checkpoint, tmp_path):
+    server = RemoteServer(
+        checkpoint, "--dtype", "float32", "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}', log_path=tmp_path / "s.log",
+    )  # fmt: skip
+    start_servers(server)
+    try:
+        with server.http() as http:
+            body = {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        drafted = server.metric("pagedllm:spec_decode_num_draft_tokens_total")
+        accepted = server.metric("pagedllm:spec_decode_num_accepted_tokens_total")
+        assert drafted > 0 and 0 < accepted <= drafted
+        assert server.metric("pagedllm:spec_decode_num_drafts_total") > 0
+    finally:
+        server.stop()
