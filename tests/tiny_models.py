@@ -171,6 +171,20 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             use_parallel_residual=True,
         ),
     ),
+    "starcoder2": (
+        transformers.Starcoder2Config,
+        transformers.Starcoder2ForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=12,
+            tie_word_embeddings=False,
+        ),
+    ),
     "opt": (
         transformers.OPTConfig,
         transformers.OPTForCausalLM,

@@ -16,6 +16,9 @@ def pagedllm_register_models(registry):
     registry.add("PhiForCausalLM", "pagedllm.plugins.models.phi:PhiForCausalLM")
     registry.add("Phi3ForCausalLM", "pagedllm.plugins.models.phi3:Phi3ForCausalLM")
     registry.add("StableLmForCausalLM", "pagedllm.plugins.models.stablelm:StableLmForCausalLM")
+    registry.add(
+        "Starcoder2ForCausalLM", "pagedllm.plugins.models.starcoder2:Starcoder2ForCausalLM"
+    )
     registry.add("OPTForCausalLM", "pagedllm.plugins.models.opt:OPTForCausalLM")
     registry.add("FalconForCausalLM", "pagedllm.plugins.models.falcon:FalconForCausalLM")
     registry.add("GPTNeoXForCausalLM", "pagedllm.plugins.models.gpt_neox:GPTNeoXForCausalLM")
