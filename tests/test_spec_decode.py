@@ -59,7 +59,8 @@ def test_greedy_outputs_are_unchanged(checkpoint, setting):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
-def test_sampled_outputs_keep_the_target_distribution(checkpoint):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_outputs_keep_the_target_distribution(checkpoint, method):
     """600 seeded samples (temperature 0.5, top-5) with prompt lookup proposing: the
     distribution of their first two tokens (the second one verified against a draft)
     against the exact probabilities of the 25 outcomes, computed with transformers."""
@@ -86,7 +87,9 @@ def test_sampled_outputs_keep_the_target_distribution(checkpoint):
     for first, p1 in top5(prompt).items():
         for second, p2 in top5([*prompt, first]).items():
             exact[(first, second)] = p1 * p2
-    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=NGRAM)
+    # (the draft model is the target itself: its greedy drafts are kept with p(argmax))
+    config = NGRAM if method == "ngram" else {"model": str(checkpoint), "num_speculative_tokens": 2}
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=config)
     n = 600
     params = [
         SamplingParams(temperature=temperature, top_k=5, max_tokens=3, ignore_eos=True, seed=i)
@@ -119,6 +122,30 @@ def test_sampled_outputs_keep_the_target_distribution(checkpoint):
         36.1, 37.7, 39.3, 40.8, 42.3, 43.8, 45.3, 46.8, 48.3, 49.7, 51.2, 52.6,
     ]  # fmt: skip
     assert chi2 < critical[len(observed) - 2], (chi2, observed, expected)
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("draft") / "qwen2", "qwen2", seed=2)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_draft_model_greedy_outputs_are_unchanged(checkpoint, other_checkpoint, setting):
+    """A draft model: the target itself (every draft kept: the draft KV bookkeeping is
+    right) and another model (drafts rejected); the outputs are the target's either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", disable_log_stats=True, **SETTINGS[setting])
+    expected = _tokens(LLM(str(checkpoint), **kwargs), params)
+    for draft in (checkpoint, other_checkpoint):
+        config = {"model": str(draft), "num_speculative_tokens": 3}
+        llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
+        assert _tokens(llm, params) == expected
+        stats = llm.llm_engine.scheduler.spec_stats
+        assert stats["draft_tokens"] > 0
+        if draft == checkpoint and setting != "preemption":
+            assert stats["accepted_tokens"] == stats["draft_tokens"]
+        if setting == "preemption":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 def test_disable_by_batch_size(checkpoint):

@@ -134,6 +134,10 @@ class LLMEngine:
             backend_cls(),
         )
         self.runner.pooler_configs = self.pooler_configs
+        if spec_kwargs and config.speculative_config.method == "draft_model":
+            self.scheduler.proposer = self._draft_proposer(
+                config.speculative_config, num_blocks, backend_cls
+            )
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
         )
@@ -155,6 +159,46 @@ class LLMEngine:
         # does the interpreter's exit (whose last collections free what is still alive).
         gc.freeze()
         _unfreeze_at_exit()
+
+    def _draft_proposer(self, spec: Any, num_blocks: int, backend_cls: Any) -> Any:
+        """Load ``spec.model`` as the draft model, with a KV cache of the target's block
+        layout."""
+        from pagedllm.core.spec_decode import DraftModelProposer
+
+        config = self.config
+        mc = config.model_config
+        draft_config = dataclasses.replace(
+            config,
+            model_config=dataclasses.replace(
+                mc, model=spec.model, tokenizer=spec.model, quantization=None, task="generate"
+            ),
+            speculative_config=None,
+        )
+        draft = load_model(draft_config, self.pm)
+        if draft.max_model_len < self.max_model_len:
+            raise ConfigError(
+                f"--speculative-config: the draft model's context ({draft.max_model_len} "
+                f"tokens) is shorter than the target's ({self.max_model_len}); lower "
+                "--max-model-len"
+            )
+        ours, theirs = self.tokenizer, draft.tokenizer
+        if ours is not None and theirs is not None and ours.get_vocab() != theirs.get_vocab():
+            raise ConfigError(
+                f"--speculative-config: the draft model {spec.model!r} has another vocabulary"
+            )
+        spec_kv = kv_cache_spec(
+            draft.hf_config, kv_cache_torch_dtype(config.cache_config, draft.dtype)
+        )
+        logger.info("speculative decoding: draft model %s", spec.model)
+        return DraftModelProposer(
+            draft.model,
+            spec_kv,
+            num_blocks,
+            config.cache_config.block_size,
+            backend_cls(),
+            config.device_config.torch_device,
+            self.vocab_size,
+        )
 
     @property
     def is_pooling(self) -> bool:

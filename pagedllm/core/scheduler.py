@@ -150,13 +150,14 @@ class Scheduler:
             self.speculative.disable_by_batch_size is None
             or len(self.running) < self.speculative.disable_by_batch_size
         )
+        to_draft: list[tuple[ScheduledRequest, int]] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_known = request.num_tokens - request.num_computed_tokens
-            drafts = self._propose(request, budget) if speculate and num_known == 1 else []
-            num_new = self._limit(request, num_known + len(drafts), budget)
-            drafts = drafts[: max(0, num_new - num_known)]
+            room = self._draft_room(request, budget) if speculate and num_known == 1 else 0
+            num_new = self._limit(request, num_known + room, budget)
+            room = max(0, num_new - num_known)
             if num_new <= 0:
                 index += 1
                 continue
@@ -175,11 +176,12 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the same index is the next request now
-            scheduled[request] = ScheduledRequest(
-                request, num_new, request.num_computed_tokens, draft_token_ids=drafts
-            )
+            scheduled[request] = ScheduledRequest(request, num_new, request.num_computed_tokens)
+            if room:
+                to_draft.append((scheduled[request], room))
             budget -= num_new
             index += 1
+        budget += self._draft(scheduled, to_draft)
 
         # Waiting requests, if nothing had to be preempted to fit the running ones.
         partial, long_partial = self._partial_prefill_counts(scheduled)
@@ -243,17 +245,39 @@ class Scheduler:
             aborted=aborted,
         )
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request: as many as its budget, its max_tokens
-        and the model length leave after the token it samples anyway."""
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """How many draft tokens a decoding request may get: as many as its budget, its
+        max_tokens and the model length leave after the token it samples anyway."""
         if not can_speculate(request):
-            return []
+            return 0
         params = request.sampling_params
         room = self.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        k = min(self.speculative.num_speculative_tokens, room, budget - 1)
-        return self.proposer.propose(request, k) if k > 0 else []
+        return max(0, min(self.speculative.num_speculative_tokens, room, budget - 1))
+
+    def _draft(
+        self,
+        scheduled: dict[Request, ScheduledRequest],
+        to_draft: list[tuple[ScheduledRequest, int]],
+    ) -> int:
+        """Ask the proposer for the drafts of the scheduled decoding requests (their slots
+        are allocated: a draft model writes its KV there); a request given fewer than its
+        room gives the rest of its tokens back. Returns the budget given back."""
+        live = [(item, room) for item, room in to_draft if scheduled.get(item.request) is item]
+        if not live:
+            return 0
+        wanted = [
+            (item.request, room, self.kv.get_block_ids(item.request.request_id))
+            for item, room in live
+        ]
+        returned = 0
+        for (item, room), drafts in zip(live, self.proposer.propose(wanted), strict=True):
+            drafts = list(drafts)[:room]
+            item.draft_token_ids = drafts
+            item.num_new_tokens -= room - len(drafts)
+            returned += room - len(drafts)
+        return returned
 
     def _abort_uncompiled(self) -> list[tuple[Request, BaseException]]:
         """Finish (as aborted) the waiting requests whose constraint failed to compile."""

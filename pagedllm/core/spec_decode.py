@@ -103,8 +103,9 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
         self.min_n = config.prompt_lookup_min
 
-    def propose(self, request: Any, k: int) -> list[int]:
-        return self.lookup(request.all_token_ids, k)
+    def propose(self, wanted: list[tuple[Any, int, list[int]]]) -> list[list[int]]:
+        """Drafts for each ``(request, room, block ids)``."""
+        return [self.lookup(request.all_token_ids, room) for request, room, _ in wanted]
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0 or len(token_ids) < 2:
@@ -183,3 +184,89 @@ def accept_drafts(
         return [*kept, int(token)]
     bonus = torch.multinomial(probs[len(drafts)], 1, generator=generator)
     return [*kept, int(bonus)]
+
+
+class DraftModelProposer:
+    """A smaller model sharing the target's vocabulary proposes its greedy continuation.
+
+    Its KV cache has the target cache's block layout (the same block ids, its own
+    tensors), so a request's draft KV lives in the blocks the scheduler gave the request.
+    For each request it remembers how many tokens have their draft KV written; a
+    proposal first catches up on the tokens since (the prompt, the tokens kept last step)
+    in one step, then feeds its own drafts back one at a time. Drafts the target rejected
+    are recomputed later (only tokens the target kept count as written)."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv_spec: Any,
+        num_blocks: int,
+        block_size: int,
+        backend: Any,
+        device: torch.device,
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        shape = (2, num_blocks, block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+        self.kv_caches = [
+            torch.empty(shape, dtype=kv_spec.dtype, device=device)
+            for _ in range(kv_spec.num_layers)
+        ]
+        # request id -> (its preemption count, tokens whose draft KV is written)
+        self._written: dict[str, tuple[int, int]] = {}
+
+    @torch.inference_mode()
+    def propose(self, wanted: list[tuple[Any, int, list[int]]]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in wanted]
+        inputs: list[list[int]] = []
+        starts: list[int] = []
+        for request, _, _ in wanted:
+            preemptions, written = self._written.get(request.request_id, (-1, 0))
+            if preemptions != request.num_preemptions:
+                written = 0  # (its blocks were freed: the draft KV is gone)
+            written = min(written, request.num_computed_tokens)
+            inputs.append(request.all_token_ids[written:])
+            starts.append(written)
+        active = list(range(len(wanted)))
+        while active:
+            token_ids: list[int] = []
+            positions: list[int] = []
+            query_lens: list[int] = []
+            context_lens: list[int] = []
+            tables: list[list[int]] = []
+            for i in active:
+                token_ids.extend(inputs[i])
+                positions.extend(range(starts[i], starts[i] + len(inputs[i])))
+                query_lens.append(len(inputs[i]))
+                context_lens.append(starts[i] + len(inputs[i]))
+                tables.append(wanted[i][2])
+            metadata = self.backend.build_metadata(
+                query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device
+            )
+            hidden = self.model(
+                torch.tensor(token_ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                metadata,
+            )
+            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            logits = self.model.compute_logits(hidden[last])[:, : self.vocab_size]
+            proposed = logits.argmax(dim=-1).tolist()
+            still = []
+            for i, token in zip(active, proposed, strict=True):
+                drafts[i].append(token)
+                starts[i] += len(inputs[i])
+                inputs[i] = [token]
+                if len(drafts[i]) < wanted[i][1]:
+                    still.append(i)
+            active = still
+        # Tokens with draft KV now: everything fed, the last draft excepted; only those
+        # the target keeps stay valid (clamped to its computed tokens next time).
+        self._written = {
+            request.request_id: (request.num_preemptions, starts[i])
+            for i, (request, _, _) in enumerate(wanted)
+        }
+        return drafts

@@ -36,6 +36,13 @@ def _add_latency_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-iters", type=int, default=30, help="Measured iterations.")
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature of every request (vLLM's benchmarks sample at 1.0; 0 is "
+        "greedy, e.g. to measure speculative decoding on a workload the model copies).",
+    )
+    parser.add_argument(
         "--disable-detokenize",
         action="store_true",
         help="Do not detokenize the outputs (measures the engine alone).",
@@ -82,6 +89,13 @@ def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--n", type=int, default=1, help="Sequences per prompt.")
     parser.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature of every request (vLLM's benchmarks sample at 1.0; 0 is "
+        "greedy, e.g. to measure speculative decoding on a workload the model copies).",
+    )
     parser.add_argument(
         "--disable-detokenize",
         action="store_true",
@@ -175,7 +189,7 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     ]
     params = SamplingParams(
         n=args.n,
-        temperature=1.0,
+        temperature=args.temperature,
         top_p=1.0,
         ignore_eos=True,
         max_tokens=args.output_len,
@@ -258,7 +272,7 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     params = [
         SamplingParams(
             n=args.n,
-            temperature=1.0,
+            temperature=args.temperature,
             top_p=1.0,
             ignore_eos=True,
             max_tokens=length,
