@@ -85,6 +85,55 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             max_position_embeddings=256,
         ),
     ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            max_position_embeddings=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            tie_word_embeddings=False,
+        ),
+    ),
     "gemma3": (
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,
@@ -246,7 +295,10 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 
 # Architectures whose one-dimensional parameters (norm weights, biases: ones and zeros as
 # transformers initialises them) are randomised too, so that loading them is checked.
-RANDOM_1D = frozenset({"gemma2", "phi", "stablelm", "gpt_neox", "falcon", "falcon_mqa"})
+RANDOM_1D = frozenset(
+    {"gemma2", "phi", "stablelm", "gpt_neox", "falcon", "falcon_mqa", "starcoder2"}
+    | {"mixtral", "qwen2_moe", "qwen3_moe"}
+)
 
 
 def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any) -> Path:

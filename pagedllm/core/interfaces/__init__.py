@@ -24,6 +24,7 @@ from pagedllm.core.interfaces.parsers import (
 from pagedllm.core.interfaces.quantization import (
     EmbeddingMethod,
     LinearMethod,
+    MoEMethod,
     QuantizationConfig,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "GuidedOptions",
     "KVCacheMemory",
     "LinearMethod",
+    "MoEMethod",
     "ModelArchitecture",
     "ModelLoader",
     "QuantizationConfig",

@@ -64,6 +64,34 @@ class EmbeddingMethod(LinearMethod):
         """Rows ``ids`` of the table, as floats of the engine dtype."""
 
 
+class MoEMethod(ABC):
+    """How a mixture-of-experts layer (``pagedllm.core.layers.moe.FusedMoE``) stores its
+    experts' weights and computes them.
+
+    Contract: :meth:`create_weights` registers parameters on ``layer`` for
+    ``num_experts`` gated MLPs of ``hidden`` -> ``inter`` -> ``hidden`` (their names are
+    what the loader fills); :meth:`apply` returns, for activations ``x`` ``[T, hidden]``,
+    the sum over each token's experts ``ids`` ``[T, top_k]`` of ``weights`` ``[T,
+    top_k]`` times the expert's output (``pagedllm.kernels.moe.moe_reference`` computes
+    it for float weights).
+    """
+
+    @abstractmethod
+    def create_weights(
+        self, layer: torch.nn.Module, num_experts: int, hidden: int, inter: int, params_dtype: Any
+    ) -> None:
+        """Register this method's parameters on ``layer``."""
+
+    @abstractmethod
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' weighted outputs for ``x``."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:  # noqa: B027
+        """Repack loaded weights (optional)."""
+
+
 class QuantizationConfig(ABC):
     """A quantization method's settings, read from the checkpoint or the command line.
 
@@ -94,6 +122,17 @@ class QuantizationConfig(ABC):
         """The method for the vocabulary embedding at ``prefix``, or ``None`` (default)
         to keep it in floats."""
         return None
+
+    def get_moe_method(self, layer: torch.nn.Module, prefix: str) -> MoEMethod | None:
+        """The method for the mixture-of-experts layer at ``prefix`` (its experts'
+        weights), or ``None`` to keep them in floats. The default refuses: a method
+        quantizes experts only where it says how."""
+        from pagedllm.core.errors import ConfigError
+
+        raise ConfigError(
+            f"--quantization {self.name} does not quantize mixture-of-experts layers "
+            f"({prefix}); run this model unquantized"
+        )
 
     def supported_dtypes(self) -> tuple[str, ...]:
         """Activation dtypes this method works with."""

@@ -11,6 +11,8 @@ def pagedllm_register_models(registry):
     registry.add("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     registry.add("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     registry.add("Qwen3ForCausalLM", f"{_LLAMA}:Qwen3ForCausalLM")
+    for name in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        registry.add(name, f"pagedllm.plugins.models.moe:{name}")
     registry.add("Gemma2ForCausalLM", "pagedllm.plugins.models.gemma2:Gemma2ForCausalLM")
     registry.add("Gemma3ForCausalLM", "pagedllm.plugins.models.gemma3:Gemma3ForCausalLM")
     registry.add("PhiForCausalLM", "pagedllm.plugins.models.phi:PhiForCausalLM")

@@ -98,9 +98,11 @@ SILU_KERNEL_MAX_ROWS = 64
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, quant, prefix: str) -> None:
+    def __init__(
+        self, config: Any, quant, prefix: str, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         # Gemma names it hidden_activation.
         act = getattr(config, "hidden_activation", None) or config.hidden_act
@@ -131,12 +133,16 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer, window, quant, f"{prefix}.self_attn")
-        self.mlp = self.mlp_cls(config, quant, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, layer, quant, f"{prefix}.mlp")
         self.input_layernorm = self.make_norm(config)
         # Attention and MLP both read the normed input and add to the residual together
         # (Phi; StableLM's use_parallel_residual): no second norm.
         self.parallel = self.parallel_residual(config)
         self.post_attention_layernorm = None if self.parallel else self.make_norm(config)
+
+    def make_mlp(self, config: Any, layer: int, quant, prefix: str) -> nn.Module:
+        """The layer's MLP (``mlp_cls``; mixture-of-experts layers choose per layer)."""
+        return self.mlp_cls(config, quant, prefix)
 
     @staticmethod
     def make_norm(config: Any) -> nn.Module:

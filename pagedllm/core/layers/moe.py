@@ -1,0 +1,102 @@
+"""The experts of a mixture-of-experts layer, whose storage and computation a quantization
+method may take over (as ``Linear``'s), and the loading of checkpoints that store them
+one tensor per expert."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.moe import moe_reference
+
+if TYPE_CHECKING:
+    from pagedllm.core.interfaces import QuantizationConfig
+
+# An expert's tensor -> (the fused parameter it is part of, which rows of the expert's
+# slice: None = all, 0 = the first half (gate), 1 = the second (up)).
+_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", None)}
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` gated MLPs, ``down(act(gate(x)) * up(x))``, of which each token
+    runs those its router chose, weighted.
+
+    Unquantized, the weights are the parameters ``gate_up_proj`` ``[E, 2 * inter,
+    hidden]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[E, hidden,
+    inter]``, transformers' names and layout; checkpoints with one tensor per expert fill
+    them through :meth:`load_expert`. With a quantization config, the method its
+    ``get_moe_method`` returns for this layer's ``prefix`` stores and computes them.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        act: nn.Module,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.prefix = prefix
+        self.act = act
+        self.method = quant_config.get_moe_method(self, prefix) if quant_config else None
+        if self.method is None:
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(num_experts, 2 * inter, hidden), requires_grad=False
+            )
+            self.down_proj = nn.Parameter(
+                torch.empty(num_experts, hidden, inter), requires_grad=False
+            )
+        else:
+            self.method.create_weights(self, num_experts, hidden, inter, torch.get_default_dtype())
+        # Which (parameter, expert, part) load_expert filled.
+        self._filled: set[tuple[str, int, Any]] = set()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` through each token's experts ``ids`` ``[T, top_k]``,
+        their outputs summed with ``weights`` ``[T, top_k]``."""
+        if self.method is None:
+            return moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+        return self.method.apply(self, x, weights, ids)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's ``part`` (``gate``, ``up``: ``[inter, hidden]``; ``down``:
+        ``[hidden, inter]``) into the fused parameters."""
+        if self.method is not None:
+            raise NotImplementedError(
+                f"{self.prefix}: per-expert checkpoint tensors of quantized experts"
+            )
+        name, half = _PARTS[part]
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"{self.prefix} has {self.num_experts} experts, not expert {expert}")
+        target = getattr(self, name)[expert]
+        if half is not None:
+            target = target[half * self.inter : (half + 1) * self.inter]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{self.prefix}.{expert}.{part}: shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._filled.add((name, expert, half))
+
+    def filled_by_experts(self) -> set[str]:
+        """The parameters (local names) every expert's parts have filled."""
+        needed = {"gate_up_proj": (0, 1), "down_proj": (None,)}
+        return {
+            name
+            for name, halves in needed.items()
+            if all(
+                (name, expert, half) in self._filled
+                for expert in range(self.num_experts)
+                for half in halves
+            )
+        }
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
