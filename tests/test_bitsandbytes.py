@@ -8,21 +8,19 @@ bitsandbytes quantizes to 8 bits, and pagedllm does not) agree with it within a 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import OTHER_VECTOR_PATHS, build_variant
 from safetensors.torch import load_file, save_file
 from tiny_models import assert_matches_reference, make_checkpoint, reference_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
 from pagedllm.kernels import bnb as k
-from pagedllm.kernels.native import CSRC, c_compiler, cpu_flags
 from pagedllm.plugins.quantization.bitsandbytes import read_4bit
 
 transformers = pytest.importorskip("transformers")
@@ -90,19 +88,11 @@ def test_int8_kernel_matches_the_reference():
         k.linear_int8(torch.zeros(1, 200), q.float(), scale)
 
 
-@pytest.mark.parametrize(
-    "flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "portable"]
-)
+@pytest.mark.parametrize("flags", OTHER_VECTOR_PATHS.values(), ids=OTHER_VECTOR_PATHS.keys())
 def test_other_vector_paths(tmp_path, flags):
     """The AVX2 and plain-C paths of the product kernels, built here with AVX-512 (and
     AVX2) switched off, against the reference: a machine of the other kind runs them."""
-    compiler = c_compiler()
-    if compiler is None or "avx2" not in cpu_flags().split():
-        pytest.skip("needs a C compiler and an AVX2 CPU")
-    library = tmp_path / "bnb_variant.so"
-    command = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC"]
-    subprocess.run([*command, "-o", str(library), str(CSRC / "bnb_cpu.c")], check=True)
-    lib = k._BnbKernels(ctypes.CDLL(str(library))).lib
+    lib = k._BnbKernels(build_variant(tmp_path, "bnb_cpu.c", flags)).lib
     packed, absmax, code = _random_4bit(37, 256, 4, seed=5)
     q = torch.randint(-127, 128, (37, 200), dtype=torch.int8)
     scale = k.int8_row_scale(torch.rand(37))

@@ -5,21 +5,19 @@ greedy tokens match transformers running the dequantized weights exactly (float3
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import OTHER_VECTOR_PATHS, build_variant
 from safetensors.torch import load_file, save_file
 from tiny_models import assert_matches_reference, load_reference, make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
 from pagedllm.kernels import fp8 as k
-from pagedllm.kernels.native import CSRC, c_compiler, cpu_flags
 from pagedllm.plugins.quantization.fp8 import Fp8FusedLinear
 
 FP8 = torch.float8_e4m3fn
@@ -72,19 +70,11 @@ def test_kernels_match_the_reference(n, k_, group):
     )
 
 
-@pytest.mark.parametrize(
-    "flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]], ids=["avx2", "portable"]
-)
+@pytest.mark.parametrize("flags", OTHER_VECTOR_PATHS.values(), ids=OTHER_VECTOR_PATHS.keys())
 def test_other_vector_paths(tmp_path, flags):
     """The AVX2 and plain-C paths of the product kernel, built here with AVX-512 (and
     AVX2) switched off, against the reference: a machine of the other kind runs them."""
-    compiler = c_compiler()
-    if compiler is None or "avx2" not in cpu_flags().split():
-        pytest.skip("needs a C compiler and an AVX2 CPU")
-    library = tmp_path / "fp8_variant.so"
-    command = [compiler, "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC"]
-    subprocess.run([*command, "-o", str(library), str(CSRC / "fp8_cpu.c")], check=True)
-    lib = k._Fp8Kernels(ctypes.CDLL(str(library))).lib
+    lib = k._Fp8Kernels(build_variant(tmp_path, "fp8_cpu.c", flags)).lib
     torch.manual_seed(1)
     n, k_, group = 37, 300, 128  # (vectors, then a tail in every group)
     weight = (torch.randn(n, k_) * 100).clamp(-448, 448).to(FP8)

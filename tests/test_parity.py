@@ -60,7 +60,15 @@ def _check(outputs, expected) -> None:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_parity(reference, setting):
     _name, directory, expected = reference
-    llm = LLM(str(directory), dtype="float32", disable_log_stats=True, **SETTINGS[setting])
+    check_greedy_parity(directory, setting, expected)
+
+
+def check_greedy_parity(directory, setting: str, expected, **extra) -> LLM:
+    """An ``LLM`` of ``directory`` under ``setting`` keeps ``expected`` (transformers'
+    tokens and top logprobs for PROMPTS), a second pass included with prefix caching;
+    every block comes back. Returns the LLM."""
+    kwargs = {**SETTINGS[setting], **extra}
+    llm = LLM(str(directory), dtype="float32", disable_log_stats=True, **kwargs)
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=NUM_LOGPROBS
     )
@@ -76,6 +84,7 @@ def test_greedy_parity(reference, setting):
         assert all(o.num_cached_tokens > 0 for o in again if len(o.prompt_token_ids) > 16)
         assert engine.kv_manager.total_prefix_cache_stats.hits > 0
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    return llm
 
 
 def test_llama_family_members_differ_by_class_attributes():

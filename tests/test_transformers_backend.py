@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from test_parity import NEW_TOKENS, NUM_LOGPROBS, PROMPTS, SETTINGS, _check
+from test_parity import NEW_TOKENS, NUM_LOGPROBS, PROMPTS, SETTINGS, check_greedy_parity
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
 
@@ -114,29 +114,15 @@ def reference(request, tmp_path_factory):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_parity(reference, setting):
-    name, directory, expected = reference
-    impl = "transformers" if name in NATIVE else "auto"
-    llm = LLM(
-        str(directory),
-        dtype="float32",
-        model_impl=impl,
-        disable_log_stats=True,
-        **SETTINGS[setting],
-    )
+    _name, directory, expected = reference
+    llm = check_greedy_parity(directory, setting, expected, model_impl="transformers")
     assert isinstance(llm.llm_engine.loaded.model, TransformersForCausalLM)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=NUM_LOGPROBS
-    )
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    _check(llm.generate(prompts, params, use_tqdm=False), expected)
-    engine = llm.llm_engine
-    if setting == "preemption":
-        assert engine.scheduler.num_preemptions > 0
-    if setting == "prefix_caching":
-        again = llm.generate(prompts, params, use_tqdm=False)
-        _check(again, expected)
-        assert engine.kv_manager.total_prefix_cache_stats.hits > 0
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_auto_takes_the_backend_without_a_native_implementation(tmp_path):
+    directory = _make(tmp_path / "olmo2", "olmo2")
+    llm = LLM(str(directory), dtype="float32", disable_log_stats=True)
+    assert isinstance(llm.llm_engine.loaded.model, TransformersForCausalLM)
 
 
 def test_a_native_architecture_through_the_backend(tmp_path):

@@ -26,6 +26,16 @@ _KINDS = {
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
+def _add_temperature(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature of every request (vLLM's benchmarks sample at 1.0; 0 is "
+        "greedy, e.g. to measure speculative decoding on a workload the model copies).",
+    )
+
+
 def _add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=32, help="Prompt length in tokens.")
     parser.add_argument("--output-len", type=int, default=128, help="Tokens to generate.")
@@ -35,13 +45,7 @@ def _add_latency_args(parser: argparse.ArgumentParser) -> None:
         "--num-iters-warmup", type=int, default=10, help="Iterations run before measuring."
     )
     parser.add_argument("--num-iters", type=int, default=30, help="Measured iterations.")
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="Sampling temperature of every request (vLLM's benchmarks sample at 1.0; 0 is "
-        "greedy, e.g. to measure speculative decoding on a workload the model copies).",
-    )
+    _add_temperature(parser)
     parser.add_argument(
         "--disable-detokenize",
         action="store_true",
@@ -89,13 +93,7 @@ def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--n", type=int, default=1, help="Sequences per prompt.")
     parser.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="Sampling temperature of every request (vLLM's benchmarks sample at 1.0; 0 is "
-        "greedy, e.g. to measure speculative decoding on a workload the model copies).",
-    )
+    _add_temperature(parser)
     parser.add_argument(
         "--disable-detokenize",
         action="store_true",

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_completion import create_completion
 
 if TYPE_CHECKING:
     from pagedllm.core.interfaces import ReasoningParser, ToolParser
+    from pagedllm.core.pooling import PoolingParams
     from pagedllm.core.sampling import SamplingParams
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
@@ -149,11 +150,12 @@ class OpenAIServing:
         self,
         request_id: str,
         prompts: list[PreparedPrompt],
-        params_list: list[SamplingParams],
+        params_list: list[SamplingParams] | list[PoolingParams],
         priority: int,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt, interleaved as they come, tagged with the prompt index.
-        The prompts are queued together, so an invalid one queues none."""
+        """Outputs of every prompt, interleaved as they come, tagged with the prompt index
+        (pooling requests' too). The prompts are queued together, so an invalid one queues
+        none."""
         ids = [request_id]
         if len(prompts) > 1:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import Field, field_validator
 
-from pagedllm.core.engine import NewRequest
 from pagedllm.core.pooling import PoolingParams
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
@@ -141,22 +140,8 @@ class PoolingServing:
     ) -> list[Any]:
         """The pooled result of every prompt, in order (queued together: one invalid
         prompt queues none)."""
-        ids = (
-            [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{i}" for i in range(len(prompts))]
-        )
-        requests = [
-            NewRequest(
-                request_id=ids[i],
-                prompt={"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
-                params=params[i],
-                priority=priority,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
         results: list[Any] = [None] * len(prompts)
-        async for index, output in self.engine.generate_many(requests):
+        async for index, output in self.serving.generate_all(request_id, prompts, params, priority):
             if output.finished:
                 results[index] = output.outputs.data
         return results
