@@ -22,6 +22,7 @@ _LAZY = {
     "TextPrompt": "pagedllm.inputs",
     "TokensPrompt": "pagedllm.inputs",
     "make_plugin_manager": "pagedllm.core.plugins",
+    "LoRARequest": "pagedllm.lora.request",
     "BeamSearchParams": "pagedllm.core.beam_search",
     "BeamSearchOutput": "pagedllm.core.beam_search",
     "BeamSearchSequence": "pagedllm.core.beam_search",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling import GuidedDecodingParams, SamplingParams
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
+    from pagedllm.lora.request import LoRARequest
 
 
 def __getattr__(name: str) -> Any:
@@ -70,6 +72,7 @@ __all__ = [
     "EngineArgs",
     "GuidedDecodingParams",
     "LLMEngine",
+    "LoRARequest",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",

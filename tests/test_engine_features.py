@@ -30,7 +30,8 @@ def build(model, **kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(task="embed"), "--task embed: pagedllm serves text generation only"),
+        (dict(task="classify"), "--task classify: LlamaForCausalLM serves generate, embed"),
+        (dict(task="transcription"), "--task transcription: not supported"),
         (dict(config_format="mistral"), "cannot read the Mistral config"),
         (dict(logits_processor_pattern=".*"), "--logits-processor-pattern"),
         (dict(swap_space=8), "--swap-space=8: pagedllm never swaps"),

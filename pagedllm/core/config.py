@@ -189,6 +189,16 @@ class ObservabilityConfig:
     disable_log_stats: bool = _flag("disable_log_stats")
 
 
+@dataclasses.dataclass(slots=True)
+class LoRAConfig:
+    """--enable-lora and its limits."""
+
+    max_loras: int = _flag("max_loras")
+    max_lora_rank: int = _flag("max_lora_rank")
+    max_cpu_loras: int | None = _flag("max_cpu_loras")
+    lora_dtype: str = _flag("lora_dtype")
+
+
 @dataclasses.dataclass(slots=True, kw_only=True)
 class PagedLLMConfig:
     """Everything the engine needs, validated."""
@@ -204,8 +214,8 @@ class PagedLLMConfig:
     observability_config: ObservabilityConfig = dataclasses.field(
         default_factory=ObservabilityConfig
     )
-    # Features pagedllm does not build yet are refused before these could be set.
-    lora_config: None = None
+    # --enable-lora's settings, or None without LoRA.
+    lora_config: LoRAConfig | None = None
     # --speculative-config (a pagedllm.core.spec_decode.SpeculativeConfig), or None.
     speculative_config: Any = None
 
@@ -248,6 +258,26 @@ def _require(condition: bool, option: str, value: Any, why: str) -> None:
 def _unset_or(value: Any, config_cls: type, name: str) -> Any:
     """``value``, or the config's default for ``name`` when the option is unset."""
     return declared_default(config_cls, name) if value is None else value
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    _require(args.max_loras >= 1, "--max-loras", args.max_loras, "must be at least 1")
+    _require(args.max_lora_rank >= 1, "--max-lora-rank", args.max_lora_rank, "must be positive")
+    if args.max_cpu_loras is not None:
+        _require(
+            args.max_cpu_loras >= args.max_loras,
+            "--max-cpu-loras",
+            args.max_cpu_loras,
+            f"must be at least --max-loras ({args.max_loras})",
+        )
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_dtype=args.lora_dtype,
+    )
 
 
 def _speculative_config(values: dict[str, Any] | None) -> Any:
@@ -381,6 +411,7 @@ def create_engine_config(
         ),
         observability_config=ObservabilityConfig(disable_log_stats=args.disable_log_stats),
         speculative_config=_speculative_config(args.speculative_config),
+        lora_config=_lora_config(args),
     )
     pm.hook.pagedllm_update_config(config=config)
     return config

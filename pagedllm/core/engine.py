@@ -54,6 +54,7 @@ class NewRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    lora_request: Any = None
 
 
 class LLMEngine:
@@ -121,6 +122,8 @@ class LLMEngine:
             if self.is_pooling:
                 raise ConfigError("--speculative-config applies to text generation")
             spec_kwargs["speculative"] = config.speculative_config
+        if config.lora_config is not None:
+            spec_kwargs["max_loras"] = config.lora_config.max_loras
         self.scheduler = scheduler_class(sched.scheduler_cls)(
             sched, self.kv_manager, self.max_model_len, guided=self.guided, **spec_kwargs
         )
@@ -134,7 +137,18 @@ class LLMEngine:
             backend_cls(),
         )
         self.runner.pooler_configs = self.pooler_configs
-        if spec_kwargs and config.speculative_config.method == "draft_model":
+        self.lora = None
+        if config.lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            dtype = loaded.dtype
+            if config.lora_config.lora_dtype != "auto":
+                dtype = getattr(torch, config.lora_config.lora_dtype)
+            self.lora = self.runner.lora = LoRAManager(
+                loaded.model, config.lora_config, dtype, config.device_config.torch_device
+            )
+        speculative = config.speculative_config
+        if speculative is not None and speculative.method == "draft_model":
             self.scheduler.proposer = self._draft_proposer(
                 config.speculative_config, num_blocks, backend_cls
             )
@@ -299,8 +313,11 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
-        self.add_requests([NewRequest(request_id, prompt, params, priority, arrival_time)])
+        self.add_requests(
+            [NewRequest(request_id, prompt, params, priority, arrival_time, lora_request)]
+        )
 
     def add_requests(self, requests: Sequence[NewRequest]) -> None:
         """Queue several requests at once: every one is validated first, so an invalid
@@ -385,9 +402,23 @@ class LLMEngine:
                 parent_id=new.request_id,
                 sequence_index=index,
                 guided_compile=compiled,
+                lora_request=new.lora_request,
+                # (an adapter's KV differs from the base model's: its own prefix cache)
+                cache_salt=self._lora_salt(new.lora_request),
             )
             parent.sequences.append(self.output_processor.new_sequence(request, index))
         return parent
+
+    def _lora_salt(self, lora_request: Any) -> str | None:
+        """The prefix-cache salt of an adapter (its id); validates the request."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(
+                "lora_request", "this engine serves no LoRA adapters: start it with --enable-lora"
+            )
+        self.lora.adapter(lora_request)  # (loaded now: a bad adapter fails its request)
+        return f"lora:{lora_request.lora_int_id}"
 
     def _new_pooling_parent(self, new: NewRequest) -> ParentRequest:
         """A pooling request's state, validated: its prompt runs once, whole."""

@@ -84,6 +84,8 @@ class Request:
     # Speculative decoding: the draft tokens scheduled with this step's last token, and
     # how many tokens the last step appended (several when drafts were kept).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # The LoRA adapter the request runs with (a pagedllm.lora.LoRARequest), or None.
+    lora_request: Any = None
     num_new_output_tokens: int = 0
 
     def __post_init__(self) -> None:

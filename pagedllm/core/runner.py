@@ -78,6 +78,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # The pooler of each pooling task the engine serves (set by the engine).
         self.pooler_configs: dict[str, Any] = {}
+        # --enable-lora: the adapters' manager, told each step's requests (set by the engine).
+        self.lora: Any = None
 
     @torch.inference_mode()
     def execute(
@@ -130,6 +132,8 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         input_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.lora is not None:
+            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
         if getattr(self.model, "is_encoder", False):
             # An encoder attends within each prompt, both ways, and reads token types.
             self.model.token_type_ids = self._token_type_ids(output)

@@ -38,8 +38,11 @@ class Scheduler:
         max_model_len: int,
         guided: GuidedDecodingManager | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        # --enable-lora: the most distinct adapters the running batch may hold.
+        self.max_loras = max_loras
         # Speculative decoding: the proposer of draft tokens, and the counts behind the
         # metrics (drafts proposed, drafts kept, steps that verified drafts).
         self.speculative = speculative
@@ -195,6 +198,10 @@ class Scheduler:
                 # Still compiling its constraint: the requests behind it go first.
                 skipped.append(self.waiting.pop())
                 continue
+            if not self._lora_fits(request):
+                # Its adapter would be one too many in the batch: it waits for a slot.
+                skipped.append(self.waiting.pop())
+                continue
             if request.is_guided and _compile_error(request) is not None:
                 # Failed just now (its done-callback may not have run yet): never admit it.
                 self._compile_failures.append(request)
@@ -244,6 +251,13 @@ class Scheduler:
             preempted_request_ids=preempted,
             aborted=aborted,
         )
+
+    def _lora_fits(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id in running or len(running) < self.max_loras
 
     def _draft_room(self, request: Request, budget: int) -> int:
         """How many draft tokens a decoding request may get: as many as its budget, its

@@ -87,8 +87,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request`` (a :class:`~pagedllm.lora.LoRARequest`, or one per prompt, None
+        for the base model) names the adapter each prompt runs with (``--enable-lora``)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -102,6 +105,9 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        loras = lora_request if isinstance(lora_request, list | tuple) else None
+        if loras is not None and len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         for params in params_list:
             self.llm_engine.check_guided(params)  # a bad constraint fails before any runs
         request_ids = []
@@ -110,7 +116,11 @@ class LLM:
                 request_id = str(self._counter)
                 self._counter += 1
                 self.llm_engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras is not None else lora_request,
                 )
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)

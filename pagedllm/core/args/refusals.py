@@ -22,7 +22,6 @@ _NO_CUDA_GRAPHS = "pagedllm does not capture CUDA graphs yet" + _LEAVE_OUT
 _SINGLE_DEVICE = "pagedllm runs the model on a single device" + _LEAVE_OUT
 _NO_DATA_PARALLEL = "pagedllm has no data parallelism; run several servers behind a load balancer"
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
-_NO_LORA = "pagedllm does not support LoRA adapters; serve a model with the adapter merged"
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
 _NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
 _NO_TRACING = "pagedllm does not export OpenTelemetry traces; use the Prometheus /metrics instead"
@@ -68,15 +67,10 @@ UNSUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": _NO_MULTIMODAL,
     "disable_mm_preprocessor_cache": _NO_MULTIMODAL,
     # LoRAConfig
-    "enable_lora": _NO_LORA,
-    "enable_lora_bias": _NO_LORA,
-    "max_loras": _NO_LORA,
-    "max_lora_rank": _NO_LORA,
-    "lora_extra_vocab_size": _NO_LORA,
-    "lora_dtype": _NO_LORA,
-    "long_lora_scaling_factors": _NO_LORA,
-    "max_cpu_loras": _NO_LORA,
-    "fully_sharded_loras": _NO_LORA,
+    "enable_lora_bias": "LoRA adapters with biases are not supported",
+    "lora_extra_vocab_size": "LoRA adapters that add tokens are not supported",
+    "long_lora_scaling_factors": "LongLoRA adapters (their own RoPE scaling) are not supported",
+    "fully_sharded_loras": "pagedllm runs one device: LoRA is not sharded",
     # PromptAdapterConfig
     "enable_prompt_adapter": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapters": _NO_PROMPT_ADAPTERS,

@@ -280,8 +280,8 @@ class RuntimeArgs:
     enable_lora: bool | None = arg(
         None,
         group="LoRAConfig",
-        help="Serve LoRA adapters.",
-        unbuilt=UNSUPPORTED["enable_lora"],
+        help="Serve LoRA adapters (peft's format): offline with LoRARequest, on the "
+        "server with --lora-modules or the runtime load/unload endpoints.",
     )
     enable_lora_bias: bool = arg(
         False,
@@ -293,13 +293,11 @@ class RuntimeArgs:
         1,
         group="LoRAConfig",
         help="Largest number of LoRA adapters in one batch.",
-        unbuilt=UNSUPPORTED["max_loras"],
     )
     max_lora_rank: int = arg(
         16,
         group="LoRAConfig",
         help="Largest LoRA rank.",
-        unbuilt=UNSUPPORTED["max_lora_rank"],
     )
     lora_extra_vocab_size: int = arg(
         256,
@@ -312,7 +310,6 @@ class RuntimeArgs:
         group="LoRAConfig",
         choices=("auto", "bfloat16", "float16"),
         help="Data type of LoRA weights; 'auto' uses the model's.",
-        unbuilt=UNSUPPORTED["lora_dtype"],
     )
     long_lora_scaling_factors: list[float] | None = arg(
         None,
@@ -325,7 +322,6 @@ class RuntimeArgs:
         None,
         group="LoRAConfig",
         help="Largest number of LoRA adapters kept in CPU memory (at least --max-loras).",
-        unbuilt=UNSUPPORTED["max_cpu_loras"],
     )
     fully_sharded_loras: bool = arg(
         False,

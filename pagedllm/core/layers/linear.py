@@ -5,7 +5,7 @@ methods allow."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,23 @@ class Linear(nn.Module):
             self.method.create_weights(self, input_size, output_size, dtype)
         self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
 
+    # With --enable-lora: this layer's adapter slots and the manager that knows the step's
+    # tokens of each adapter (pagedllm.lora.manager).
+    lora: Any = None
+    lora_manager: Any = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.method.apply(self, x, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.method.apply(self, x, self.bias)
+        return self.add_lora(y, x)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the step's LoRA deltas of this layer (none without adapters)."""
+        if self.lora is None or not self.lora_manager.groups:
+            return y
+        return self.lora.add(y, x, self.lora_manager.groups)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -99,6 +112,9 @@ class LinearGroup(nn.Module):
         super().__init__()
         assert layers and len({layer.input_size for layer in layers}) == 1
         runs: list[nn.Module] = []
+        # Whether each layer's output comes from a fused product (which bypasses its
+        # Linear.forward, so LoRA deltas are added here).
+        self._in_fused: list[bool] = []
         start = 0
         while start < len(layers):
             # The longest run from ``start`` that fuses; a single layer always "fuses".
@@ -107,16 +123,26 @@ class LinearGroup(nn.Module):
                 if run is not None:
                     break
             runs.append(run)
+            self._in_fused.extend([not isinstance(run, _Single)] * (end - start))
             start = end
         self.runs = nn.ModuleList(runs)
+        # (a tuple: the layers are registered where the model put them)
+        self.layers = tuple(layers)
         # The usual case, one fused product, called without the loop (every step, twice
         # per decoder layer).
         self._forward_one = runs[0].forward if len(runs) == 1 else None
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self._forward_one is not None:
-            return self._forward_one(x)
-        return [out for run in self.runs for out in run(x)]
+            outs = self._forward_one(x)
+        else:
+            outs = [out for run in self.runs for out in run(x)]
+        if self.layers[0].lora is not None:
+            outs = [
+                layer.add_lora(out, x) if fused else out
+                for layer, out, fused in zip(self.layers, outs, self._in_fused, strict=True)
+            ]
+        return outs
 
 
 def _fuse(layers: Sequence[Linear]) -> nn.Module | None:

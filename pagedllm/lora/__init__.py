@@ -1,0 +1,5 @@
+"""LoRA adapters (``--enable-lora``): requests name an adapter with :class:`LoRARequest`."""
+
+from pagedllm.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]

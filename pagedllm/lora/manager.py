@@ -1,0 +1,247 @@
+"""The engine's LoRA adapters: loading them (peft's format), a CPU cache of loaded ones
+(``--max-cpu-loras``, least recently used evicted), and ``--max-loras`` slots on the
+device holding the adapters a step runs with (filled on demand, the least recently used
+idle slot reused).
+
+Every linear layer of the model gets the slot tensors ``A`` ``[slots, max_rank, in]`` and
+``B`` ``[slots, out, max_rank]`` (an adapter of a lower rank is zero-padded: the product
+is exact) and a scale per slot (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). Before
+each step the runner hands the manager the step's tokens and requests; each layer then
+adds its deltas (:mod:`pagedllm.lora.ops`) to its output, also inside fused products
+(Q/K/V, gate/up), and the native decoder layer (which bypasses the modules) is turned off.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.layers.linear import Linear
+from pagedllm.lora.ops import add_lora
+from pagedllm.lora.request import LoRARequest
+
+# peft settings pagedllm reads; any other set to a non-default value is refused by name.
+_NEUTRAL = {
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_dora": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "lora_bias": False,
+}
+
+
+class LoRASlots:
+    """One linear layer's adapter slots (see the module's docstring)."""
+
+    def __init__(
+        self, layer: Linear, slots: int, rank: int, dtype: torch.dtype, device: Any
+    ) -> None:
+        self.a = torch.zeros(slots, rank, layer.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, layer.output_size, rank, dtype=dtype, device=device)
+        self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
+
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+    ) -> torch.Tensor:
+        return add_lora(y, x, groups, self.a, self.b, self.scale.to(y.dtype))
+
+
+class LoRAAdapter:
+    """A loaded adapter: ``weights`` maps a layer's prefix to ``(A, B, scale)``."""
+
+    def __init__(self, request: LoRARequest, weights: dict[str, tuple[Any, Any, float]]) -> None:
+        self.request = request
+        self.weights = weights
+
+    @classmethod
+    def load(cls, request: LoRARequest, layers: dict[str, Linear], max_rank: int) -> LoRAAdapter:
+        from pagedllm.core.model_files import resolve_model_path
+
+        def fail(message: str) -> InvalidRequestError:
+            return InvalidRequestError(
+                "lora_request", f"LoRA adapter {request.lora_name!r}: {message}"
+            )
+
+        try:
+            path = resolve_model_path(request.lora_path)
+        except ConfigError as exc:
+            raise fail(str(exc)) from None
+        directory = path if path.is_dir() else path.parent
+        config_file = directory / "adapter_config.json"
+        if not config_file.is_file():
+            raise fail(f"no adapter_config.json in {directory}")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if config.get("peft_type", "LORA") != "LORA":
+            raise fail(f"peft_type {config.get('peft_type')!r} is not LORA")
+        for key, neutral in _NEUTRAL.items():
+            if config.get(key, neutral) not in (neutral, None) and config.get(key) != neutral:
+                raise fail(f"{key}={config[key]!r} is not supported")
+        rank = int(config["r"])
+        if rank > max_rank:
+            raise fail(f"rank {rank} is above --max-lora-rank {max_rank}")
+        alpha = float(config.get("lora_alpha", rank))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        tensors = _read_tensors(directory)
+        pairs: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+        for name, tensor in tensors.items():
+            if "lora_embedding" in name or "lora_magnitude" in name:
+                raise fail(f"{name}: adapters on embeddings (or DoRA) are not supported")
+            for part in ("lora_A", "lora_B"):
+                marker = f".{part}."
+                if marker in name:
+                    prefix = name.split(marker)[0].removeprefix("base_model.model.")
+                    pairs[prefix][part] = tensor
+                    break
+            else:
+                raise fail(f"unexpected tensor {name}")
+        weights = {}
+        for prefix, pair in pairs.items():
+            layer = layers.get(prefix)
+            if layer is None:
+                raise fail(f"the model has no linear layer {prefix!r} (or it is the LM head)")
+            a, b = pair.get("lora_A"), pair.get("lora_B")
+            if a is None or b is None:
+                raise fail(f"{prefix} lacks lora_A or lora_B")
+            if tuple(a.shape) != (rank, layer.input_size) or tuple(b.shape) != (
+                layer.output_size,
+                rank,
+            ):
+                raise fail(
+                    f"{prefix}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a "
+                    f"[{layer.output_size}, {layer.input_size}] layer at rank {rank}"
+                )
+            weights[prefix] = (a, b, scale)
+        if not weights:
+            raise fail("no LoRA weights")
+        return cls(request, weights)
+
+
+def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    file = directory / "adapter_model.safetensors"
+    if file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    file = directory / "adapter_model.bin"
+    if file.is_file():
+        return torch.load(file, map_location="cpu", weights_only=True)
+    raise InvalidRequestError(
+        "lora_request", f"no adapter_model.safetensors or .bin in {directory}"
+    )
+
+
+class LoRAManager:
+    def __init__(self, model: Any, config: Any, dtype: torch.dtype, device: Any) -> None:
+        self.max_loras = config.max_loras
+        self.max_rank = config.max_lora_rank
+        self.max_cpu = max(config.max_cpu_loras or config.max_loras, config.max_loras)
+        self.layers = {
+            m.prefix: m
+            for m in model.modules()
+            if isinstance(m, Linear) and m.prefix and not m.prefix.endswith("lm_head")
+        }
+        for layer in self.layers.values():
+            if layer.method is not None:
+                raise ConfigError(
+                    f"--enable-lora: the layer {layer.prefix} is quantized; LoRA runs on "
+                    "unquantized weights"
+                )
+            layer.lora = LoRASlots(layer, self.max_loras, self.max_rank, dtype, device)
+            layer.lora_manager = self
+        for module in model.modules():
+            if hasattr(module, "_native"):
+                module._native = False  # (the native layer would skip the adapters)
+        self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        self.slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot
+        self.free_slots = list(range(self.max_loras))
+        # The current step's groups: (slot, rows of its tokens).
+        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.device = device
+
+    # ---------------------------------------------------------------- adapters
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter of ``request`` (loading it, evicting the least recently used
+        beyond --max-cpu-loras)."""
+        loaded = self.cpu.get(request.lora_int_id)
+        if loaded is not None and loaded.request.lora_path != request.lora_path:
+            raise InvalidRequestError(
+                "lora_request",
+                f"LoRA id {request.lora_int_id} is already {loaded.request.lora_name!r} at "
+                f"{loaded.request.lora_path}",
+            )
+        if loaded is None:
+            loaded = LoRAAdapter.load(request, self.layers, self.max_rank)
+            self.cpu[request.lora_int_id] = loaded
+            while len(self.cpu) > self.max_cpu:
+                victim = next(i for i in self.cpu if i not in self.slots)
+                del self.cpu[victim]
+        self.cpu.move_to_end(request.lora_int_id)
+        return loaded
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter (its slot too); False when it was not loaded."""
+        found = self.cpu.pop(lora_id, None) is not None
+        slot = self.slots.pop(lora_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        return found
+
+    def _slot(self, adapter: LoRAAdapter, busy: set[int]) -> int:
+        lora_id = adapter.request.lora_int_id
+        if lora_id in self.slots:
+            self.slots.move_to_end(lora_id)
+            return self.slots[lora_id]
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next(i for i in self.slots if self.slots[i] not in busy)
+            slot = self.slots.pop(victim)
+        for prefix, layer in self.layers.items():
+            slots = layer.lora
+            slots.a[slot].zero_()
+            slots.b[slot].zero_()
+            slots.scale[slot] = 0.0
+            weights = adapter.weights.get(prefix)
+            if weights is not None:
+                a, b, scale = weights
+                rank = a.shape[0]
+                slots.a[slot, :rank].copy_(a)
+                slots.b[slot, :, :rank].copy_(b)
+                slots.scale[slot] = scale
+        self.slots[lora_id] = slot
+        return slot
+
+    # -------------------------------------------------------------------- steps
+
+    def set_step(self, requests_and_lengths: list[tuple[Any, int]]) -> None:
+        """The step's requests (in token order, with their token counts): each adapter
+        gets a slot and the rows of its requests' tokens."""
+        rows: dict[int, list[int]] = {}
+        offset = 0
+        busy: set[int] = set()
+        adapters = []
+        for request, count in requests_and_lengths:
+            if request.lora_request is not None:
+                adapters.append((self.adapter(request.lora_request), offset, count))
+            offset += count
+        if len({a.request.lora_int_id for a, _, _ in adapters}) > self.max_loras:
+            raise RuntimeError("more adapters in one step than --max-loras")
+        for adapter, start, count in adapters:
+            slot = self._slot(adapter, busy)
+            busy.add(slot)
+            rows.setdefault(slot, []).extend(range(start, start + count))
+        self.groups = [
+            (slot, torch.tensor(r, dtype=torch.long, device=self.device))
+            for slot, r in rows.items()
+        ]

@@ -1,0 +1,133 @@
+"""LoRA adapters (``--enable-lora``): adapters saved by peft run as transformers + peft run
+them, token for token, one per prompt in mixed batches (with the base model too); the
+batched product against its reference; slots, the CPU cache and the batch's adapter limit;
+refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tiny_models import make_checkpoint, reference_greedy
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.lora.ops import add_lora, lora_delta_reference
+
+peft = pytest.importorskip("peft")
+
+# (the first two span a full KV block of 16 tokens: the second pass hits the prefix cache)
+PROMPTS = [
+    [1, 5, 9, 23, 42, 77, 30, 91, 18, 250, 33, 61, 7, 120, 44, 301, 12, 87, 5, 9],
+    [1, 7, 7, 7, 33, 100, 12, 64, 8, 19, 2, 55, 140, 3, 66, 202, 18, 9],
+]
+NEW_TOKENS = 10
+TARGETS = [
+    ["q_proj", "v_proj"],
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ["o_proj", "down_proj"],
+]
+
+
+def test_grouped_product_matches_the_reference():
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4, 16), torch.randn(3, 24, 4)
+    scale = torch.tensor([0.5, 2.0, 1.0])
+    x = torch.randn(10, 16)
+    slots = torch.tensor([0, 0, 0, -1, -1, 2, 2, 0, 1, 1])
+    groups = [(s, (slots == s).nonzero().flatten()) for s in (0, 1, 2)]
+    y = torch.randn(10, 24)
+    expected = y + lora_delta_reference(x, slots, a, b, scale)
+    torch.testing.assert_close(add_lora(y.clone(), x, groups, a, b, scale), expected)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Qwen2 (biases on Q/K/V) and three peft adapters of ranks 4, 8, 4 with
+    random (non-zero) A and B, each with its transformers + peft model."""
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = make_checkpoint(root / "base", "qwen2", seed=1)
+    adapters = []
+    for i, targets in enumerate(TARGETS):
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        rank = 8 if i == 1 else 4
+        config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=targets)
+        model = peft.get_peft_model(base, config)
+        torch.manual_seed(10 + i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn_like(param) * 0.3)
+        model.save_pretrained(root / f"adapter{i}")
+        adapters.append(
+            (LoRARequest(f"adapter{i}", i + 1, str(root / f"adapter{i}")), model.eval())
+        )
+    reference = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return base_dir, adapters, reference.eval()
+
+
+def _llm(base_dir: Path, **kwargs) -> LLM:
+    return LLM(str(base_dir), dtype="float32", disable_log_stats=True, enable_lora=True, **kwargs)
+
+
+def _check(llm, prompts, loras, models_for_prompts) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1
+    )
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False
+    )
+    for prompt, output, model in zip(prompts, outputs, models_for_prompts, strict=True):
+        tokens, top = reference_greedy(model, prompt, NEW_TOKENS, num_logprobs=1)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        for step, token in enumerate(tokens):
+            assert abs(completion.logprobs[step][token].logprob - top[step][token]) < 1e-3
+
+
+def test_mixed_batches_equal_peft(models):
+    """One batch: each prompt with another adapter (or none), the same prompt with and
+    without one (the prefix cache keeps them apart)."""
+    base_dir, adapters, reference = models
+    llm = _llm(base_dir, max_loras=3, max_lora_rank=8)
+    (r0, m0), (r1, m1), (r2, m2) = adapters
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    _check(llm, prompts, [r0, r1, None, r0, r2], [m0, m1, reference, m0, m2])
+    # Again: the prompts hit the prefix cache, each under its own adapter.
+    _check(llm, prompts, [r0, r1, None, r0, r2], [m0, m1, reference, m0, m2])
+    engine = llm.llm_engine
+    assert engine.kv_manager.total_prefix_cache_stats.hits > 0
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_slots_and_cache_are_bounded(models):
+    """One slot and two cached adapters for three adapters: a batch holds one adapter at
+    a time (the others wait), slots and cache entries are reused, results unchanged."""
+    base_dir, adapters, reference = models
+    llm = _llm(base_dir, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    (r0, m0), (r1, m1), (r2, m2) = adapters
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    _check(llm, prompts, [r0, r1, r2, None], [m0, m1, m2, reference])
+    manager = llm.llm_engine.lora
+    assert len(manager.cpu) <= 2 and len(manager.slots) == 1
+    _check(llm, [PROMPTS[1]], [r0], [m0])  # (evicted earlier: loaded again)
+
+
+def test_refusals(models, tmp_path):
+    base_dir, adapters, _ = models
+    request = adapters[1][0]
+    plain = LLM(str(base_dir), dtype="float32", disable_log_stats=True)
+    with pytest.raises(InvalidRequestError, match="--enable-lora"):
+        plain.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=request)
+    llm = _llm(base_dir, max_lora_rank=4)
+    with pytest.raises(InvalidRequestError, match="max-lora-rank"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=request)
+    missing = LoRARequest("missing", 9, str(tmp_path / "nowhere"))
+    with pytest.raises(InvalidRequestError, match="missing"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=missing)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("bad", 0, "x")
+    # The engine goes on serving.
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids
