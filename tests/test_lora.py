@@ -5,11 +5,14 @@ refusals."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import clean_env
+from openai_server import RemoteServer, assert_openai_error, start_servers
 from tiny_models import make_checkpoint, reference_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -131,3 +134,54 @@ def test_refusals(models, tmp_path):
         LoRARequest("bad", 0, "x")
     # The engine goes on serving.
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_server_adapters(models, tmp_path):
+    """--lora-modules (both spellings): the adapters are models in /v1/models and a
+    request names one; with PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING adapters are loaded and
+    unloaded at run time."""
+    base_dir, adapters, reference = models
+    (r0, m0), (r1, m1), (r2, m2) = adapters
+    spec = json.dumps({"name": "second", "path": r1.lora_path, "base_model_name": "base"})
+    server = RemoteServer(
+        base_dir, "--dtype", "float32", "--served-model-name", "base", "--enable-lora",
+        "--max-lora-rank", "8", "--lora-modules", f"first={r0.lora_path}", spec,
+        log_path=tmp_path / "s.log",
+        env=clean_env(PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING="True"),
+    )  # fmt: skip
+    start_servers(server)
+    try:
+        with server.http() as http:
+            models_list = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+            assert set(models_list) == {"base", "first", "second"}
+            assert models_list["second"]["parent"] == "base"
+            assert models_list["first"]["root"] == r0.lora_path
+
+            def tokens(model: str) -> list[int]:
+                body = {"model": model, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
+                        "temperature": 0, "min_tokens": NEW_TOKENS, "logprobs": 0}  # fmt: skip
+                reply = http.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                return reply.json()["choices"][0]["logprobs"]["tokens"]
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(base_dir)
+
+            def expected(model) -> list[str]:
+                ids = reference_greedy(model, PROMPTS[0], NEW_TOKENS)[0]
+                return [tokenizer.decode([i]) for i in ids]
+
+            assert tokens("first") == expected(m0)
+            assert tokens("second") == expected(m1)
+            assert tokens("base") == expected(reference)
+            load = {"lora_name": "third", "lora_path": r2.lora_path}
+            assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+            assert tokens("third") == expected(m2)
+            assert_openai_error(http.post("/v1/load_lora_adapter", json=load), 400, "already")
+            unload = {"lora_name": "first"}
+            assert http.post("/v1/unload_lora_adapter", json=unload).status_code == 200
+            assert_openai_error(
+                http.post("/v1/completions", json={"model": "first", "prompt": "x"}), 404
+            )
+            assert_openai_error(http.post("/v1/unload_lora_adapter", json=unload), 404)
+    finally:
+        server.stop()

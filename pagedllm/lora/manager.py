@@ -183,8 +183,10 @@ class LoRAManager:
         if loaded is None:
             loaded = LoRAAdapter.load(request, self.layers, self.max_rank)
             self.cpu[request.lora_int_id] = loaded
-            while len(self.cpu) > self.max_cpu:
-                victim = next(i for i in self.cpu if i not in self.slots)
+            # The least recently used adapter beyond --max-cpu-loras goes (not one in a
+            # slot: the cache may exceed the limit until slots free up).
+            idle = [i for i in self.cpu if i not in self.slots and i != request.lora_int_id]
+            for victim in idle[: max(0, len(self.cpu) - self.max_cpu)]:
                 del self.cpu[victim]
         self.cpu.move_to_end(request.lora_int_id)
         return loaded

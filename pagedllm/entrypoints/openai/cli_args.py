@@ -67,9 +67,9 @@ class FrontendArgs:
     lora_modules: list[str] | None = arg(
         None,
         group="Frontend",
-        help='LoRA adapters to serve, each as name=path or as JSON {"name": ..., "path": ..., '
-        '"base_model_name": ...}.',
-        unbuilt="pagedllm does not support LoRA adapters; serve a model with the adapter merged",
+        help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request names one as its '
+        "model.",
     )
     prompt_adapters: list[str] | None = arg(
         None,

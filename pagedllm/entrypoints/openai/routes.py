@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    OpenAIModel,
     TokenizeRequest,
     now,
     random_id,
@@ -93,8 +95,32 @@ def add_routes(
                     "max_model_len": serving.max_model_len,
                 }
                 for name in serving.model_names
+            ]
+            + [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "pagedllm",
+                    "root": lora.lora_path,
+                    "parent": lora.base_model_name or serving.model_name,
+                    "max_model_len": serving.max_model_len,
+                }
+                for name, lora in serving.loras.items()
             ],
         }
+
+    if runtime_lora_updating():
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRARequest) -> Response:
+            await serving.load_lora(body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
+            await serving.unload_lora(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -158,6 +184,25 @@ def add_routes(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await serving.create_detokenize(body)
+
+
+class LoadLoRARequest(OpenAIModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(OpenAIModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def runtime_lora_updating() -> bool:
+    """``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` (or vLLM's name) is true: the server takes
+    adapters at run time."""
+    for name in ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true"):
+            return True
+    return False
 
 
 def _request_id(request: Request, body_id: str | None, prefix: str) -> str:

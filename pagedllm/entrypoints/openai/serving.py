@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from pagedllm.core.async_engine import AsyncLLMEngine, NewRequest
+from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.logprobs import LogprobFormatter
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling import SamplingParams
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
+    from pagedllm.lora.request import LoRARequest
 
 
 class OpenAIServing:
@@ -57,6 +59,9 @@ class OpenAIServing:
         self.engine = engine
         self.options = options
         self.model_names = list(model_names)
+        # The LoRA adapters served (--lora-modules, or loaded at run time), by name.
+        self.loras: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.tokenizer = engine.engine.tokenizer
@@ -69,6 +74,48 @@ class OpenAIServing:
             chat_template=chat_template,
             content_format=options.chat_template_content_format,
         )
+
+    # ------------------------------------------------------------------- LoRA
+
+    def _new_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+        from pagedllm.lora.request import LoRARequest
+
+        if self.engine.engine.lora is None:
+            raise OpenAIError(400, "LoRA adapters need a server started with --enable-lora")
+        if name in self.loras or name in self.model_names:
+            raise OpenAIError(400, f"the model name {name!r} is already served", param="lora_name")
+        request = LoRARequest(name, self._next_lora_id, path, base_model_name)
+        self._next_lora_id += 1
+        return request
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Serve the adapter at ``path`` as model ``name``, loading it now (start-up: the
+        engine runs no step yet)."""
+        request = self._new_lora(name, path, base_model_name)
+        try:
+            self.engine.engine.lora.adapter(request)
+        except InvalidRequestError as exc:
+            raise OpenAIError(400, str(exc), param="lora_path") from None
+        self.loras[name] = request
+        return request
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """``/v1/load_lora_adapter``: as :meth:`add_lora`, loaded on the engine thread
+        between steps."""
+        request = self._new_lora(name, path, None)
+        try:
+            await self.engine.call(lambda engine: engine.lora.adapter(request))
+        except InvalidRequestError as exc:
+            raise OpenAIError(400, str(exc), param="lora_path") from None
+        self.loras[name] = request
+        return request
+
+    async def unload_lora(self, name: str) -> None:
+        request = self.loras.pop(name, None)
+        if request is None:
+            message = f"The LoRA adapter `{name}` does not exist."
+            raise OpenAIError(404, message, "NotFoundError", param="lora_name")
+        await self.engine.call(lambda engine: engine.lora.remove(request.lora_int_id))
 
     @functools.cached_property
     def pooling(self) -> PoolingServing:
@@ -95,7 +142,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_names and model not in self.loras:
             raise OpenAIError(
                 404, f"The model `{model}` does not exist.", "NotFoundError", param="model"
             )
@@ -152,10 +199,12 @@ class OpenAIServing:
         prompts: list[PreparedPrompt],
         params_list: list[SamplingParams] | list[PoolingParams],
         priority: int,
+        model: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt, interleaved as they come, tagged with the prompt index
         (pooling requests' too). The prompts are queued together, so an invalid one queues
-        none."""
+        none. ``model`` (the request's) picks a LoRA adapter when it names one."""
+        lora = self.loras.get(model) if model is not None else None
         ids = [request_id]
         if len(prompts) > 1:
             ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -165,6 +214,7 @@ class OpenAIServing:
                 prompt={"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 params=params_list[i],
                 priority=priority,
+                lora_request=lora,
             )
             for i, prompt in enumerate(prompts)
         ]

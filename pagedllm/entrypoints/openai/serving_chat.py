@@ -41,7 +41,9 @@ async def create_chat_completion(
         serving.options.enable_auto_tool_choice,
         serving.tokenizer,
     )
-    generator = serving.generate_all(request_id, [prompt], [params], request.priority)
+    generator = serving.generate_all(
+        request_id, [prompt], [params], request.priority, request.model
+    )
     reply = ChatReply(serving, tools.request, request_id, prompt, tools)
     if request.stream:
         return reply.stream(generator)

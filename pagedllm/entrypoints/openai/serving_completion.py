@@ -38,7 +38,9 @@ async def create_completion(
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs
         params_list.append(params)
-    generator = serving.generate_all(request_id, prompts, params_list, request.priority)
+    generator = serving.generate_all(
+        request_id, prompts, params_list, request.priority, request.model
+    )
     reply = CompletionReply(serving, request, request_id, prompts)
     if request.stream:
         return reply.stream(generator)

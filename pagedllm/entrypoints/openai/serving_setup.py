@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.entrypoints.openai.errors import OpenAIError
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
@@ -113,9 +114,39 @@ class PendingServing:
                 pm.load("reasoning_parsers", reasoning_parser) if reasoning_parser else None
             ),
         )
+        for name, path, base in parse_lora_modules(options.lora_modules or []):
+            try:
+                serving.add_lora(name, path, base)
+            except OpenAIError as exc:
+                raise ConfigError(f"--lora-modules {name}: {exc.message}") from None
         metrics = Metrics(metrics_label(names[0]))
         engine.step_listeners.append(metrics.on_step)
         return ServingStack(config, engine, serving, metrics)
+
+
+def parse_lora_modules(entries: list[str]) -> list[tuple[str, str, str | None]]:
+    """``--lora-modules`` entries (``name=path``, or JSON with name, path and
+    base_model_name) as ``(name, path, base model name)``."""
+    modules = []
+    for entry in entries:
+        if entry.lstrip().startswith("{"):
+            try:
+                values = json.loads(entry)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--lora-modules {entry!r}: invalid JSON ({exc})") from None
+            unknown = sorted(set(values) - {"name", "path", "base_model_name"})
+            if unknown or not values.get("name") or not values.get("path"):
+                raise ConfigError(
+                    f"--lora-modules {entry!r}: needs 'name' and 'path' (and optionally "
+                    f"'base_model_name'){f'; unknown {unknown}' if unknown else ''}"
+                )
+            modules.append((values["name"], values["path"], values.get("base_model_name")))
+            continue
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules {entry!r}: use name=path or a JSON object")
+        modules.append((name, path, None))
+    return modules
 
 
 def metrics_label(name: str) -> str:
