@@ -116,6 +116,13 @@ def test_slots_and_cache_are_bounded(models):
     manager = llm.llm_engine.lora
     assert len(manager.cpu) <= 2 and len(manager.slots) == 1
     _check(llm, [PROMPTS[1]], [r0], [m0])  # (evicted earlier: loaded again)
+    # LLM.chat passes the adapter on too.
+    chat = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (output,) = llm.chat(chat, params, lora_request=r1, use_tqdm=False)
+    expected = reference_greedy(m1, output.prompt_token_ids, 4)[0]
+    tokens = output.outputs[0].token_ids  # (up to EOS)
+    assert tokens == expected[: len(tokens)]
 
 
 def test_refusals(models, tmp_path):

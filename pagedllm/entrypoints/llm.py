@@ -172,8 +172,10 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation with the chat template, then generate (with
+        ``lora_request`` as :meth:`generate` takes it)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.render_chat(
@@ -186,7 +188,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self,
