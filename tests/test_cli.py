@@ -108,7 +108,9 @@ def test_serve_refuses_unbuilt_and_unavailable(tmp_path):
     assert "--enable-auto-tool-choice requires --tool-call-parser" in auto_tools.stderr
 
     lora = run_cli("serve", "m", "--lora-modules", "a=/x")
-    assert lora.returncode == 2 and "--lora-modules" in lora.stderr
+    assert lora.returncode == 2 and "--lora-modules needs --enable-lora" in lora.stderr
+    lora = run_cli("serve", "m", "--enable-lora", "--lora-modules", "no-equals-sign")
+    assert lora.returncode == 2 and "use name=path" in lora.stderr
 
     # A server option's declared range, checked before anything loads.
     cap = run_cli("serve", "m", "--max-sequences-per-request", "0")

@@ -49,6 +49,8 @@ class ServeSubcommand(CLISubcommand):
         engine_args = engine_args_from_serve(args)
         frontend_args = FrontendArgs(**dataclass_kwargs(FrontendArgs, args))
         validate_frontend_args(frontend_args, pm)
+        if frontend_args.lora_modules and not engine_args.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
         log_config = apply_log_config(frontend_args.log_config_file)
         # The model loads on the engine's thread while this one imports the HTTP server
         # (FastAPI, uvicorn, the routes): about 0.2 s of the start.
@@ -87,5 +89,9 @@ def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> No
         )
     if frontend_args.enable_auto_tool_choice and parser_name is None:
         raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+    if frontend_args.lora_modules:
+        from pagedllm.entrypoints.openai.serving_setup import parse_lora_modules
+
+        parse_lora_modules(frontend_args.lora_modules)  # (malformed entries fail now)
     if frontend_args.enable_ssl_refresh:
         raise NotBuiltError("--enable-ssl-refresh: certificates are read once at start-up")
