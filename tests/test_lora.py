@@ -30,7 +30,8 @@ NEW_TOKENS = 10
 TARGETS = [
     ["q_proj", "v_proj"],
     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    ["o_proj", "down_proj"],
+    # (the embedding table and the untied vocabulary head too)
+    ["embed_tokens", "lm_head", "o_proj", "down_proj"],
 ]
 
 

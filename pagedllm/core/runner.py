@@ -145,7 +145,7 @@ class ModelRunner:
         result = RunnerOutput()
         if sampling_requests:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self._logits(hidden, rows)
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
             )
@@ -156,15 +156,16 @@ class ModelRunner:
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
         for request, first, drafts in spec_rows:
+            rows = torch.arange(first, first + len(drafts) + 1, device=self.device)
             result.spec_token_ids[request.request_id] = self._verify(
-                request, hidden[first : first + len(drafts) + 1], drafts
+                request, self._logits(hidden, rows), drafts
             )
         for request, start, item in pooling_rows:
             result.pooled[request.request_id] = self._pool(
                 request, hidden[start : start + item.num_new_tokens], item
             )
         for request, start, count, targets in prompt_rows:
-            logits = self.model.compute_logits(hidden[start : start + count])
+            logits = self._logits(hidden, torch.arange(start, start + count, device=self.device))
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits,
                 torch.tensor(targets, dtype=torch.long, device=self.device),
@@ -196,15 +197,23 @@ class ModelRunner:
             types.extend(given[start:end] if given else [0] * (end - start))
         return torch.tensor(types, dtype=torch.long, device=self.device)
 
-    def _verify(self, request: Any, hidden: torch.Tensor, drafts: list[int]) -> list[int]:
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The vocabulary logits of ``rows`` of the step's hidden states (an adapter on
+        the head applies to the rows of its requests)."""
+        if self.lora is None:
+            return self.model.compute_logits(hidden[rows])
+        with self.lora.rows(rows):
+            return self.model.compute_logits(hidden[rows])
+
+    def _verify(self, request: Any, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         """Speculative decoding: the target's distributions at the last known token and
         each draft (processed as the sampler processes them), and the tokens the
         rejection sampler keeps (see :mod:`pagedllm.core.spec_decode`)."""
         from pagedllm.core.sampling.sampler import apply_logits_processing, warp
         from pagedllm.core.spec_decode import accept_drafts
 
-        logits = self.model.compute_logits(hidden).float().contiguous()
-        md = SamplingMetadata.from_requests([request] * len(hidden), logits.shape[-1], self.device)
+        logits = logits.float().contiguous()
+        md = SamplingMetadata.from_requests([request] * len(logits), logits.shape[-1], self.device)
         apply_logits_processing(logits, md)
         if md.all_greedy:
             return accept_drafts(None, logits.argmax(dim=-1), drafts, None)

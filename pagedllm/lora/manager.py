@@ -3,19 +3,24 @@
 device holding the adapters a step runs with (filled on demand, the least recently used
 idle slot reused).
 
-Every linear layer of the model gets the slot tensors ``A`` ``[slots, max_rank, in]`` and
-``B`` ``[slots, out, max_rank]`` (an adapter of a lower rank is zero-padded: the product
-is exact) and a scale per slot (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). Before
-each step the runner hands the manager the step's tokens and requests; each layer then
-adds its deltas (:mod:`pagedllm.lora.ops`) to its output, also inside fused products
-(Q/K/V, gate/up), and the native decoder layer (which bypasses the modules) is turned off.
+Every linear layer (an untied vocabulary head included) and embedding table of the model
+gets the slot tensors ``A`` ``[slots, max_rank, in]`` and ``B`` ``[slots, out, max_rank]``
+(an adapter of a lower rank is zero-padded: the product is exact; an embedding's ``in``
+is the vocabulary) and a scale per slot (``lora_alpha / r``, or ``/ sqrt(r)`` with
+rsLoRA). Before each step the runner hands the manager the step's tokens and requests;
+each layer then adds its deltas (:mod:`pagedllm.lora.ops`) to its output, also inside
+fused products (Q/K/V, gate/up); the head, which computes only some rows, sees their
+groups (:meth:`LoRAManager.rows`). The native decoder layer (which bypasses the modules)
+is turned off.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,7 @@ import torch
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.layers.linear import Linear
-from pagedllm.lora.ops import add_lora
+from pagedllm.lora.ops import add_lora, add_lora_embedding
 from pagedllm.lora.request import LoRARequest
 
 # peft settings pagedllm reads; any other set to a non-default value is refused by name.
@@ -40,15 +45,29 @@ _NEUTRAL = {
 }
 
 
+# peft's tensor names: linear layers' lora_A/B.weight, embeddings' lora_embedding_A/B.
+_PARTS = {
+    "lora_A": "A",
+    "lora_B": "B",
+    "lora_embedding_A": "A",
+    "lora_embedding_B": "B",
+}
+
+
 class LoRASlots:
     """One linear layer's adapter slots (see the module's docstring)."""
 
     def __init__(
-        self, layer: Linear, slots: int, rank: int, dtype: torch.dtype, device: Any
+        self, in_size: int, out_size: int, slots: int, rank: int, dtype: torch.dtype, device: Any
     ) -> None:
-        self.a = torch.zeros(slots, rank, layer.input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, layer.output_size, rank, dtype=dtype, device=device)
+        self.a = torch.zeros(slots, rank, in_size, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, out_size, rank, dtype=dtype, device=device)
         self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
+
+    def add_embedding(
+        self, y: torch.Tensor, ids: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+    ) -> torch.Tensor:
+        return add_lora_embedding(y, ids, groups, self.a, self.b, self.scale.to(y.dtype))
 
     def add(
         self, y: torch.Tensor, x: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
@@ -64,7 +83,9 @@ class LoRAAdapter:
         self.weights = weights
 
     @classmethod
-    def load(cls, request: LoRARequest, layers: dict[str, Linear], max_rank: int) -> LoRAAdapter:
+    def load(
+        cls, request: LoRARequest, sizes: dict[str, tuple[int, int]], max_rank: int
+    ) -> LoRAAdapter:
         from pagedllm.core.model_files import resolve_model_path
 
         def fail(message: str) -> InvalidRequestError:
@@ -94,31 +115,38 @@ class LoRAAdapter:
         tensors = _read_tensors(directory)
         pairs: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
         for name, tensor in tensors.items():
-            if "lora_embedding" in name or "lora_magnitude" in name:
-                raise fail(f"{name}: adapters on embeddings (or DoRA) are not supported")
-            for part in ("lora_A", "lora_B"):
-                marker = f".{part}."
-                if marker in name:
-                    prefix = name.split(marker)[0].removeprefix("base_model.model.")
-                    pairs[prefix][part] = tensor
+            if "lora_magnitude" in name:
+                raise fail(f"{name}: DoRA is not supported")
+            if ".base_layer." in name:
+                # peft saves the base embedding / head beside their adapters: the model's
+                # own (checked by shape; a resized vocabulary is an adapter adding tokens).
+                prefix = name.split(".base_layer.")[0].removeprefix("base_model.model.")
+                in_size, out_size = sizes.get(prefix, (None, None))
+                if tuple(tensor.shape) not in ((out_size, in_size), (in_size, out_size)):
+                    raise fail(f"{name}: adapters that change the vocabulary are not supported")
+                continue
+            for part, role in _PARTS.items():
+                marker = f".{part}"
+                head, found, rest = name.partition(marker)
+                if found and rest in ("", ".weight"):
+                    pairs[head.removeprefix("base_model.model.")][role] = tensor
                     break
             else:
                 raise fail(f"unexpected tensor {name}")
         weights = {}
         for prefix, pair in pairs.items():
-            layer = layers.get(prefix)
-            if layer is None:
-                raise fail(f"the model has no linear layer {prefix!r} (or it is the LM head)")
-            a, b = pair.get("lora_A"), pair.get("lora_B")
-            if a is None or b is None:
-                raise fail(f"{prefix} lacks lora_A or lora_B")
-            if tuple(a.shape) != (rank, layer.input_size) or tuple(b.shape) != (
-                layer.output_size,
-                rank,
-            ):
+            if prefix not in sizes:
                 raise fail(
-                    f"{prefix}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a "
-                    f"[{layer.output_size}, {layer.input_size}] layer at rank {rank}"
+                    f"the model has no adaptable layer {prefix!r} (a tied or quantized head?)"
+                )
+            in_size, out_size = sizes[prefix]
+            a, b = pair.get("A"), pair.get("B")
+            if a is None or b is None:
+                raise fail(f"{prefix} lacks its A or B matrix")
+            if tuple(a.shape) != (rank, in_size) or tuple(b.shape) != (out_size, rank):
+                raise fail(
+                    f"{prefix}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                    f"[{in_size} -> {out_size}] at rank {rank}"
                 )
             weights[prefix] = (a, b, scale)
         if not weights:
@@ -145,19 +173,28 @@ class LoRAManager:
         self.max_loras = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_cpu = max(config.max_cpu_loras or config.max_loras, config.max_loras)
-        self.layers = {
-            m.prefix: m
-            for m in model.modules()
-            if isinstance(m, Linear) and m.prefix and not m.prefix.endswith("lm_head")
-        }
-        for layer in self.layers.values():
-            if layer.method is not None:
+        from pagedllm.core.layers.embedding import VocabEmbedding
+
+        # The modules adapters may target, by prefix (the checkpoint's names): linear
+        # layers (the vocabulary head included when it is one) and embedding tables,
+        # with the (in, out) sizes of their A and B.
+        self.layers: dict[str, Any] = {}
+        self.sizes: dict[str, tuple[int, int]] = {}
+        for module in model.modules():
+            if isinstance(module, Linear) and module.prefix:
+                sizes = (module.input_size, module.output_size)
+            elif isinstance(module, VocabEmbedding) and module.prefix:
+                sizes = (module.num_embeddings, module.embedding_dim)
+            else:
+                continue
+            if module.method is not None:
                 raise ConfigError(
-                    f"--enable-lora: the layer {layer.prefix} is quantized; LoRA runs on "
-                    "unquantized weights"
+                    f"--enable-lora: {module.prefix} is quantized; LoRA runs on unquantized weights"
                 )
-            layer.lora = LoRASlots(layer, self.max_loras, self.max_rank, dtype, device)
-            layer.lora_manager = self
+            module.lora = LoRASlots(*sizes, self.max_loras, self.max_rank, dtype, device)
+            module.lora_manager = self
+            self.layers[module.prefix] = module
+            self.sizes[module.prefix] = sizes
         for module in model.modules():
             if hasattr(module, "_native"):
                 module._native = False  # (the native layer would skip the adapters)
@@ -166,6 +203,7 @@ class LoRAManager:
         self.free_slots = list(range(self.max_loras))
         # The current step's groups: (slot, rows of its tokens).
         self.groups: list[tuple[int, torch.Tensor]] = []
+        self.token_slots = torch.empty(0, dtype=torch.long)
         self.device = device
 
     # ---------------------------------------------------------------- adapters
@@ -181,7 +219,7 @@ class LoRAManager:
                 f"{loaded.request.lora_path}",
             )
         if loaded is None:
-            loaded = LoRAAdapter.load(request, self.layers, self.max_rank)
+            loaded = LoRAAdapter.load(request, self.sizes, self.max_rank)
             self.cpu[request.lora_int_id] = loaded
             # The least recently used adapter beyond --max-cpu-loras goes (not one in a
             # slot: the cache may exceed the limit until slots free up).
@@ -226,6 +264,22 @@ class LoRAManager:
 
     # -------------------------------------------------------------------- steps
 
+    @contextlib.contextmanager
+    def rows(self, rows: torch.Tensor) -> Iterator[None]:
+        """Within: the groups of ``rows`` of the step's tokens (the vocabulary head sees
+        only the rows it computes logits for)."""
+        saved = self.groups
+        slots = self.token_slots.index_select(0, rows)
+        self.groups = [
+            (slot, (slots == slot).nonzero().flatten())
+            for slot in slots.unique().tolist()
+            if slot >= 0
+        ]
+        try:
+            yield
+        finally:
+            self.groups = saved
+
     def set_step(self, requests_and_lengths: list[tuple[Any, int]]) -> None:
         """The step's requests (in token order, with their token counts): each adapter
         gets a slot and the rows of its requests' tokens."""
@@ -247,3 +301,6 @@ class LoRAManager:
             (slot, torch.tensor(r, dtype=torch.long, device=self.device))
             for slot, r in rows.items()
         ]
+        self.token_slots = torch.full((offset,), -1, dtype=torch.long, device=self.device)
+        for slot, indices in self.groups:
+            self.token_slots[indices] = slot

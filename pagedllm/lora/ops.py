@@ -37,3 +37,19 @@ def add_lora(
         low = x.index_select(0, rows) @ a[slot].T
         y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
     return y
+
+
+def add_lora_embedding(
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """An embedding's LoRA (peft's ``lora_embedding_A`` ``[r, vocab]`` and ``_B``
+    ``[dim, r]`` per slot): each token's row of ``A.T`` through ``B``, added to ``y``."""
+    for slot, rows in groups:
+        low = a[slot].T.index_select(0, ids.index_select(0, rows))
+        y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
+    return y

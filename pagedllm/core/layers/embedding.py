@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +40,18 @@ class VocabEmbedding(nn.Module):
                 self, embedding_dim, num_embeddings, torch.get_default_dtype()
             )
 
+    # With --enable-lora: this table's adapter slots and their manager (pagedllm.lora).
+    lora: Any = None
+    lora_manager: Any = None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.method is None:
-            return F.embedding(ids, self.weight)
-        return self.method.embedding(self, ids)
+            out = F.embedding(ids, self.weight)
+        else:
+            out = self.method.embedding(self, ids)
+        if self.lora is not None and self.lora_manager.groups:
+            out = self.lora.add_embedding(out, ids, self.lora_manager.groups)
+        return out
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T``: the logits of a head tied to this embedding."""
