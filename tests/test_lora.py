@@ -12,12 +12,13 @@ import pytest
 import torch
 import transformers
 from conftest import clean_env
+from kernel_checks import skip_unless_build_failed
 from openai_server import RemoteServer, assert_openai_error, start_servers
 from tiny_models import make_checkpoint, reference_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.lora.ops import add_lora, lora_delta_reference
+from pagedllm.lora.ops import add_lora, lora_bgmv, lora_delta_reference
 
 peft = pytest.importorskip("peft")
 
@@ -45,6 +46,24 @@ def test_grouped_product_matches_the_reference():
     y = torch.randn(10, 24)
     expected = y + lora_delta_reference(x, slots, a, b, scale)
     torch.testing.assert_close(add_lora(y.clone(), x, groups, a, b, scale), expected)
+
+
+def test_bgmv_kernel_matches_the_reference():
+    """The C kernel for few tokens per adapter (decode steps), against the reference."""
+    torch.manual_seed(1)
+    a, b = torch.randn(3, 8, 40), torch.randn(3, 24, 8)
+    scale = torch.tensor([0.5, 2.0, 1.0])
+    x = torch.randn(7, 40)
+    slots = torch.tensor([2, -1, 0, 1, 1, -1, 2])
+    y = torch.randn(7, 24)
+    expected = y + lora_delta_reference(x, slots, a, b, scale)
+    if not lora_bgmv(y, x, slots, a, b, scale):
+        skip_unless_build_failed()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # add_lora takes it for such steps (and the grouped GEMMs beyond).
+    groups = [(s, (slots == s).nonzero().flatten()) for s in (0, 1, 2)]
+    again = add_lora(y - lora_delta_reference(x, slots, a, b, scale), x, groups, a, b, scale)
+    torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,61 @@ request's adapter slot (-1: none), added to the base layer's output.
 :func:`lora_delta_reference` gathers every token's own matrices (the definition);
 :func:`add_lora` groups the step's tokens by slot and runs one pair of GEMMs per adapter
 (a step's tokens of one request are contiguous, and a batch holds few adapters), which is
-what the engine calls."""
+what the engine calls. When the adapters have few tokens each (decode steps), a float32
+CPU step goes to the C kernel ``csrc/lora_cpu.c`` (one token at a time, its rank-``r``
+intermediate in registers), which saves the per-adapter GEMM calls."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
+
+from pagedllm.kernels.native import load_kernel_library
+
+# Tokens per adapter up to which the C kernel is used.
+BGMV_MAX_TOKENS_PER_ADAPTER = 8
+
+
+@functools.cache
+def _bgmv() -> ctypes.CDLL | None:
+    lib = load_kernel_library("lora_cpu")
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.pagedllm_lora_bgmv.argtypes = [
+            ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int
+        ]  # fmt: skip
+        lib.pagedllm_lora_bgmv.restype = ctypes.c_int
+    return lib
+
+
+def lora_bgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+) -> bool:
+    """``y += lora_delta_reference(...)`` by the C kernel, in place; False (nothing done)
+    where it does not apply (no kernel, not float32 on the cpu, a view of ``y``)."""
+    lib = _bgmv()
+    tensors = (y, x, a, b, scale)
+    usable = (
+        lib is not None
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and all(t.is_contiguous() for t in (*tensors, slots))
+        and slots.dtype == torch.long
+    )
+    if not usable:
+        return False
+    tokens, size_in = x.shape
+    status = lib.pagedllm_lora_bgmv(
+        x.data_ptr(), slots.data_ptr(), tokens, size_in, y.shape[1], a.shape[1],
+        a.data_ptr(), b.data_ptr(), scale.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return status == 0
 
 
 def lora_delta_reference(
@@ -33,6 +83,13 @@ def add_lora(
 ) -> torch.Tensor:
     """``y`` plus the LoRA deltas of the step's tokens, grouped: ``groups`` holds each
     active slot with the rows of its tokens."""
+    few = max(len(rows) for _, rows in groups) <= BGMV_MAX_TOKENS_PER_ADAPTER
+    if few and x.device.type == "cpu":
+        slots = torch.full((x.shape[0],), -1, dtype=torch.long)
+        for slot, rows in groups:
+            slots[rows] = slot
+        if lora_bgmv(y, x, slots, a, b, scale):
+            return y
     for slot, rows in groups:
         low = x.index_select(0, rows) @ a[slot].T
         y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
