@@ -18,7 +18,7 @@ from tiny_models import make_checkpoint, reference_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.errors import InvalidRequestError
-from pagedllm.lora.ops import add_lora, lora_bgmv, lora_delta_reference
+from pagedllm.lora.ops import LoRABatch, add_lora, lora_bgmv, lora_delta_reference
 
 peft = pytest.importorskip("peft")
 
@@ -37,15 +37,17 @@ TARGETS = [
 
 
 def test_grouped_product_matches_the_reference():
+    """The grouped GEMMs (an adapter with more tokens than the C kernel takes)."""
     torch.manual_seed(0)
     a, b = torch.randn(3, 4, 16), torch.randn(3, 24, 4)
     scale = torch.tensor([0.5, 2.0, 1.0])
-    x = torch.randn(10, 16)
-    slots = torch.tensor([0, 0, 0, -1, -1, 2, 2, 0, 1, 1])
-    groups = [(s, (slots == s).nonzero().flatten()) for s in (0, 1, 2)]
-    y = torch.randn(10, 24)
+    x = torch.randn(20, 16)
+    slots = torch.tensor([0] * 12 + [-1, -1, 2, 2, 0, 1, 1, -1])
+    batch = LoRABatch.from_slots(slots)
+    assert not batch.few_tokens
+    y = torch.randn(20, 24)
     expected = y + lora_delta_reference(x, slots, a, b, scale)
-    torch.testing.assert_close(add_lora(y.clone(), x, groups, a, b, scale), expected)
+    torch.testing.assert_close(add_lora(y.clone(), x, batch, a, b, scale), expected)
 
 
 def test_bgmv_kernel_matches_the_reference():
@@ -61,8 +63,9 @@ def test_bgmv_kernel_matches_the_reference():
         skip_unless_build_failed()
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     # add_lora takes it for such steps (and the grouped GEMMs beyond).
-    groups = [(s, (slots == s).nonzero().flatten()) for s in (0, 1, 2)]
-    again = add_lora(y - lora_delta_reference(x, slots, a, b, scale), x, groups, a, b, scale)
+    batch = LoRABatch.from_slots(slots)
+    assert batch.few_tokens
+    again = add_lora(y - lora_delta_reference(x, slots, a, b, scale), x, batch, a, b, scale)
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -338,15 +338,7 @@ class LLMEngine:
         params, priority = new.params, new.priority
         if isinstance(params, PoolingParams) or self.is_pooling:
             return self._new_pooling_parent(new)
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise InvalidRequestError(
-                "priority", "priority is only used with --scheduling-policy priority"
-            )
-        text, token_ids = self.tokenize_prompt(new.prompt)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
-        if not token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+        text, token_ids = self._prompt_tokens(new, params.truncate_prompt_tokens)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -409,6 +401,20 @@ class LLMEngine:
             parent.sequences.append(self.output_processor.new_sequence(request, index))
         return parent
 
+    def _prompt_tokens(self, new: NewRequest, keep: int | None) -> tuple[str | None, list[int]]:
+        """The request's prompt tokenized, cut to its last ``keep`` tokens; a priority the
+        scheduling policy ignores, or an empty prompt, is refused."""
+        if new.priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise InvalidRequestError(
+                "priority", "priority is only used with --scheduling-policy priority"
+            )
+        text, token_ids = self.tokenize_prompt(new.prompt)
+        if keep is not None:
+            token_ids = token_ids[-keep:]
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return text, token_ids
+
     def _lora_salt(self, lora_request: Any) -> str | None:
         """The prefix-cache salt of an adapter (its id); validates the request."""
         if lora_request is None:
@@ -443,16 +449,12 @@ class LLMEngine:
                 f"this model serves {', '.join(self.pooler_configs)}, not {params.task}",
             )
         try:
-            params.verify(params.task, self.loaded.model, self.loaded.hf_config)
+            params.verify(params.task, self.loaded.hf_config)
         except ValueError as exc:
             raise InvalidRequestError("pooling_params", str(exc)) from None
-        text, token_ids = self.tokenize_prompt(new.prompt)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
-            if params.token_type_ids is not None:
-                params.token_type_ids = params.token_type_ids[-params.truncate_prompt_tokens :]
-        if not token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+        text, token_ids = self._prompt_tokens(new, params.truncate_prompt_tokens)
+        if params.truncate_prompt_tokens is not None and params.token_type_ids is not None:
+            params.token_type_ids = params.token_type_ids[-params.truncate_prompt_tokens :]
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 "prompt",

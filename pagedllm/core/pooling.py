@@ -93,7 +93,7 @@ class PoolingParams:
     def clone(self) -> PoolingParams:
         return dataclasses.replace(self)
 
-    def verify(self, task: str, model: Any, hf_config: Any) -> None:
+    def verify(self, task: str, hf_config: Any) -> None:
         """Refuse settings that do not apply to ``task`` on this model (ValueError).
         ``dimensions`` needs a Matryoshka model: its config says ``is_matryoshka`` (or
         lists ``matryoshka_dimensions``), as vLLM reads it."""

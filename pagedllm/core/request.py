@@ -81,11 +81,9 @@ class Request:
     # Set for a pooling request (--task embed/classify/score/reward): its prompt runs
     # once and the result is pooled from its hidden states; no token is sampled.
     pooling_params: Any = None
-    # Speculative decoding: the draft tokens scheduled with this step's last token, and
-    # how many tokens the last step appended (several when drafts were kept).
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     # The LoRA adapter the request runs with (a pagedllm.lora.LoRARequest), or None.
     lora_request: Any = None
+    # How many tokens the last step appended (several when speculative drafts were kept).
     num_new_output_tokens: int = 0
 
     def __post_init__(self) -> None:

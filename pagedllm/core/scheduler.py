@@ -190,6 +190,8 @@ class Scheduler:
         partial, long_partial = self._partial_prefill_counts(scheduled)
         skipped: list[Request] = []  # held back (partial-prefill limits, pending work)
         admitted = False
+        # --enable-lora: the adapters of the running batch (at most --max-loras of them).
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         while not preempted and not delay_prompts and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -198,7 +200,7 @@ class Scheduler:
                 # Still compiling its constraint: the requests behind it go first.
                 skipped.append(self.waiting.pop())
                 continue
-            if not self._lora_fits(request):
+            if not self._lora_fits(request, loras):
                 # Its adapter would be one too many in the batch: it waits for a slot.
                 skipped.append(self.waiting.pop())
                 continue
@@ -233,6 +235,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             self.running.append(request)
+            if request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
             scheduled[request] = ScheduledRequest(request, num_new, num_cached)
             budget -= num_new
             admitted = True
@@ -252,12 +256,12 @@ class Scheduler:
             aborted=aborted,
         )
 
-    def _lora_fits(self, request: Request) -> bool:
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether ``request``'s adapter fits beside the batch's ``loras``."""
         lora = request.lora_request
         if lora is None or self.max_loras is None:
             return True
-        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        return lora.lora_int_id in running or len(running) < self.max_loras
+        return lora.lora_int_id in loras or len(loras) < self.max_loras
 
     def _draft_room(self, request: Request, budget: int) -> int:
         """How many draft tokens a decoding request may get: as many as its budget, its

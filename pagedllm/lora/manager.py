@@ -28,7 +28,7 @@ import torch
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.layers.linear import Linear
-from pagedllm.lora.ops import add_lora, add_lora_embedding
+from pagedllm.lora.ops import LoRABatch, add_lora, add_lora_embedding
 from pagedllm.lora.request import LoRARequest
 
 # peft settings pagedllm reads; any other set to a non-default value is refused by name.
@@ -64,15 +64,11 @@ class LoRASlots:
         self.b = torch.zeros(slots, out_size, rank, dtype=dtype, device=device)
         self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
 
-    def add_embedding(
-        self, y: torch.Tensor, ids: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
-    ) -> torch.Tensor:
-        return add_lora_embedding(y, ids, groups, self.a, self.b, self.scale.to(y.dtype))
+    def add_embedding(self, y: torch.Tensor, ids: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        return add_lora_embedding(y, ids, batch, self.a, self.b, self.scale.to(y.dtype))
 
-    def add(
-        self, y: torch.Tensor, x: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
-    ) -> torch.Tensor:
-        return add_lora(y, x, groups, self.a, self.b, self.scale.to(y.dtype))
+    def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        return add_lora(y, x, batch, self.a, self.b, self.scale.to(y.dtype))
 
 
 class LoRAAdapter:
@@ -201,9 +197,8 @@ class LoRAManager:
         self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self.slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id -> slot
         self.free_slots = list(range(self.max_loras))
-        # The current step's groups: (slot, rows of its tokens).
-        self.groups: list[tuple[int, torch.Tensor]] = []
-        self.token_slots = torch.empty(0, dtype=torch.long)
+        # The adapters of the current step's tokens (None: no adapter in the step).
+        self.batch: LoRABatch | None = None
         self.device = device
 
     # ---------------------------------------------------------------- adapters
@@ -266,19 +261,16 @@ class LoRAManager:
 
     @contextlib.contextmanager
     def rows(self, rows: torch.Tensor) -> Iterator[None]:
-        """Within: the groups of ``rows`` of the step's tokens (the vocabulary head sees
+        """Within: the adapters of ``rows`` of the step's tokens (the vocabulary head sees
         only the rows it computes logits for)."""
-        saved = self.groups
-        slots = self.token_slots.index_select(0, rows)
-        self.groups = [
-            (slot, (slots == slot).nonzero().flatten())
-            for slot in slots.unique().tolist()
-            if slot >= 0
-        ]
+        saved = self.batch
+        if saved is not None:
+            selected = LoRABatch.from_slots(saved.slots.index_select(0, rows))
+            self.batch = selected if selected.groups else None
         try:
             yield
         finally:
-            self.groups = saved
+            self.batch = saved
 
     def set_step(self, requests_and_lengths: list[tuple[Any, int]]) -> None:
         """The step's requests (in token order, with their token counts): each adapter
@@ -297,10 +289,13 @@ class LoRAManager:
             slot = self._slot(adapter, busy)
             busy.add(slot)
             rows.setdefault(slot, []).extend(range(start, start + count))
-        self.groups = [
-            (slot, torch.tensor(r, dtype=torch.long, device=self.device))
-            for slot, r in rows.items()
-        ]
-        self.token_slots = torch.full((offset,), -1, dtype=torch.long, device=self.device)
-        for slot, indices in self.groups:
-            self.token_slots[indices] = slot
+        if not rows:
+            self.batch = None
+            return
+        slots = torch.full((offset,), -1, dtype=torch.long, device=self.device)
+        groups = []
+        for slot, indices in rows.items():
+            tensor = torch.tensor(indices, dtype=torch.long, device=self.device)
+            slots[tensor] = slot
+            groups.append((slot, tensor))
+        self.batch = LoRABatch(slots, groups)

@@ -11,6 +11,7 @@ intermediate in registers), which saves the per-adapter GEMM calls."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import torch
@@ -73,24 +74,42 @@ def lora_delta_reference(
     return torch.where((slots >= 0).unsqueeze(-1), delta, torch.zeros_like(delta))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoRABatch:
+    """The adapters of the rows a layer sees: each row's slot (-1: none), and each active
+    slot with its rows. Built once per step (and per selection of rows), not per layer."""
+
+    slots: torch.Tensor
+    groups: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def from_slots(cls, slots: torch.Tensor) -> LoRABatch:
+        groups = [
+            (slot, (slots == slot).nonzero().flatten())
+            for slot in slots.unique().tolist()
+            if slot >= 0
+        ]
+        return cls(slots, groups)
+
+    @property
+    def few_tokens(self) -> bool:
+        """Whether every adapter has few rows (decode steps: the C kernel's case)."""
+        return max(len(rows) for _, rows in self.groups) <= BGMV_MAX_TOKENS_PER_ADAPTER
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor]],
+    batch: LoRABatch,
     a: torch.Tensor,
     b: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
-    """``y`` plus the LoRA deltas of the step's tokens, grouped: ``groups`` holds each
-    active slot with the rows of its tokens."""
-    few = max(len(rows) for _, rows in groups) <= BGMV_MAX_TOKENS_PER_ADAPTER
-    if few and x.device.type == "cpu":
-        slots = torch.full((x.shape[0],), -1, dtype=torch.long)
-        for slot, rows in groups:
-            slots[rows] = slot
-        if lora_bgmv(y, x, slots, a, b, scale):
-            return y
-    for slot, rows in groups:
+    """``y`` plus the LoRA deltas of ``batch``'s rows (its ``groups``: each active slot
+    with the rows of its tokens)."""
+    if batch.few_tokens and lora_bgmv(y, x, batch.slots, a, b, scale):
+        return y
+    for slot, rows in batch.groups:
         low = x.index_select(0, rows) @ a[slot].T
         y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
     return y
@@ -99,14 +118,14 @@ def add_lora(
 def add_lora_embedding(
     y: torch.Tensor,
     ids: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor]],
+    batch: LoRABatch,
     a: torch.Tensor,
     b: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
     """An embedding's LoRA (peft's ``lora_embedding_A`` ``[r, vocab]`` and ``_B``
     ``[dim, r]`` per slot): each token's row of ``A.T`` through ``B``, added to ``y``."""
-    for slot, rows in groups:
+    for slot, rows in batch.groups:
         low = a[slot].T.index_select(0, ids.index_select(0, rows))
         y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
     return y

@@ -49,8 +49,8 @@ class VocabEmbedding(nn.Module):
             out = F.embedding(ids, self.weight)
         else:
             out = self.method.embedding(self, ids)
-        if self.lora is not None and self.lora_manager.groups:
-            out = self.lora.add_embedding(out, ids, self.lora_manager.groups)
+        if self.lora is not None and self.lora_manager.batch is not None:
+            out = self.lora.add_embedding(out, ids, self.lora_manager.batch)
         return out
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,9 +53,9 @@ class Linear(nn.Module):
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y`` plus the step's LoRA deltas of this layer (none without adapters)."""
-        if self.lora is None or not self.lora_manager.groups:
+        if self.lora is None or self.lora_manager.batch is None:
             return y
-        return self.lora.add(y, x, self.lora_manager.groups)
+        return self.lora.add(y, x, self.lora_manager.batch)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

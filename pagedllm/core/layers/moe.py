@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.kernels.moe import moe_reference
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ class FusedMoE(nn.Module):
         """Copy one expert's ``part`` (``gate``, ``up``: ``[inter, hidden]``; ``down``:
         ``[hidden, inter]``) into the fused parameters."""
         if self.method is not None:
-            raise NotImplementedError(
-                f"{self.prefix}: per-expert checkpoint tensors of quantized experts"
+            raise ConfigError(
+                f"{self.prefix}: per-expert checkpoint tensors of quantized experts are not "
+                "supported"
             )
         name, half = _PARTS[part]
         if not 0 <= expert < self.num_experts:

@@ -51,9 +51,9 @@ def _attention(
     """transformers' attention-function signature over pagedllm's paged attention:
     ``query`` ``[1, heads, tokens, d]``, ``key``/``value`` ``[1, kv_heads, tokens, d]``;
     returns ``[1, tokens, heads, d]``."""
-    for name in ("s_aux", "sinks"):
+    for name in ("s_aux", "sinks"):  # (models with sinks are refused at load; a guard)
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the transformers backend has no attention {name}")
+            raise ValueError(f"the transformers backend has no attention {name}")
     metadata, layers = _STEP.get()
     layer = layers[module.layer_idx]
     if scaling is not None:
@@ -127,6 +127,11 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
             raise unsupported from exc
         if self.hf.config._attn_implementation != IMPLEMENTATION:
             raise unsupported
+        if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.hf.modules()):
+            raise ConfigError(
+                "--model-impl transformers: attention sinks (gpt-oss and the like) are not "
+                "supported"
+            )
         self.hf.tie_weights()
         self.config = config
         heads = config.num_attention_heads
