@@ -160,6 +160,23 @@ def test_rotary_is_bit_exact(dtype, rotary_dim):
     assert torch.equal(qkv[:, 6 * 64 :], value)  # (the values untouched)
 
 
+def test_rotary_takes_a_single_kv_head_of_any_stride():
+    """Multi-query attention (Falcon): the one key head is a view whose head stride is
+    not the head size (a [T, 1, d] slice of the fused projection viewed per head)."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(3, 6 * 32, generator=g)
+    query = qkv[:, : 4 * 32].view(3, 4, 32)
+    key = qkv.view(3, 6, 32)[:, 4:5]
+    assert key.stride(1) == 32 and qkv.view(3, 1, -1)[:, :, 4 * 32 : 5 * 32].stride(1) != 32
+    key = qkv.view(3, 1, -1)[:, :, 4 * 32 : 5 * 32]
+    positions = torch.tensor([1, 7, 2])
+    angles = torch.randn(16, 16, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want_k = apply_rotary(key.clone(), cos[positions], sin[positions])
+    triton_rotary_neox_(query, key, positions, cos, sin, 32)
+    assert torch.equal(key, want_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_silu_mul_matches_the_reference(dtype):
     g = torch.Generator().manual_seed(4)

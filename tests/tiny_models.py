@@ -328,7 +328,14 @@ def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any)
 
 
 def load_reference(directory: Path) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    kwargs: dict[str, Any] = {}
+    if getattr(transformers.AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None):
+        # Eager attention: transformers releases before 5.2x ran Gemma 2 with sdpa, which
+        # drops the soft cap (5.17, on the GPU machine).
+        kwargs["attn_implementation"] = "eager"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, **kwargs
+    )
     return model.eval()
 
 

@@ -25,6 +25,7 @@ from pagedllm.core.args.validate import (
     scheduler_class,
     validate_engine_args,
 )
+from pagedllm.core.compilation import CompilationConfig, compilation_config
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_SCHEDULER",
     "ENV_CPU_KVCACHE_SPACE",
     "CacheConfig",
+    "CompilationConfig",
     "DecodingConfig",
     "DeviceConfig",
     "LoadConfig",
@@ -218,6 +220,8 @@ class PagedLLMConfig:
     lora_config: LoRAConfig | None = None
     # --speculative-config (a pagedllm.core.spec_decode.SpeculativeConfig), or None.
     speculative_config: Any = None
+    # -O, --cuda-graph-sizes, --max-seq-len-to-capture, --enforce-eager.
+    compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
 
 # Defaults that depend on who starts the engine (as in vLLM: the server keeps steps
@@ -413,5 +417,6 @@ def create_engine_config(
         speculative_config=_speculative_config(args.speculative_config),
         lora_config=_lora_config(args),
     )
+    config.compilation_config = compilation_config(args, config.scheduler_config.max_num_seqs)
     pm.hook.pagedllm_update_config(config=config)
     return config

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.attention.layer import Attention
+from pagedllm.core.compilation import compile_model
 from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
@@ -29,7 +30,7 @@ from pagedllm.core.pooling import (
     sentence_transformers_pooler,
 )
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype
+from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype, profile_step
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
@@ -98,8 +99,36 @@ class LLMEngine:
                 # The checkpoint's own scales, where it was quantized for an fp8 cache.
                 module.k_scale = getattr(module, "checkpoint_k_scale", 1.0)
                 module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)
+        compile_model(loaded.model, config.compilation_config.level)
+        device = config.device_config.device
+        backend = backend_cls()
+        # Decode steps replayed from graphs: generation without adapters, on a device that
+        # captures them, unless --enforce-eager (then capture_sizes is empty).
+        use_graphs = (
+            device.captures_graphs
+            and bool(config.compilation_config.capture_sizes)
+            and not self.is_pooling
+            and config.lora_config is None
+        )
+        if cache.num_gpu_blocks_override is None:
+            sched = config.scheduler_config
+            device.measure_peak_memory(
+                lambda: profile_step(
+                    loaded.model,
+                    backend,
+                    spec,
+                    cache.block_size,
+                    sched.max_num_batched_tokens,
+                    sched.max_num_seqs,
+                    config.device_config.torch_device,
+                    self.max_model_len,
+                )
+            )
         num_blocks = num_kv_blocks(
-            config, spec.bytes_per_block(cache.block_size), self.max_model_len
+            config,
+            spec.bytes_per_block(cache.block_size),
+            self.max_model_len,
+            reserved=int(use_graphs),
         )
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -134,7 +163,8 @@ class LLMEngine:
             cache.block_size,
             self.vocab_size,
             config.device_config.torch_device,
-            backend_cls(),
+            backend,
+            reserved_blocks=int(use_graphs),
         )
         self.runner.pooler_configs = self.pooler_configs
         self.lora = None
@@ -147,6 +177,8 @@ class LLMEngine:
             self.lora = self.runner.lora = LoRAManager(
                 loaded.model, config.lora_config, dtype, config.device_config.torch_device
             )
+        if use_graphs:
+            self.runner.graphs = device.decode_graphs(self.runner, config)
         speculative = config.speculative_config
         if speculative is not None and speculative.method == "draft_model":
             self.scheduler.proposer = self._draft_proposer(

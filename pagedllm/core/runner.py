@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
+from pagedllm.core.transfer import host_tensor
 
 if TYPE_CHECKING:
     from pagedllm.core.step_data import SchedulerOutput
@@ -63,13 +64,17 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         attention_backend: Any,
+        reserved_blocks: int = 0,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
-        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Blocks past the KV manager's num_blocks, which never hold a request's tokens:
+        # the padding rows of a replayed decode graph write and read pad_block.
+        self.pad_block = num_blocks
+        shape = (2, num_blocks + reserved_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Not zero-filled: memory is committed only as blocks are written, and attention
         # never reads a slot before it is written (padding repeats a written slot).
         self.kv_caches = [
@@ -80,6 +85,8 @@ class ModelRunner:
         self.pooler_configs: dict[str, Any] = {}
         # --enable-lora: the adapters' manager, told each step's requests (set by the engine).
         self.lora: Any = None
+        # The device's replayer of decode steps (Device.decode_graphs), set by the engine.
+        self.graphs: Any = None
 
     @torch.inference_mode()
     def execute(
@@ -127,24 +134,21 @@ class ModelRunner:
                     prompt_rows.append((request, offset, last - start, targets))
             offset += item.num_new_tokens
 
-        metadata = self.attention_backend.build_metadata(
-            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        input_positions = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.lora is not None:
-            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
-        if getattr(self.model, "is_encoder", False):
-            # An encoder attends within each prompt, both ways, and reads token types.
-            self.model.token_type_ids = self._token_type_ids(output)
-            self.model.step_ranges = list(
-                itertools.pairwise(itertools.accumulate(query_lens, initial=0))
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and offset == len(query_lens)  # one token each: decodes only
+            and graphs.covers(offset, max(context_lens))
+        ):
+            hidden = graphs.run(token_ids, positions, context_lens, block_tables)
+        else:
+            hidden = self._forward(
+                output, token_ids, positions, query_lens, context_lens, block_tables
             )
-        hidden = self.model(input_ids, input_positions, metadata)
 
         result = RunnerOutput()
         if sampling_requests:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            rows = host_tensor(sample_rows, torch.long, self.device)
             logits = self._logits(hidden, rows)
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
@@ -172,6 +176,31 @@ class ModelRunner:
                 request.sampling_params.prompt_logprobs,
             )
         return result
+
+    def _forward(
+        self,
+        output: SchedulerOutput,
+        token_ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """The step's hidden states, computed eagerly."""
+        metadata = self.attention_backend.build_metadata(
+            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
+        )
+        input_ids = host_tensor(token_ids, torch.long, self.device)
+        input_positions = host_tensor(positions, torch.long, self.device)
+        if self.lora is not None:
+            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
+        if getattr(self.model, "is_encoder", False):
+            # An encoder attends within each prompt, both ways, and reads token types.
+            self.model.token_type_ids = self._token_type_ids(output)
+            self.model.step_ranges = list(
+                itertools.pairwise(itertools.accumulate(query_lens, initial=0))
+            )
+        return self.model(input_ids, input_positions, metadata)
 
     def _pool(self, request: Any, hidden: torch.Tensor, item: Any) -> torch.Tensor:
         """A pooling request's result from the hidden states of its whole prompt (the
@@ -219,3 +248,46 @@ class ModelRunner:
             return accept_drafts(None, logits.argmax(dim=-1), drafts, None)
         warp(logits, md)
         return accept_drafts(logits.softmax(dim=-1), None, drafts, md.generators.get(0))
+
+
+@torch.inference_mode()
+def profile_step(
+    model: torch.nn.Module,
+    backend: Any,
+    spec: KVCacheSpec,
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    device: torch.device,
+    max_model_len: int | None = None,
+) -> int:
+    """Compute a step of ``num_tokens`` prompt tokens split over ``num_seqs`` requests of
+    at most ``max_model_len`` tokens (the largest step the scheduler makes) and their
+    sampling rows' logits, on a throwaway KV cache, so that a device can measure its
+    memory peak (``Device.measure_peak_memory``). Returns the throwaway cache's bytes,
+    which the peak leaves out."""
+    if max_model_len is not None:
+        num_tokens = min(num_tokens, num_seqs * max_model_len)
+    seqs = max(1, min(num_seqs, num_tokens))
+    lens = [num_tokens // seqs + (1 if i < num_tokens % seqs else 0) for i in range(seqs)]
+    tables: list[list[int]] = []
+    blocks = 0
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(blocks, blocks + count)))
+        blocks += count
+    shape = (2, blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    metadata = backend.build_metadata(lens, lens, tables, block_size, caches, device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    if getattr(model, "is_encoder", False):
+        model.token_type_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        model.step_ranges = list(itertools.pairwise(itertools.accumulate(lens, initial=0)))
+        model(input_ids, positions, metadata)
+    else:
+        hidden = model(input_ids, positions, metadata)
+        rows = torch.tensor(list(itertools.accumulate(lens)), device=device) - 1
+        # The sampler's float32 logits and their softmax.
+        model.compute_logits(hidden[rows]).float().softmax(dim=-1)
+    return sum(cache.numel() * cache.element_size() for cache in caches)

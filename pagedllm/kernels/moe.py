@@ -49,3 +49,26 @@ def moe_reference(
         # pool start on these few rows.)
         out.index_put_((tokens,), (y * weights[tokens, slots, None]).to(out.dtype), accumulate=True)
     return out
+
+
+def moe_dense(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`moe_reference`'s sums with every expert over every token, weighted 0 where
+    the token did not choose it: no data-dependent shapes and no host synchronisation, so
+    a decode step can be captured in a CUDA graph (the GPU reads every expert's weights
+    for a batch of a few tokens anyway). Experts are added in the same order."""
+    experts = gate_up.shape[0]
+    dense = torch.zeros((x.shape[0], experts), dtype=weights.dtype, device=x.device)
+    dense.scatter_add_(1, ids, weights)
+    out = torch.zeros_like(x)
+    for expert in range(experts):
+        gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, down[expert])
+        out += (y * dense[:, expert, None]).to(out.dtype)
+    return out

@@ -425,7 +425,7 @@ def triton_rotary_neox_(
     if rotary_dim % 2 or rotary_dim > query.shape[-1]:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and at most the head size")
     for x in (query, key):
-        if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        if x.stride(-1) != 1 or (x.shape[-2] > 1 and x.stride(-2) != x.shape[-1]):
             raise ValueError("each token's heads must be adjacent, dense rows")
         if x.shape[0]:
             _rotary_neox_kernel[(x.shape[0], x.shape[1])](

@@ -207,13 +207,12 @@ class ModelArgs:
     enforce_eager: bool = arg(
         False,
         group="ModelConfig",
-        help="Always run the model in eager PyTorch mode.",
+        help="Always run the model in eager PyTorch mode: no CUDA graphs (-O still compiles).",
     )
     max_seq_len_to_capture: int = arg(
         8192,
         group="ModelConfig",
         help="Longest sequence covered by CUDA graphs; longer ones run in eager mode.",
-        unbuilt=UNSUPPORTED["max_seq_len_to_capture"],
     )
     disable_async_output_proc: bool = arg(
         False,

@@ -18,7 +18,6 @@ import dataclasses
 from pagedllm.core.argspec import arg
 
 _LEAVE_OUT = "; leave this flag out"
-_NO_CUDA_GRAPHS = "pagedllm does not capture CUDA graphs yet" + _LEAVE_OUT
 _SINGLE_DEVICE = "pagedllm runs the model on a single device" + _LEAVE_OUT
 _NO_DATA_PARALLEL = "pagedllm has no data parallelism; run several servers behind a load balancer"
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
@@ -32,7 +31,6 @@ UNSUPPORTED: dict[str, str] = {
     # ModelConfig
     "code_revision": "pagedllm does not run remote model code from the Hub" + _LEAVE_OUT,
     "hf_token": "pagedllm never downloads from the Hub; pass a local model path instead",
-    "max_seq_len_to_capture": _NO_CUDA_GRAPHS,
     "disable_async_output_proc": "pagedllm has no asynchronous output processing to disable"
     + _LEAVE_OUT,
     "disable_cascade_attn": "pagedllm has no cascade attention to disable" + _LEAVE_OUT,
@@ -82,7 +80,6 @@ UNSUPPORTED: dict[str, str] = {
     "otlp_traces_endpoint": _NO_TRACING,
     "collect_detailed_traces": _NO_TRACING,
     # SchedulerConfig
-    "cuda_graph_sizes": _NO_CUDA_GRAPHS,
     "num_scheduler_steps": "pagedllm schedules every step" + _LEAVE_OUT,
     "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,
     "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
@@ -91,7 +88,6 @@ UNSUPPORTED: dict[str, str] = {
     "disable_hybrid_kv_cache_manager": "pagedllm has no hybrid KV-cache manager to disable"
     + _LEAVE_OUT,
     # PagedLLMConfig
-    "compilation_config": "pagedllm does not use torch.compile yet; only level 0 is supported",
     "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "kv_events_config": "pagedllm does not publish KV-cache events" + _LEAVE_OUT,
     "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,

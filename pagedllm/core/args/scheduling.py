@@ -147,8 +147,7 @@ class SchedulingArgs:
         [512],
         group="SchedulerConfig",
         help="CUDA graph capture sizes: one value N captures 1, 2, 4 and multiples of 8 up to "
-        "N; several values are captured as given.",
-        unbuilt=UNSUPPORTED["cuda_graph_sizes"],
+        "N; several values are captured as given (sizes past --max-num-seqs are left out).",
     )
     num_scheduler_steps: int = arg(
         1,
@@ -190,8 +189,8 @@ class SchedulingArgs:
         parse=compilation_config,
         metavar="LEVEL_OR_JSON",
         help="torch.compile settings: an optimization level 0-3 (-O3 is the same as -O 3) or "
-        "a JSON config. Level 0 means no compilation.",
-        unbuilt=UNSUPPORTED["compilation_config"],
+        "a JSON config with 'level', 'cudagraph_capture_sizes' and 'use_cudagraph'. Level 0: "
+        "no compilation; 1: TorchDynamo graphs run as traced; 2 and 3: TorchInductor.",
     )
     kv_transfer_config: dict[str, Any] | None = arg(
         None,

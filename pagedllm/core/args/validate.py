@@ -106,6 +106,23 @@ def _refuse_without_effect(args: EngineArgs, device: Device, guided_backends: li
             f"--gpu-memory-utilization does not apply to the {device.name} device; size the "
             f"KV cache with {ENV_CPU_KVCACHE_SPACE} (GiB) or --num-gpu-blocks-override"
         )
+    if not device.captures_graphs:
+        # (The deprecated alias first: the message names the flag as typed.)
+        for name in ("cuda_graph_sizes", "max_context_len_to_capture", "max_seq_len_to_capture"):
+            if not is_default(args, name):
+                raise ConfigError(
+                    f"{option_name(name)} does not apply to the {device.name} device, which "
+                    f"captures no CUDA graphs"
+                )
+        given = args.compilation_config
+        if isinstance(given, dict) and {k.lower() for k in given} & {
+            "cudagraph_capture_sizes",
+            "use_cudagraph",
+        }:
+            raise ConfigError(
+                f"--compilation-config: cudagraph_capture_sizes and use_cudagraph do not "
+                f"apply to the {device.name} device, which captures no CUDA graphs"
+            )
     if not guided_backends:
         for name in _GUIDED_OPTIONS:
             if not is_default(args, name):

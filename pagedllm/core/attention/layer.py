@@ -44,4 +44,14 @@ class Attention(nn.Module):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
     ) -> torch.Tensor:
         """``query`` ``[T, heads*d]``, ``key``/``value`` ``[T, kv_heads*d]`` -> ``[T, heads*d]``."""
+        if torch.compiler.is_compiling():
+            # Under -O: the backend's own kernels, between the compiled pieces.
+            return _attend_uncompiled(self, query, key, value, metadata)
         return metadata.backend.forward(self, query, key, value, metadata)
+
+
+@torch.compiler.disable
+def _attend_uncompiled(
+    layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
+) -> torch.Tensor:
+    return metadata.backend.forward(layer, query, key, value, metadata)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
@@ -33,6 +34,10 @@ class Device(ABC):
       says whether ``--gpu-memory-utilization`` takes part (if not, setting it is refused).
     - :meth:`num_threads` is the number of CPU threads the model computes with; the
       engine sets torch's intra-op thread count to it when it loads a model.
+    - :meth:`measure_peak_memory` lets a device size its KV cache from a profiled step:
+      the engine calls it once, before the cache exists, with a step of the largest size.
+    - :meth:`decode_graphs` may return a replayer of decode steps (CUDA graphs); the
+      model runner hands it the steps it covers and runs the others eagerly.
     """
 
     name: ClassVar[str]
@@ -48,6 +53,9 @@ class Device(ABC):
     attention_backend: ClassVar[str] = "torch_sdpa"
     # Whether kv_cache_memory reads --gpu-memory-utilization.
     uses_gpu_memory_utilization: ClassVar[bool] = True
+    # Whether decode_graphs captures graphs (--cuda-graph-sizes and
+    # --max-seq-len-to-capture take part; elsewhere setting them is refused).
+    captures_graphs: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -75,6 +83,22 @@ class Device(ABC):
         return KVCacheMemory(
             int(min(free, total * fraction)), f"--gpu-memory-utilization={fraction}"
         )
+
+    def measure_peak_memory(self, run: Callable[[], Any]) -> int | None:
+        """The peak bytes of device memory this process holds while ``run()`` computes a
+        step of the largest size the scheduler makes, less the bytes ``run()`` returns (its
+        throwaway KV cache). ``None``, without calling ``run``: the device does not profile
+        (the default), and :meth:`kv_cache_memory` decides alone."""
+        return None
+
+    def decode_graphs(self, runner: Any, config: Any) -> Any:
+        """An object replaying decode steps for ``runner`` (a
+        :class:`pagedllm.core.runner.ModelRunner` whose cache has one spare block,
+        ``runner.pad_block``, for padding rows), with ``covers(num_decodes, max_context)``
+        and ``run(token_ids, positions, context_lens, block_tables)`` returning the step's
+        hidden states; or ``None`` (the default): every step runs eagerly. Called only
+        when ``captures_graphs`` and not ``--enforce-eager``."""
+        return None
 
     def num_threads(self) -> int:
         """CPU threads the model computes with. The default keeps torch's own choice

@@ -10,6 +10,7 @@ from torch import nn
 from pagedllm.core.errors import ConfigError
 from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.rotary import apply_rotary
+from pagedllm.kernels.triton_attention import triton_available, triton_rotary_neox_
 
 # RoPE types whose frequencies do not depend on the sequence being processed.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -90,8 +91,8 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``query``/``key`` ``[T, heads, head_dim]`` by their ``positions``.
 
         Float32 and bfloat16 CPU tensors whose heads are adjacent are rotated in place by
-        the compiled kernel (bit-exact with :func:`apply_rotary`); others by the torch
-        reference."""
+        the compiled kernel, GPU ones by the Triton kernel (both bit-exact with
+        :func:`apply_rotary`); others by the torch reference."""
         if (
             query.device.type == "cpu"
             and _heads_dense(query)
@@ -105,6 +106,21 @@ class RotaryEmbedding(nn.Module):
                 self.check_positions(positions)
                 ops.rotary_neox_(query, key, positions, self.cos, self.sin, self.rotary_dim)
                 return query, key
+        if (
+            query.device.type == "cuda"
+            and _heads_adjacent(query)
+            and _heads_adjacent(key)
+            and key.dtype == query.dtype
+            and positions.dtype == torch.long
+            and positions.is_contiguous()
+            and self.cos.dtype == torch.float32
+            and not torch.compiler.is_compiling()
+            and triton_available()
+        ):
+            # In place, bit for bit apply_rotary's. Unchecked positions: the model runner
+            # gives positions below --max-model-len, the table's length.
+            triton_rotary_neox_(query, key, positions, self.cos, self.sin, self.rotary_dim)
+            return query, key
         # Every layer of a step passes the same positions tensor: gather once per step.
         cached = self._gathered
         if cached is not None and cached[0] is positions and cached[1] == query.dtype:
@@ -117,6 +133,11 @@ class RotaryEmbedding(nn.Module):
             apply_rotary(query, cos, sin, self.rotary_dim),
             apply_rotary(key, cos, sin, self.rotary_dim),
         )
+
+
+def _heads_adjacent(x: torch.Tensor) -> bool:
+    """``[T, heads, d]`` with each token's heads side by side and dense."""
+    return x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def _heads_dense(x: torch.Tensor) -> bool:

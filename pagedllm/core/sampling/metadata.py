@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.core.sampling.params import SAMPLING_EPS
+from pagedllm.core.transfer import host_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -138,10 +139,10 @@ class SamplingMetadata:
         def floats(values: list[float], neutral: float) -> torch.Tensor | None:
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+            return host_tensor(values, torch.float32, device).unsqueeze(1)
 
         def longs(values: list[int]) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=torch.long, device=device) if values else None
+            return host_tensor(values, torch.long, device) if values else None
 
         all_greedy = all(greedy)
         random_top_k = [k for k, g in zip(top_k, greedy, strict=True) if not g]
@@ -151,9 +152,7 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             all_greedy=all_greedy,
             greedy_mask=(
-                torch.tensor(greedy, dtype=torch.bool, device=device)
-                if any(greedy) and not all_greedy
-                else None
+                host_tensor(greedy, torch.bool, device) if any(greedy) and not all_greedy else None
             ),
             temperature=None if all_greedy else floats(temperature, 1.0),
             min_p=None if all_greedy else floats(min_p, 0.0),
@@ -168,11 +167,7 @@ class SamplingMetadata:
             banned_token_ids=longs(banned_ids),
             bias_rows=longs(bias_rows),
             bias_token_ids=longs(bias_ids),
-            bias_values=(
-                torch.tensor(bias_values, dtype=torch.float32, device=device)
-                if bias_values
-                else None
-            ),
+            bias_values=(host_tensor(bias_values, torch.float32, device) if bias_values else None),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
         )

@@ -19,6 +19,7 @@ import torch
 from pagedllm.core.attention.metadata import kernel_step
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import AttentionBackend
+from pagedllm.core.transfer import to_device
 from pagedllm.kernels.triton_attention import (
     interpreted,
     token_sequences,
@@ -71,10 +72,10 @@ class TritonPagedBackend(AttentionBackend):
         step = kernel_step(query_lens, context_lens, block_tables, block_size)
         return TritonMetadata(
             num_tokens=step.num_tokens,
-            slot_mapping=step.slot_mapping.to(device),
-            seq_ranges=step.seq_ranges.to(device),
-            block_tables=step.block_tables.to(device),
-            token_seq=token_sequences(step.seq_ranges, step.num_tokens).to(device),
+            slot_mapping=to_device(step.slot_mapping, device),
+            seq_ranges=to_device(step.seq_ranges, device),
+            block_tables=to_device(step.block_tables, device),
+            token_seq=to_device(token_sequences(step.seq_ranges, step.num_tokens), device),
             kv_caches=kv_caches,
             backend=self,
         )

@@ -13,13 +13,15 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
+from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.norms import rms_norm
+from pagedllm.kernels.triton_attention import triton_rms_norm
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; float32 and bfloat16 CPU rows go to the compiled kernel
-    (:mod:`pagedllm.kernels.cpu_ops`)."""
+    (:mod:`pagedllm.kernels.cpu_ops`), GPU rows to the Triton one."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -31,6 +33,8 @@ class RMSNorm(nn.Module):
         ops = cpu_ops() if x.device.type == "cpu" else None
         if ops is not None and ops.rows_ok(x) and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, self.offset)
+        if self.weight.dtype == x.dtype and triton_rows(x):
+            return triton_rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm(x, self.weight, self.eps, self.offset)
 
     def add_forward(
@@ -47,6 +51,14 @@ class RMSNorm(nn.Module):
             and self.weight.dtype == x.dtype
         ):
             return ops.add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        if (
+            triton_rows(x)
+            and triton_rows(residual)
+            and residual.dtype == x.dtype
+            and residual.shape == x.shape
+            and self.weight.dtype == x.dtype
+        ):
+            return triton_rms_norm(x, self.weight, self.eps, self.offset, residual=residual)
         total = residual + x
         return total, self(total)
 

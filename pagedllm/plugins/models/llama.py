@@ -18,7 +18,9 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
     SILU_NAMES,
     CausalLM,
@@ -123,6 +125,8 @@ class LlamaMLP(nn.Module):
         ops = cpu_ops() if use else None
         if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
             return self.down_proj(ops.silu_mul(gate, up))
+        if self.silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
+            return self.down_proj(triton_silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 
 
