@@ -52,8 +52,12 @@ def test_best_beams_equal_transformers(checkpoint, reference, width):
         assert all(s.text and s.finish_reason == "length" for s in output.sequences)
     engine = llm.llm_engine
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    # The steps shared the prompt's KV through the prefix cache.
-    assert engine.kv_manager.total_prefix_cache_stats.hits > 0
+    # The steps shared the prompt's KV through the prefix cache, the partial last block
+    # of each parent beam too (copied on write): the first step computes the prompts,
+    # each later one a single token per beam (8 steps; a prompt has `width` beams from
+    # the second on).
+    stats = engine.kv_manager.total_prefix_cache_stats
+    assert stats.queries - stats.hits == sum(map(len, PROMPTS)) + 7 * width * len(PROMPTS)
 
 
 def test_eos_ends_beams(checkpoint):
@@ -106,3 +110,26 @@ def test_completions_use_beam_search(server, reference, checkpoint):
         assert_openai_error(
             http.post("/v1/completions", json={**body, "length_penalty": 0.5}), 400, "beam"
         )
+
+
+def test_a_small_cache_evicts_tails_and_keeps_the_beams(checkpoint):
+    """Eight beams in a cache of eight 8-token blocks, steps of at most 16 tokens: kept
+    tails are evicted and recomputed as blocks run short, and the beams are those of a
+    roomy cache."""
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    roomy = LLM(str(checkpoint), dtype="float32", disable_log_stats=True)
+    expected = [[s.output_tokens for s in o.sequences] for o in roomy.beam_search(prompts, params)]
+    small = LLM(
+        str(checkpoint),
+        dtype="float32",
+        disable_log_stats=True,
+        num_gpu_blocks_override=8,
+        block_size=8,
+        max_model_len=32,
+        max_num_batched_tokens=16,
+    )
+    outputs = small.beam_search(prompts, params)
+    assert [[s.output_tokens for s in o.sequences] for o in outputs] == expected
+    manager = small.llm_engine.kv_manager
+    assert manager.num_free_blocks == manager.num_blocks

@@ -27,11 +27,14 @@ def make_request(
     tokens: list[int],
     cache_salt: str | None = None,
     prompt_logprobs: int | None = None,
+    keep_kv_tail: bool = False,
 ) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=list(tokens),
-        sampling_params=types.SimpleNamespace(prompt_logprobs=prompt_logprobs),
+        sampling_params=types.SimpleNamespace(
+            prompt_logprobs=prompt_logprobs, keep_kv_tail=keep_kv_tail
+        ),
         cache_salt=cache_salt,
     )
 
@@ -402,3 +405,58 @@ def test_running_request_grows_only_when_needed() -> None:
     a.append_output_token_ids([5])
     assert len(manager.allocate_slots(a, 1) or []) == 1
     assert len(manager.get_block_ids("a")) == 2
+
+
+# ------------------------------------------------------------ partial tails (beam search)
+
+
+def test_a_kept_tail_is_shared_copy_on_write():
+    """A request with keep_kv_tail leaves its partial last block cached; requests that
+    continue its tokens hit it (after the full blocks) and get a fresh block with a copy
+    recorded, so the shared tail is never written; the copy's source stays referenced
+    until the step ran."""
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_request("p", [1, 2, 3, 4, 5, 6], keep_kv_tail=True)
+    prefill(manager, parent)
+    full, tail = manager.get_block_ids("p")
+    manager.free(parent)
+    children = [make_request(f"c{t}", [1, 2, 3, 4, 5, 6, t]) for t in (7, 8)]
+    for child in children:
+        hits, num_hit_tokens = manager.get_computed_blocks(child)
+        assert num_hit_tokens == 6 and [b.block_id for b in hits] == [full, tail]
+        new_blocks = manager.allocate_slots(child, 1, hits)
+        assert new_blocks is not None and len(new_blocks) == 1
+        child.num_computed_tokens = 7
+        assert manager.get_block_ids(child.request_id) == [full, new_blocks[0].block_id]
+    copies = manager.take_block_copies()
+    assert [source for source, _ in copies] == [tail, tail]
+    destinations = {destination for _, destination in copies}
+    assert len(destinations) == 2 and tail not in destinations
+    assert manager.take_block_copies() == []
+    assert manager.block_pool.blocks[tail].ref_cnt == 2  # (one per pending copy)
+    manager.release_copy_sources()
+    assert manager.block_pool.blocks[tail].ref_cnt == 0 and tail in free_ids(manager)
+    # The tail stays cached for later continuations; a different continuation of the
+    # full block misses it.
+    assert manager.get_computed_blocks(make_request("again", [1, 2, 3, 4, 5, 6, 9]))[1] == 6
+    assert manager.get_computed_blocks(make_request("other", [1, 2, 3, 4, 5, 7, 9]))[1] == 4
+    for child in children:
+        manager.free(child)
+
+
+def test_tails_are_kept_only_when_asked_and_evicted_like_cached_blocks():
+    manager = KVCacheManager(num_blocks=4, block_size=BS)
+    plain = make_request("plain", [1, 2, 3, 4, 5, 6])
+    prefill(manager, plain)
+    manager.free(plain)
+    assert manager.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5, 6, 7]))[1] == 4
+    kept = make_request("kept", [1, 2, 3, 4, 5, 6], keep_kv_tail=True)
+    prefill(manager, kept)
+    manager.free(kept)
+    assert manager.get_computed_blocks(make_request("c2", [1, 2, 3, 4, 5, 6, 7]))[1] == 6
+    # Every block taken by another request: the tail's block is reused, the tail gone.
+    hog = make_request("hog", list(range(100, 116)))
+    prefill(manager, hog)
+    assert manager.num_free_blocks == 0
+    manager.free(hog)
+    assert manager.get_computed_blocks(make_request("c3", [1, 2, 3, 4, 5, 6, 7]))[1] == 0

@@ -3,8 +3,9 @@ runs it: each step extends every live beam by one token with an ordinary request
 (``max_tokens=1`` and the top ``2 * beam_width`` logprobs); the ``beam_width`` best
 extensions of each prompt live on, those ending in EOS are set aside as finished. The
 beams' common prefix is computed once: every step's requests find the prompt (and the
-beam's earlier tokens) in the prefix cache, so a step costs a beam its new token and the
-partial last block.
+beam's earlier tokens) in the prefix cache, full blocks shared, and the partial last block
+of their parent beam copied on write (its KV is kept after the parent's step:
+``SamplingParams.keep_kv_tail``), so a step costs a beam its one new token.
 
 Scores are vLLM's: a beam's cumulative logprob divided by its length (prompt included,
 EOS excluded) to the power ``length_penalty``; running beams of one prompt share their
@@ -98,6 +99,7 @@ class BeamSearch:
             ignore_eos=True,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            keep_kv_tail=True,
         )
 
     @property

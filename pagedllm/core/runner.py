@@ -95,6 +95,8 @@ class ModelRunner:
         """Compute the scheduled tokens and sample for the requests whose step reaches
         their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
         in the order of ``output.sampling_requests``) constrains guided requests."""
+        if output.blocks_to_copy:
+            self._copy_blocks(output.blocks_to_copy)
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -176,6 +178,13 @@ class ModelRunner:
                 request.sampling_params.prompt_logprobs,
             )
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer's cache."""
+        sources = torch.tensor([c[0] for c in copies], device=self.device)
+        destinations = torch.tensor([c[1] for c in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, destinations] = cache[:, sources]
 
     def _forward(
         self,

@@ -142,6 +142,8 @@ class Scheduler:
         return now - self._prompt_step_time <= factor * self._last_prompt_latency
 
     def schedule(self) -> SchedulerOutput:
+        # (Normally released by update_from_output already.)
+        self.kv.release_copy_sources()
         aborted = self._abort_uncompiled()
         budget = self.config.max_num_batched_tokens
         delay_prompts = self._delay_new_prompts()
@@ -254,6 +256,7 @@ class Scheduler:
             num_scheduled_tokens=sum(s.num_new_tokens for s in items),
             preempted_request_ids=preempted,
             aborted=aborted,
+            blocks_to_copy=self.kv.take_block_copies(),
         )
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
@@ -337,6 +340,8 @@ class Scheduler:
         max_tokens, the model length, a token that breaks its constraint). Returns the
         requests that got a new token, finished ones included, and those the step failed
         on (aborted, with ``failure`` set)."""
+        # The step ran: the tails its block copies read may go.
+        self.kv.release_copy_sources()
         if result.error is not None:
             return self._fail_scheduled(output, result.error)
         updated = []

@@ -45,6 +45,9 @@ class SchedulerOutput:
     # constraint failed to compile), with the error; already finished as aborted.
     aborted: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
     scheduled_time: float = dataclasses.field(default_factory=time.monotonic)
+    # (source, destination) KV blocks the runner copies before the step: shared partial
+    # tails continued by a request that writes into its own copy (copy-on-write).
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,16 @@ scheduler uses it in this order for a request holding no blocks (new or preempte
 
 A running request only calls ``allocate_slots(request, num_new_tokens)``. ``free`` when it
 finishes or is preempted.
+
+Partial last blocks (beam search): a request whose ``sampling_params.keep_kv_tail`` is set
+leaves its partial last block in the prefix cache when it is freed, hashed as a partial
+block (its parent's chain hash and its tokens so far). A later request continuing those
+tokens (a beam's children) finds it after its full-block hits and shares it copy-on-write:
+its first write would land in that block, so ``allocate_slots`` gives it a fresh block and
+records a copy (``take_block_copies``: ``(source, destination)`` ids), which the model runner
+makes before the step's kernels. The source stays referenced until the step has run
+(``release_copy_sources``). Such tails are free blocks like any cached one: evicted
+(LRU) when blocks run short.
 """
 
 from __future__ import annotations
@@ -20,8 +30,11 @@ from typing import TYPE_CHECKING
 from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache.hashing import (
     HASH_ALGOS,
+    BlockHash,
     HashFn,
     get_hash_fn,
+    hash_block_tokens,
+    request_extra_keys,
     update_request_block_hashes,
 )
 
@@ -75,6 +88,11 @@ class KVCacheManager:
     total_prefix_cache_stats: PrefixCacheStats = dataclasses.field(init=False, repr=False)
     _hash_fn: HashFn = dataclasses.field(init=False, repr=False)
     _requests: dict[str, _RequestBlocks] = dataclasses.field(init=False, repr=False)
+    # Block id of a cached partial tail -> its number of tokens.
+    _tails: dict[int, int] = dataclasses.field(init=False, repr=False)
+    # Copies for the coming step, and the tails they read (referenced until it ran).
+    _copies: list[tuple[int, int]] = dataclasses.field(init=False, repr=False)
+    _copy_sources: list[KVCacheBlock] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -91,6 +109,9 @@ class KVCacheManager:
         self.total_prefix_cache_stats = PrefixCacheStats()
         self._hash_fn = get_hash_fn(self.hash_algo)
         self._requests = {}
+        self._tails = {}
+        self._copies = []
+        self._copy_sources = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +151,11 @@ class KVCacheManager:
                 break
             hit_blocks.append(block)
         num_hit_tokens = len(hit_blocks) * self.block_size
+        if self._tails:
+            tail = self._find_tail(request, hit_blocks, request.num_tokens - 1 - num_hit_tokens)
+            if tail is not None:
+                hit_blocks.append(tail)
+                num_hit_tokens += self._tails[tail.block_id]
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         self.total_prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         return hit_blocks, num_hit_tokens
@@ -162,13 +188,20 @@ class KVCacheManager:
                 f"request {request.request_id!r}: prefix hits can only start a request "
                 "that holds no blocks and has no computed tokens"
             )
+        # A partial tail among the hits is copied into the request's first new block.
+        tail = computed.pop() if computed and computed[-1].block_id in self._tails else None
+        tail_tokens = self._tails[tail.block_id] if tail is not None else 0
         num_tokens_with_slots = (
-            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+            request.num_computed_tokens
+            + len(computed) * self.block_size
+            + tail_tokens
+            + num_new_tokens
         )
         num_required_blocks = -(-num_tokens_with_slots // self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(held) - len(computed))
         # A hit block sitting in the free queue stops being free once touched.
-        num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        hits = computed if tail is None else [*computed, tail]
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
         if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
 
@@ -178,7 +211,13 @@ class KVCacheManager:
             self.block_pool.touch(computed)
             state.blocks.extend(computed)
             state.num_hit_blocks = state.num_cached_blocks = len(computed)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if tail is not None:
+            # (Referenced until the copy has run: it cannot be handed out meanwhile.)
+            self.block_pool.touch([tail])
+            self._copy_sources.append(tail)
+        new_blocks = self._new_blocks(num_new_blocks)
+        if tail is not None:
+            self._copies.append((tail.block_id, new_blocks[0].block_id))
         state.blocks.extend(new_blocks)
 
         if self.enable_caching:
@@ -209,7 +248,71 @@ class KVCacheManager:
             )
             for block in state.blocks[first_unverified : state.num_cached_blocks]:
                 self.block_pool.uncache_block(block)
+            if getattr(request.sampling_params, "keep_kv_tail", False):
+                self._cache_tail(request, state)
         self.block_pool.free_blocks(reversed(state.blocks))
+
+    def _cache_tail(self, request: Request, state: _RequestBlocks) -> None:
+        """Hash ``request``'s partial last block of computed tokens into the prefix cache
+        (as a partial block), for the requests that continue it."""
+        full, partial = divmod(request.num_computed_tokens, self.block_size)
+        if partial == 0 or len(state.blocks) <= full:
+            return
+        block = state.blocks[full]
+        if block.block_hash is not None or block.block_id in self._tails:
+            return
+        update_request_block_hashes(request, self.block_size, self._hash_fn)
+        parent = request.block_hashes[full - 1].hash_value if full else None
+        start = full * self.block_size
+        tail_hash = hash_block_tokens(
+            self._hash_fn,
+            parent,
+            request.all_token_ids[start : start + partial],
+            request_extra_keys(request),
+        )
+        if self.block_pool.get_cached_block(tail_hash) is not None:
+            return
+        block.block_hash = tail_hash
+        self.block_pool.cached_block_hash_to_block[tail_hash] = block
+        self._tails[block.block_id] = partial
+
+    def _find_tail(
+        self, request: Request, hits: list[KVCacheBlock], max_tokens: int
+    ) -> KVCacheBlock | None:
+        """The longest cached partial tail continuing ``hits`` with ``request``'s next
+        tokens (at most ``max_tokens`` of them, fewer than a block)."""
+        start = len(hits) * self.block_size
+        parent = request.block_hashes[len(hits) - 1].hash_value if hits else None
+        extra_keys = request_extra_keys(request)
+        tokens = request.all_token_ids
+        for count in range(min(max_tokens, self.block_size - 1), 0, -1):
+            tail_hash: BlockHash = hash_block_tokens(
+                self._hash_fn, parent, tokens[start : start + count], extra_keys
+            )
+            block = self.block_pool.get_cached_block(tail_hash)
+            if block is not None and self._tails.get(block.block_id) == count:
+                return block
+        return None
+
+    def _new_blocks(self, count: int) -> list[KVCacheBlock]:
+        """``count`` blocks from the pool; a cached tail among them stops being one."""
+        blocks = self.block_pool.get_new_blocks(count)
+        if self._tails:
+            for block in blocks:
+                self._tails.pop(block.block_id, None)
+        return blocks
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The ``(source, destination)`` block copies the coming step needs first."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release_copy_sources(self) -> None:
+        """Drop the references that kept the last step's copy sources (call once that
+        step has run)."""
+        if self._copy_sources:
+            self.block_pool.free_blocks(self._copy_sources)
+            self._copy_sources = []
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's block table as blocks (a copy; empty for an unknown request)."""
@@ -223,7 +326,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False (nothing done) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        done = self.block_pool.reset_prefix_cache()
+        if done:
+            self._tails.clear()
+        return done
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the counts since the last call and start a new interval."""

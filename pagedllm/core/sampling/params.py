@@ -88,6 +88,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: Any = None
+    # pagedllm: keep the KV of this request's partial last block in the prefix cache when
+    # it finishes, for requests that continue its tokens (set by beam search's steps).
+    keep_kv_tail: bool = False
     # Filled by update_from_tokenizer (and __post_init__ for the stop ids).
     all_stop_token_ids: set[int] = dataclasses.field(init=False, repr=False)
     bad_words_token_ids: list[list[int]] = dataclasses.field(init=False, repr=False)
