@@ -20,6 +20,7 @@ from tiny_models import ARCHITECTURES, load_reference, make_checkpoint, referenc
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.runner import kv_cache_spec
 from pagedllm.kernels.triton_attention import interpreted, triton_available
 
 if not (torch.cuda.is_available() and triton_available() and not interpreted()):
@@ -161,17 +162,39 @@ def test_eager_preemption_and_o3(tmp_path):
 
 
 def test_the_kv_cache_takes_what_the_profiled_peak_leaves(tmp_path):
-    directory = make_checkpoint(tmp_path / "llama", "llama")
-    budgets = {}
-    for fraction in (0.3, 0.6):
-        llm = LLM(str(directory), device="cuda", dtype="float32", gpu_memory_utilization=fraction)
-        device = llm.llm_engine.config.device_config.device
-        assert isinstance(device, CudaDevice) and device.peak_bytes > 0
-        budgets[fraction] = device.kv_cache_memory(llm.llm_engine.config.cache_config).num_bytes
-        del llm, device
-        _free()
+    """A model with 1 MiB KV blocks and room for more blocks than the budget holds: the
+    cache fills the fraction less the profiled peak (within a block and what is held
+    outside PyTorch), and the process stays under the fraction."""
+    wide = dict(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_hidden_layers=8,
+        max_position_embeddings=8192,
+    )
+    directory = make_checkpoint(tmp_path / "llama", "llama", **wide)
     total = torch.cuda.mem_get_info()[1]
-    assert abs((budgets[0.6] - budgets[0.3]) - 0.3 * total) < 0.02 * total
+    for fraction in (0.2, 0.4):
+        llm = LLM(
+            str(directory),
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=fraction,
+            enforce_eager=True,
+        )
+        engine = llm.llm_engine
+        device = engine.config.device_config.device
+        assert isinstance(device, CudaDevice) and device.peak_bytes > 0
+        per_block = kv_cache_spec(engine.loaded.hf_config, torch.float32).bytes_per_block(16)
+        assert per_block == 2**20
+        kv_bytes = engine.kv_manager.num_blocks * per_block
+        # (the budget decided, not the cap of --max-num-seqs full-length requests)
+        assert engine.kv_manager.num_blocks < 256 * 8192 // 16
+        budget = fraction * total - device.peak_bytes
+        assert budget - 0.01 * total < kv_bytes <= budget
+        assert torch.cuda.memory_reserved() <= fraction * total
+        del llm, engine, device
+        _free()
     with pytest.raises(ConfigError, match="gpu-memory-utilization=0.0001.*profiled peak"):
         LLM(str(directory), device="cuda", dtype="float32", gpu_memory_utilization=0.0001)
     _free()

@@ -110,6 +110,25 @@ class LLMEngine:
             and not self.is_pooling
             and config.lora_config is None
         )
+        # Adapters' slots and the draft model take their memory before the KV cache is
+        # sized from what is left.
+        self.lora = None
+        if config.lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            dtype = loaded.dtype
+            if config.lora_config.lora_dtype != "auto":
+                dtype = getattr(torch, config.lora_config.lora_dtype)
+            self.lora = LoRAManager(
+                loaded.model, config.lora_config, dtype, config.device_config.torch_device
+            )
+        speculative = config.speculative_config
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = self._load_draft(speculative)
+        bytes_per_block = spec.bytes_per_block(cache.block_size)
+        if draft is not None:
+            bytes_per_block += draft[1].bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
             device.measure_peak_memory(
@@ -125,10 +144,7 @@ class LLMEngine:
                 )
             )
         num_blocks = num_kv_blocks(
-            config,
-            spec.bytes_per_block(cache.block_size),
-            self.max_model_len,
-            reserved=int(use_graphs),
+            config, bytes_per_block, self.max_model_len, reserved=int(use_graphs)
         )
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
@@ -167,22 +183,20 @@ class LLMEngine:
             reserved_blocks=int(use_graphs),
         )
         self.runner.pooler_configs = self.pooler_configs
-        self.lora = None
-        if config.lora_config is not None:
-            from pagedllm.lora.manager import LoRAManager
-
-            dtype = loaded.dtype
-            if config.lora_config.lora_dtype != "auto":
-                dtype = getattr(torch, config.lora_config.lora_dtype)
-            self.lora = self.runner.lora = LoRAManager(
-                loaded.model, config.lora_config, dtype, config.device_config.torch_device
-            )
+        self.runner.lora = self.lora
         if use_graphs:
             self.runner.graphs = device.decode_graphs(self.runner, config)
-        speculative = config.speculative_config
-        if speculative is not None and speculative.method == "draft_model":
-            self.scheduler.proposer = self._draft_proposer(
-                config.speculative_config, num_blocks, backend_cls
+        if draft is not None:
+            from pagedllm.core.spec_decode import DraftModelProposer
+
+            self.scheduler.proposer = DraftModelProposer(
+                draft[0].model,
+                draft[1],
+                num_blocks,
+                cache.block_size,
+                backend_cls(),
+                config.device_config.torch_device,
+                self.vocab_size,
             )
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
@@ -206,11 +220,9 @@ class LLMEngine:
         gc.freeze()
         _unfreeze_at_exit()
 
-    def _draft_proposer(self, spec: Any, num_blocks: int, backend_cls: Any) -> Any:
-        """Load ``spec.model`` as the draft model, with a KV cache of the target's block
-        layout."""
-        from pagedllm.core.spec_decode import DraftModelProposer
-
+    def _load_draft(self, spec: Any) -> tuple[Any, Any]:
+        """Load ``spec.model`` as the draft model: ``(loaded model, its KV-cache spec)``
+        (its cache gets the target's block layout)."""
         config = self.config
         mc = config.model_config
         draft_config = dataclasses.replace(
@@ -236,15 +248,7 @@ class LLMEngine:
             draft.hf_config, kv_cache_torch_dtype(config.cache_config, draft.dtype)
         )
         logger.info("speculative decoding: draft model %s", spec.model)
-        return DraftModelProposer(
-            draft.model,
-            spec_kv,
-            num_blocks,
-            config.cache_config.block_size,
-            backend_cls(),
-            config.device_config.torch_device,
-            self.vocab_size,
-        )
+        return draft, spec_kv
 
     @property
     def is_pooling(self) -> bool:

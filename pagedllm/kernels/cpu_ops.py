@@ -355,6 +355,15 @@ class CpuOps:
             raise MemoryError("the paged-attention kernel could not allocate its work list")
 
 
+def cpu_ops_for(x: torch.Tensor) -> CpuOps | None:
+    """The compiled kernels for ops on ``x``: None for a tensor off the CPU, and while
+    ``torch.compile`` traces the model (Inductor generates fused code for those ops
+    itself; a call into the library would split its graph)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return cpu_ops()
+
+
 @functools.cache
 def cpu_ops() -> CpuOps | None:
     """The compiled kernels, or None (after one warning) when they cannot be built."""

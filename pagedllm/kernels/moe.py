@@ -70,5 +70,7 @@ def moe_dense(
     for expert in range(experts):
         gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(act(gate) * up, down[expert])
-        out += (y * dense[:, expert, None]).to(out.dtype)
+        weight = dense[:, expert, None]
+        # (where, not a product: an unchosen expert's inf or NaN must not leak through 0)
+        out += torch.where(weight != 0, y * weight, 0).to(out.dtype)
     return out

@@ -10,11 +10,8 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.layers.static import static_shapes
 from pagedllm.kernels.moe import moe_dense, moe_reference
-
-# Steps of at most this many tokens on a GPU run every expert over every token
-# (moe_dense: capturable in a CUDA graph); larger ones each expert over its tokens.
-DENSE_MOE_MAX_TOKENS = 512
 
 if TYPE_CHECKING:
     from pagedllm.core.interfaces import QuantizationConfig
@@ -65,7 +62,7 @@ class FusedMoE(nn.Module):
         """``x`` ``[T, hidden]`` through each token's experts ``ids`` ``[T, top_k]``,
         their outputs summed with ``weights`` ``[T, top_k]``."""
         if self.method is None:
-            if x.device.type == "cuda" and x.shape[0] <= DENSE_MOE_MAX_TOKENS:
+            if static_shapes():
                 return moe_dense(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
             return moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
         return self.method.apply(self, x, weights, ids)

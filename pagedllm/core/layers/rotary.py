@@ -95,6 +95,7 @@ class RotaryEmbedding(nn.Module):
         :func:`apply_rotary`); others by the torch reference."""
         if (
             query.device.type == "cpu"
+            and not torch.compiler.is_compiling()
             and _heads_dense(query)
             and _heads_dense(key)
             and key.dtype == query.dtype

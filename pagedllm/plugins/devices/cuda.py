@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import Device, KVCacheMemory
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class CudaDevice(Device):
     def __init__(self) -> None:
         # Set by measure_peak_memory: weights and a largest step's activations.
         self.peak_bytes: int | None = None
+        # GPU memory free before this process loaded anything (prepare_process).
+        self.free_at_start: int | None = None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -53,6 +56,15 @@ class CudaDevice(Device):
 
         return torch.cuda.mem_get_info()
 
+    def prepare_process(self) -> None:
+        """Note the GPU's free memory before the model loads: what other processes hold
+        then is theirs, not this engine's to budget."""
+        import torch
+
+        if self.free_at_start is None:  # (not again for a draft model)
+            torch.cuda.init()
+            self.free_at_start = torch.cuda.mem_get_info()[0]
+
     def measure_peak_memory(self, run: Callable[[], Any]) -> int | None:
         import torch
 
@@ -69,21 +81,19 @@ class CudaDevice(Device):
         import torch
 
         fraction = cache_config.gpu_memory_utilization
-        source = f"--gpu-memory-utilization={fraction}"
         free, total = self.memory_info()
-        if self.peak_bytes is None:
-            return KVCacheMemory(int(min(free, total * fraction)), source)
-        # Memory this process does not hold through PyTorch's allocator (the CUDA context,
-        # libraries' workspaces) and other processes' memory on the GPU.
-        outside = max(0, (total - free) - torch.cuda.memory_reserved())
-        budget = total * fraction - self.peak_bytes - outside
-        gib = 2**30
-        detail = (
-            f"{source} of {total / gib:.1f} GiB, less a profiled peak of "
-            f"{self.peak_bytes / gib:.2f} GiB (weights and activations) and "
-            f"{outside / gib:.2f} GiB held outside PyTorch"
+        if self.peak_bytes is None or self.free_at_start is None:
+            return KVCacheMemory(
+                int(min(free, total * fraction)), f"--gpu-memory-utilization={fraction}"
+            )
+        return kv_cache_budget(
+            fraction,
+            total,
+            self.free_at_start,
+            free,
+            torch.cuda.memory_reserved(),
+            self.peak_bytes,
         )
-        return KVCacheMemory(max(0, int(min(budget, free))), detail)
 
     def decode_graphs(self, runner: Any, config: Any) -> Any:
         from pagedllm.plugins.devices.cuda_graphs import decode_graphs
@@ -107,3 +117,29 @@ class CudaDevice(Device):
             "cuda": torch.version.cuda,
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         }
+
+
+def kv_cache_budget(
+    fraction: float, total: int, free_at_start: int, free_now: int, reserved: int, peak: int
+) -> KVCacheMemory:
+    """The KV cache's bytes on a GPU of ``total`` bytes: this engine may hold ``fraction``
+    of it, of which the profiled ``peak`` (weights and a largest step's activations) and
+    what this process holds outside PyTorch's allocator (``free_at_start - free_now``
+    less the allocator's ``reserved`` bytes: cuBLAS workspaces, ...) are taken. Memory
+    other processes held at start is theirs: when less than the fraction is free then, a
+    ConfigError says so (as vLLM's)."""
+    gib = 2**30
+    source = f"--gpu-memory-utilization={fraction}"
+    wanted = total * fraction
+    if free_at_start < wanted:
+        raise ConfigError(
+            f"{source} asks for {wanted / gib:.2f} GiB of the GPU's {total / gib:.2f} GiB, but "
+            f"only {free_at_start / gib:.2f} GiB were free when the engine started (other "
+            f"processes hold the rest): lower --gpu-memory-utilization or free the GPU"
+        )
+    outside = max(0, (free_at_start - free_now) - reserved)
+    detail = (
+        f"{source} of {total / gib:.1f} GiB, less a profiled peak of {peak / gib:.2f} GiB "
+        f"(weights and activations) and {outside / gib:.2f} GiB held outside PyTorch"
+    )
+    return KVCacheMemory(max(0, int(min(wanted - peak - outside, free_now))), detail)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.layers.static import recording_static_shapes
 from pagedllm.plugins.devices.cuda_attention import TritonMetadata
 
 logger = logging.getLogger(__name__)
@@ -102,17 +103,23 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.runner.model(self.inputs[0, :size], self.inputs[1, :size], self.metadata(size))
+        with recording_static_shapes():
+            return self.runner.model(
+                self.inputs[0, :size], self.inputs[1, :size], self.metadata(size)
+            )
 
     @torch.inference_mode()
     def capture(self) -> DecodeGraphs | None:
-        """Record a graph per size (largest first, sharing one memory pool); ``self``, or
-        ``None`` with a warning naming the reason when the model cannot be captured (a
-        host synchronisation in its forward pass, say): then every step runs eagerly."""
+        """Record a graph per size (largest first, sharing one memory pool). A size whose
+        capture fails (a host synchronisation in the model's forward pass, say) is left
+        out with a warning naming the reason; ``None`` when none was captured: then every
+        step runs eagerly."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        try:
-            for size in reversed(self.sizes):
+        stream = torch.cuda.current_stream()
+        failures: list[tuple[int, BaseException]] = []
+        for size in reversed(self.sizes):
+            try:
                 # Warm-up: Triton compiles, torch.compile specialises, the allocator settles.
                 self._forward(size)
                 torch.cuda.synchronize()
@@ -120,15 +127,27 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     out = self._forward(size)
                 self.graphs[size] = (graph, out)
-            torch.cuda.synchronize()
-        except Exception as exc:  # a model whose forward pass cannot be captured
-            self.graphs.clear()
-            logger.warning("CUDA graphs off, every step runs eagerly: capture failed: %s", exc)
+            except Exception as exc:  # a forward pass that cannot be captured
+                # (torch's graph context leaves its capture stream current when ending
+                # the capture raises)
+                torch.cuda.set_stream(stream)
+                failures.append((size, exc))
+        torch.cuda.synchronize()
+        if failures:
+            logger.warning(
+                "CUDA graphs: capture failed for batch sizes %s (those steps run eagerly): %s",
+                sorted(size for size, _ in failures),
+                failures[0][1],
+            )
+        if not self.graphs:
             return None
+        self.sizes = sorted(self.graphs)
+        self.max_batch = self.sizes[-1]
         logger.info(
-            "captured CUDA graphs of decode steps for %d batch sizes (1 to %d, contexts up "
+            "captured CUDA graphs of decode steps for %d batch sizes (%d to %d, contexts up "
             "to %d tokens) in %.1f s",
             len(self.sizes),
+            self.sizes[0],
             self.max_batch,
             self.max_context,
             time.perf_counter() - start,

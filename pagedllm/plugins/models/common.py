@@ -14,7 +14,7 @@ from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
 from pagedllm.kernels import triton_rows
-from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.triton_attention import triton_rms_norm
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_ops() if x.device.type == "cpu" else None
+        ops = cpu_ops_for(x)
         if ops is not None and ops.rows_ok(x) and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, self.offset)
         if self.weight.dtype == x.dtype and triton_rows(x):
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual + x, self(residual + x))``, in one pass where the kernel runs."""
-        ops = cpu_ops() if x.device.type == "cpu" else None
+        ops = cpu_ops_for(x)
         if (
             ops is not None
             and ops.rows_ok(x)

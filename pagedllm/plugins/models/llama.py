@@ -19,7 +19,7 @@ from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.kernels import triton_rows
-from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
     SILU_NAMES,
@@ -121,8 +121,8 @@ class LlamaMLP(nn.Module):
         # float32 rows (prefill) torch's own vectorised SiLU is faster, over bfloat16 ones
         # (which torch widens and narrows op by op) the kernel.
         fits = gate.shape[0] <= SILU_KERNEL_MAX_ROWS or gate.dtype == torch.bfloat16
-        use = gate.dim() == 2 and fits and self.silu and gate.device.type == "cpu"
-        ops = cpu_ops() if use else None
+        use = gate.dim() == 2 and fits and self.silu
+        ops = cpu_ops_for(gate) if use else None
         if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
             return self.down_proj(ops.silu_mul(gate, up))
         if self.silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
@@ -162,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
     _native: Any = None
 
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
-        if hidden.device.type == "cpu":
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
             if self._native is None:
                 from pagedllm.kernels.cpu_layer import native_decoder_layer
 
