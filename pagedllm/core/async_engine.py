@@ -118,6 +118,8 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
+                except EngineDeadError:  # (a tensor-parallel worker died: the loop ends)
+                    raise
                 except Exception as exc:  # outside any request's computation
                     self._fail_all(exc)
                     continue

@@ -155,6 +155,8 @@ class ParallelConfig:
     tensor_parallel_size: int = _flag("tensor_parallel_size")
     pipeline_parallel_size: int = _flag("pipeline_parallel_size")
     data_parallel_size: int = _flag("data_parallel_size")
+    # "uni" (one process) or "mp" (tensor-parallel worker processes).
+    distributed_executor_backend: str = "uni"
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -284,6 +286,48 @@ def _lora_config(args: EngineArgs) -> LoRAConfig | None:
     )
 
 
+def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
+    """-tp and --distributed-executor-backend, checked against what runs with them."""
+    tp = args.tensor_parallel_size
+    _require(tp >= 1, "--tensor-parallel-size", tp, "must be at least 1")
+    backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    if backend in ("ray", "external_launcher"):
+        raise ConfigError(
+            f"--distributed-executor-backend {backend} is not supported by pagedllm yet; "
+            "use mp (worker processes) or uni"
+        )
+    if backend == "uni" and tp > 1:
+        raise ConfigError(
+            f"--distributed-executor-backend uni runs one process, which cannot hold "
+            f"--tensor-parallel-size {tp} ranks; use mp"
+        )
+    if tp > 1:
+        refused = {
+            "--enable-lora": args.enable_lora,
+            "--speculative-config": bool(args.speculative_config),
+            "--qlora-adapter-name-or-path": bool(args.qlora_adapter_name_or_path),
+        }
+        for option, given in refused.items():
+            if given:
+                raise ConfigError(
+                    f"{option} is not supported with --tensor-parallel-size above 1 yet"
+                )
+        if device.name == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise ConfigError(
+                    f"--tensor-parallel-size {tp} needs {tp} GPUs; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=backend,
+    )
+
+
 def _speculative_config(values: dict[str, Any] | None) -> Any:
     if not values:
         return None
@@ -400,7 +444,7 @@ def create_engine_config(
             delay_factor=args.scheduler_delay_factor,
             scheduler_cls=args.scheduler_cls,
         ),
-        parallel_config=ParallelConfig(),
+        parallel_config=_parallel_config(args, device),
         device_config=DeviceConfig(name=device.name, device=device),
         decoding_config=DecodingConfig(
             guided_decoding_backend=args.guided_decoding_backend,

@@ -19,7 +19,12 @@ from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestErr
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_files import resolve_model_path
-from pagedllm.core.model_setup import load_model, num_kv_blocks
+from pagedllm.core.model_setup import (
+    choose_implementation,
+    load_hf_config,
+    load_model,
+    num_kv_blocks,
+)
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
 from pagedllm.core.outputs import RequestMetrics, RequestOutput
 from pagedllm.core.pooling import (
@@ -65,6 +70,30 @@ class LLMEngine:
     output processor (which holds the live requests) turns them into outputs."""
 
     def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
+        # -tp N: ranks 1..N-1 are worker processes, started first (they build their
+        # shards of the model while this process, rank 0, builds its own).
+        self.workers: Any = None
+        tp = config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            from pagedllm.distributed.executor import start_tensor_parallel
+
+            # (A missing model or an architecture that cannot be split is refused before
+            # any process starts.)
+            hf_config = load_hf_config(config)
+            _, name = choose_implementation(
+                list(getattr(hf_config, "architectures", None) or []),
+                config.model_config.model_impl,
+                pm.registry("models"),
+            )
+            pm.registry("models").load(name).check_tensor_parallel(hf_config, tp)
+            self.workers = start_tensor_parallel(config)
+        try:
+            self._build(config, pm)
+        except BaseException:
+            self._stop_workers()
+            raise
+
+    def _build(self, config: PagedLLMConfig, pm: PluginManager) -> None:
         import torch
 
         self.config = config
@@ -82,6 +111,11 @@ class LLMEngine:
                 f"backend of this device stores {', '.join(backend_cls.kv_cache_dtypes)} only"
             )
         loaded = load_model(config, pm)
+        tp = config.parallel_config.tensor_parallel_size
+        if self.workers is not None:
+            self.workers.wait("loaded")
+            # (the ranks share the machine's cores)
+            torch.set_num_threads(max(1, config.device_config.device.num_threads() // tp))
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -89,7 +123,7 @@ class LLMEngine:
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
-        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype))
+        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp)
         for module in loaded.model.modules():
             if not isinstance(module, Attention):
                 continue
@@ -109,6 +143,7 @@ class LLMEngine:
             and bool(config.compilation_config.capture_sizes)
             and not self.is_pooling
             and config.lora_config is None
+            and tp == 1
         )
         # Adapters' slots and the draft model take their memory before the KV cache is
         # sized from what is left.
@@ -131,8 +166,18 @@ class LLMEngine:
             bytes_per_block += draft[1].bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
-            device.measure_peak_memory(
-                lambda: profile_step(
+            profile = (
+                spec,
+                cache.block_size,
+                sched.max_num_batched_tokens,
+                sched.max_num_seqs,
+                self.max_model_len,
+            )
+
+            def profile_all_ranks() -> int:
+                if self.workers is not None:  # (their collectives meet this rank's)
+                    self.workers.send("profile", profile)
+                return profile_step(
                     loaded.model,
                     backend,
                     spec,
@@ -142,7 +187,8 @@ class LLMEngine:
                     config.device_config.torch_device,
                     self.max_model_len,
                 )
-            )
+
+            device.measure_peak_memory(profile_all_ranks)
         num_blocks = num_kv_blocks(
             config, bytes_per_block, self.max_model_len, reserved=int(use_graphs)
         )
@@ -182,6 +228,10 @@ class LLMEngine:
             backend,
             reserved_blocks=int(use_graphs),
         )
+        if self.workers is not None:
+            self.workers.send("cache", (spec, num_blocks, cache.block_size, self.vocab_size))
+            self.workers.wait("ready")
+            self.runner.workers = self.workers
         self.runner.pooler_configs = self.pooler_configs
         self.runner.lora = self.lora
         if use_graphs:
@@ -294,7 +344,14 @@ class LLMEngine:
             try:
                 token_mask = self.scheduler.guided_token_mask(scheduler_output)
                 result = self.runner.execute(scheduler_output, token_mask)
+            except EngineDeadError:
+                raise
             except Exception as exc:
+                if self.workers is not None:
+                    # (a collective fails when a worker died: the engine cannot go on)
+                    dead = self.workers.check(exc)
+                    if isinstance(dead, EngineDeadError):
+                        raise dead from exc
                 result = RunnerOutput(error=exc)
         updated = self.scheduler.update_from_output(scheduler_output, result)
         processed = self.output_processor.process(scheduler_output, updated, result)
@@ -545,7 +602,17 @@ class LLMEngine:
         if self.guided is not None:
             self.guided.shutdown()
         self.runner.kv_caches.clear()
+        self._stop_workers()
         gc.unfreeze()  # (so that collecting the engine's cycles can free it)
+
+    def _stop_workers(self) -> None:
+        """Stop the tensor-parallel workers and leave their group (no-op without)."""
+        if self.workers is None:
+            return
+        from pagedllm.distributed.parallel_state import destroy_distributed
+
+        self.workers.shutdown()
+        destroy_distributed()
 
     # ------------------------------------------------------------ guided decoding
 

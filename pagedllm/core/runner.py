@@ -47,11 +47,33 @@ def kv_cache_torch_dtype(cache_config: Any, model_dtype: torch.dtype) -> torch.d
     return _KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype, model_dtype)
 
 
-def kv_cache_spec(hf_config: Any, dtype: torch.dtype) -> KVCacheSpec:
+def kv_cache_spec(hf_config: Any, dtype: torch.dtype, tp: int = 1) -> KVCacheSpec:
+    """The KV cache of one rank of ``tp`` tensor-parallel ranks: its share of the KV
+    heads, or one head where there are fewer KV heads than ranks (each replicated)."""
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    kv_heads = max(1, kv_heads // tp)
     return KVCacheSpec(hf_config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+@dataclasses.dataclass(slots=True)
+class StepInput:
+    """What computing a step takes, without the requests: the flat batch (token ids,
+    positions, each request's query and context length and blocks), the rows whose logits
+    are computed (sampled rows; each speculative verification's and each prompt-logprobs
+    request's ``(first row, count)``, in that order) and the KV blocks to copy first.
+    Rank 0 sends it to tensor-parallel workers."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    query_lens: list[int] = dataclasses.field(default_factory=list)
+    context_lens: list[int] = dataclasses.field(default_factory=list)
+    block_tables: list[list[int]] = dataclasses.field(default_factory=list)
+    sample_rows: list[int] = dataclasses.field(default_factory=list)
+    spec_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    prompt_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -87,6 +109,9 @@ class ModelRunner:
         self.lora: Any = None
         # The device's replayer of decode steps (Device.decode_graphs), set by the engine.
         self.graphs: Any = None
+        # Tensor parallelism, on rank 0: the other ranks' worker group (its step() sends
+        # them each step's StepInput), set by the engine.
+        self.workers: Any = None
 
     @torch.inference_mode()
     def execute(
@@ -94,63 +119,53 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Compute the scheduled tokens and sample for the requests whose step reaches
         their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
-        in the order of ``output.sampling_requests``) constrains guided requests."""
-        if output.blocks_to_copy:
-            self._copy_blocks(output.blocks_to_copy)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
+        in the order of ``output.sampling_requests``) constrains guided requests.
+
+        With tensor-parallel workers (``self.workers``), the step's :class:`StepInput` goes
+        to them first; they compute the same forward pass and logits (:meth:`follow`),
+        joining this process's collectives."""
+        step = StepInput(blocks_to_copy=list(output.blocks_to_copy))
         sampling_requests = []
-        prompt_rows: list[tuple[Any, int, int, list[int]]] = []
+        prompt_rows: list[tuple[Any, list[int]]] = []
         pooling_rows: list[tuple[Any, int, Any]] = []
-        spec_rows: list[tuple[Any, int, list[int]]] = []
+        spec_rows: list[tuple[Any, list[int]]] = []
         offset = 0
         for item in output.scheduled:
             request = item.request
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
             drafts = item.draft_token_ids
-            token_ids.extend(request.all_token_ids[start : end - len(drafts)])
-            token_ids.extend(drafts)
-            positions.extend(range(start, end))
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
-            block_tables.append(item.block_ids)
+            step.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
+            step.token_ids.extend(drafts)
+            step.positions.extend(range(start, end))
+            step.query_lens.append(item.num_new_tokens)
+            step.context_lens.append(end)
+            step.block_tables.append(item.block_ids)
             if request.pooling_params is not None:
                 if item.reaches_end:
                     pooling_rows.append((request, offset, item))
             elif drafts:
                 # The last known token's row and each draft's: k + 1 distributions.
-                spec_rows.append((request, offset + item.num_new_tokens - 1 - len(drafts), drafts))
+                first = offset + item.num_new_tokens - 1 - len(drafts)
+                step.spec_rows.append((first, len(drafts) + 1))
+                spec_rows.append((request, drafts))
             elif item.reaches_end:
-                sample_rows.append(offset + item.num_new_tokens - 1)
+                step.sample_rows.append(offset + item.num_new_tokens - 1)
                 sampling_requests.append(request)
             if request.sampling_params.prompt_logprobs is not None:
                 # Positions predicting the next prompt token: p in [start, num_prompt - 1).
                 last = min(end, request.num_prompt_tokens - 1)
                 if last > start:
-                    targets = request.prompt_token_ids[start + 1 : last + 1]
-                    prompt_rows.append((request, offset, last - start, targets))
+                    step.prompt_rows.append((offset, last - start))
+                    prompt_rows.append((request, request.prompt_token_ids[start + 1 : last + 1]))
             offset += item.num_new_tokens
-
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and offset == len(query_lens)  # one token each: decodes only
-            and graphs.covers(offset, max(context_lens))
-        ):
-            hidden = graphs.run(token_ids, positions, context_lens, block_tables)
-        else:
-            hidden = self._forward(
-                output, token_ids, positions, query_lens, context_lens, block_tables
-            )
+        if self.workers is not None:
+            self.workers.step(step)
+        hidden = self._hidden(step, output)
 
         result = RunnerOutput()
         if sampling_requests:
-            rows = host_tensor(sample_rows, torch.long, self.device)
+            rows = host_tensor(step.sample_rows, torch.long, self.device)
             logits = self._logits(hidden, rows)
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
@@ -161,8 +176,8 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
-        for request, first, drafts in spec_rows:
-            rows = torch.arange(first, first + len(drafts) + 1, device=self.device)
+        for (request, drafts), (first, count) in zip(spec_rows, step.spec_rows, strict=True):
+            rows = torch.arange(first, first + count, device=self.device)
             result.spec_token_ids[request.request_id] = self._verify(
                 request, self._logits(hidden, rows), drafts
             )
@@ -170,7 +185,7 @@ class ModelRunner:
             result.pooled[request.request_id] = self._pool(
                 request, hidden[start : start + item.num_new_tokens], item
             )
-        for request, start, count, targets in prompt_rows:
+        for (request, targets), (start, count) in zip(prompt_rows, step.prompt_rows, strict=True):
             logits = self._logits(hidden, torch.arange(start, start + count, device=self.device))
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits,
@@ -179,6 +194,31 @@ class ModelRunner:
             )
         return result
 
+    @torch.inference_mode()
+    def follow(self, step: StepInput) -> None:
+        """A tensor-parallel worker's part of a step: the forward pass and the logits of
+        the rows rank 0 computes them for, in its order (each takes part in collectives);
+        rank 0 samples."""
+        hidden = self._hidden(step, None)
+        if step.sample_rows:
+            self._logits(hidden, torch.tensor(step.sample_rows, device=self.device))
+        for first, count in (*step.spec_rows, *step.prompt_rows):
+            self._logits(hidden, torch.arange(first, first + count, device=self.device))
+
+    def _hidden(self, step: StepInput, output: SchedulerOutput | None) -> torch.Tensor:
+        """The step's hidden states: replayed from a graph where one covers the step,
+        else computed eagerly."""
+        if step.blocks_to_copy:
+            self._copy_blocks(step.blocks_to_copy)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(step.token_ids) == len(step.query_lens)  # one token each: decodes only
+            and graphs.covers(len(step.token_ids), max(step.context_lens))
+        ):
+            return graphs.run(step.token_ids, step.positions, step.context_lens, step.block_tables)
+        return self._forward(output, step)
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer's cache."""
         sources = torch.tensor([c[0] for c in copies], device=self.device)
@@ -186,28 +226,27 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, destinations] = cache[:, sources]
 
-    def _forward(
-        self,
-        output: SchedulerOutput,
-        token_ids: list[int],
-        positions: list[int],
-        query_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-    ) -> torch.Tensor:
-        """The step's hidden states, computed eagerly."""
+    def _forward(self, output: SchedulerOutput | None, step: StepInput) -> torch.Tensor:
+        """The step's hidden states, computed eagerly (``output``: the scheduler's, on
+        rank 0, for adapters and token types; None on a tensor-parallel worker, whose
+        engine has neither)."""
         metadata = self.attention_backend.build_metadata(
-            query_lens, context_lens, block_tables, self.block_size, self.kv_caches, self.device
+            step.query_lens,
+            step.context_lens,
+            step.block_tables,
+            self.block_size,
+            self.kv_caches,
+            self.device,
         )
-        input_ids = host_tensor(token_ids, torch.long, self.device)
-        input_positions = host_tensor(positions, torch.long, self.device)
-        if self.lora is not None:
+        input_ids = host_tensor(step.token_ids, torch.long, self.device)
+        input_positions = host_tensor(step.positions, torch.long, self.device)
+        if self.lora is not None and output is not None:
             self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
-        if getattr(self.model, "is_encoder", False):
+        if getattr(self.model, "is_encoder", False) and output is not None:
             # An encoder attends within each prompt, both ways, and reads token types.
             self.model.token_type_ids = self._token_type_ids(output)
             self.model.step_ranges = list(
-                itertools.pairwise(itertools.accumulate(query_lens, initial=0))
+                itertools.pairwise(itertools.accumulate(step.query_lens, initial=0))
             )
         return self.model(input_ids, input_positions, metadata)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, cpu_ops
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
@@ -229,7 +230,10 @@ class NativeDecoderLayer:
 
 def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     """The native form of a built Llama-family decoder layer, or None where it does not
-    apply (see the module docstring)."""
+    apply (see the module docstring; never on several tensor-parallel ranks, whose layers
+    end in all-reduces)."""
+    if tp_size() > 1:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     if getattr(attn, "q_norm", None) is not None or not getattr(mlp, "silu", False):
         return None

@@ -41,14 +41,12 @@ UNSUPPORTED: dict[str, str] = {
     # LoadConfig
     "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,
     # ParallelConfig
-    "tensor_parallel_size": _SINGLE_DEVICE,
     "pipeline_parallel_size": _SINGLE_DEVICE,
     "data_parallel_size": _NO_DATA_PARALLEL,
     "data_parallel_size_local": _NO_DATA_PARALLEL,
     "data_parallel_address": _NO_DATA_PARALLEL,
     "data_parallel_rpc_port": _NO_DATA_PARALLEL,
     "data_parallel_backend": _NO_DATA_PARALLEL,
-    "distributed_executor_backend": _SINGLE_DEVICE,
     "enable_expert_parallel": _SINGLE_DEVICE,
     "enable_multimodal_encoder_data_parallel": _SINGLE_DEVICE,
     "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,

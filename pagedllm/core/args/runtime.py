@@ -85,8 +85,8 @@ class RuntimeArgs:
         1,
         group="ParallelConfig",
         aliases=("-tp",),
-        help="Number of tensor-parallel groups.",
-        unbuilt=UNSUPPORTED["tensor_parallel_size"],
+        help="Number of tensor-parallel ranks: the model's layers split across this many "
+        "processes (devices), which exchange partial results with torch.distributed.",
     )
     pipeline_parallel_size: int = arg(
         1,
@@ -134,9 +134,9 @@ class RuntimeArgs:
         None,
         group="ParallelConfig",
         choices=("external_launcher", "mp", "ray", "uni"),
-        help="How distributed model workers are run: 'mp' (multiprocessing), 'ray', 'uni' "
-        "or 'external_launcher'.",
-        unbuilt=UNSUPPORTED["distributed_executor_backend"],
+        help="How distributed model workers are run: 'mp' (worker processes, the default "
+        "with -tp above 1) or 'uni' (this process alone, the default otherwise); 'ray' and "
+        "'external_launcher' are not supported yet.",
     )
     enable_expert_parallel: bool = arg(
         False,

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pagedllm.core.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,6 +30,12 @@ class ModelArchitecture(ABC):
     - :meth:`compute_logits` maps selected hidden states to vocabulary logits.
     - :meth:`load_weights` consumes ``(checkpoint_name, tensor)`` pairs and returns the
       parameter names it filled.
+    - With ``supports_tensor_parallel``, a model built after
+      ``pagedllm.distributed.parallel_state.set_tensor_parallel(rank, size)`` holds
+      ``rank``'s shard of every split layer, loads it from the full checkpoint tensors,
+      and returns the full hidden states and full logits on every rank (each rank runs
+      the same steps; the collectives join them). :meth:`check_tensor_parallel` says
+      before the build whether a config splits over ``size`` ranks.
     """
 
     # Whether it generates text (``--task generate``), and the pooling tasks it serves
@@ -35,6 +43,26 @@ class ModelArchitecture(ABC):
     # ``--task auto`` (generation where it generates).
     supports_generation: ClassVar[bool] = True
     pooling_tasks: ClassVar[tuple[str, ...]] = ("embed",)
+    # Whether it can be split over tensor-parallel ranks (``--tensor-parallel-size``).
+    # Not inherited: a subclass may change the layers, so each class that supports it
+    # says so in its own body (``__init_subclass__`` resets it otherwise).
+    supports_tensor_parallel: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "supports_tensor_parallel" not in cls.__dict__:
+            cls.supports_tensor_parallel = False
+
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, size: int) -> None:
+        """Raise ``ConfigError`` unless a model of Hugging Face ``config`` can be split
+        over ``size`` tensor-parallel ranks (any model runs on one). Architectures that
+        support it extend this with their own divisibility conditions."""
+        if size > 1 and not cls.supports_tensor_parallel:
+            raise ConfigError(
+                f"{cls.__name__} does not support tensor parallelism "
+                f"(--tensor-parallel-size {size}); use --tensor-parallel-size 1"
+            )
 
     def default_pooler_config(self, task: str) -> Any:
         """The pooler of ``task`` before ``--override-pooler-config`` (a

@@ -1,6 +1,12 @@
 """Linear layers whose storage and matmul a quantization method may take over, and groups
 of them reading the same input (Q/K/V, gate/up) computed with as few products as their
-methods allow."""
+methods allow.
+
+With tensor parallelism (:mod:`pagedllm.distributed.parallel_state`) a layer built with
+``parallel="column"`` holds a slice of the output rows and ``parallel="row"`` a slice of
+the input columns, Megatron style: a column layer feeding a row layer needs one
+all-reduce, after the row layer's product.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.core.errors import ConfigError
+from pagedllm.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
+
 if TYPE_CHECKING:
     from pagedllm.core.interfaces import QuantizationConfig
+
+PARALLEL_STYLES = ("column", "row")
+
+
+def mark_shard(param: nn.Parameter, dim: int, start: int, length: int) -> None:
+    """Record that ``param`` holds ``length`` entries from ``start`` along ``dim`` of the
+    checkpoint's full tensor: ``copy_weights`` narrows the full tensor to them."""
+    param.tp_narrow = (dim, start, length)
 
 
 class Linear(nn.Module):
     """``y = x @ W.T + b``. With a quantization config, the method it returns for this
-    layer's ``prefix`` creates the parameters and computes the product."""
+    layer's ``prefix`` creates the parameters and computes the product.
+
+    ``input_size`` and ``output_size`` are the full layer's. With more than one
+    tensor-parallel rank (read when the layer is built; with one, ``parallel`` and
+    ``shard`` change nothing):
+
+    - ``parallel="column"``: this rank holds output rows ``[start, start + length)`` of
+      the full weight (and bias), ``shard = (start, length)``, by default its equal share
+      :func:`~pagedllm.distributed.parallel_state.shard_range`; a shard may be held by
+      several ranks (KV heads replicated over more ranks than there are heads). The
+      output is this rank's slice of the full output; ``output_size`` is ``length``.
+    - ``parallel="row"``: this rank holds its equal share of the input columns and takes
+      the matching slice of the input; the output is the full one, the ranks' partial
+      products summed (all-reduce) before the full bias is added once. ``input_size`` is
+      the share.
+
+    Sharded parameters carry ``tp_narrow`` (:func:`mark_shard`), so the checkpoint's full
+    tensors load into them. Quantized layers are not sharded yet: a quantization method
+    with ``parallel`` on several ranks is a ``ConfigError``.
+    """
 
     def __init__(
         self,
@@ -26,29 +62,70 @@ class Linear(nn.Module):
         bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        *,
+        parallel: str | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        if parallel not in (None, *PARALLEL_STYLES):
+            raise ValueError(f"parallel must be one of {PARALLEL_STYLES} or None, not {parallel!r}")
+        if shard is not None and parallel != "column":
+            raise ValueError("an explicit shard is for column-parallel layers")
+        narrow = None  # (dim, start, length) of the full weight this rank holds
+        if parallel is not None and tp_size() > 1:
+            if parallel == "column":
+                start, length = shard_range(output_size) if shard is None else shard
+                if start < 0 or length <= 0 or start + length > output_size:
+                    raise ValueError(f"shard {shard} is not within {output_size} output rows")
+                narrow, output_size = (0, start, length), length
+            else:
+                start, length = shard_range(input_size)
+                narrow, input_size = (1, start, length), length
         self.input_size = input_size
         self.output_size = output_size
         self.prefix = prefix
         self.method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        if self.method is not None and narrow is not None:
+            raise ConfigError(
+                f"--quantization {quant_config.name} is not supported with tensor "
+                f"parallelism yet (layer {prefix!r})"
+            )
         dtype = torch.get_default_dtype()
         if self.method is None:
             self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         else:
             self.method.create_weights(self, input_size, output_size, dtype)
         self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
+        if narrow is not None:
+            mark_shard(self.weight, *narrow)
+            if narrow[0] == 0 and self.bias is not None:
+                mark_shard(self.bias, *narrow)
+            if narrow[0] == 1:
+                # (Bound here, so that one rank's forward is the plain one, unchanged.)
+                self.reduce_output = True
+                self.forward = self._row_parallel_forward
 
     # With --enable-lora: this layer's adapter slots and the manager that knows the step's
     # tokens of each adapter (pagedllm.lora.manager).
     lora: Any = None
     lora_manager: Any = None
+    # Whether this rank's product is a partial sum the ranks add up: a row-parallel layer
+    # on several ranks, whose forward is then _row_parallel_forward (set when built).
+    reduce_output: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method is None:
             y = F.linear(x, self.weight, self.bias)
         else:
             y = self.method.apply(self, x, self.bias)
+        return self.add_lora(y, x)
+
+    def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a row-parallel layer on several ranks: the ranks' partial
+        products summed, plus the full bias (added once)."""
+        y = all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y += self.bias
         return self.add_lora(y, x)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +135,12 @@ class Linear(nn.Module):
         return self.lora.add(y, x, self.lora_manager.batch)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        text = f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        narrow = getattr(self.weight, "tp_narrow", None) if self.method is None else None
+        if narrow is not None:
+            style = "row" if narrow[0] else "column"
+            text += f", {style} shard {narrow[1:]} of rank {tp_rank()}"
+        return text
 
 
 def share_rows(

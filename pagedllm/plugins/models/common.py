@@ -11,8 +11,9 @@ from torch import nn
 from pagedllm.core.attention.layer import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
-from pagedllm.core.layers.embedding import VocabEmbedding
+from pagedllm.core.layers.embedding import VocabEmbedding, padded_vocab_size
 from pagedllm.core.layers.linear import Linear
+from pagedllm.distributed.parallel_state import all_gather, tp_rank, tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.norms import rms_norm
@@ -134,6 +135,20 @@ class TwoLayerMLP(nn.Module):
         return proj(self.act(fc(x)))
 
 
+def narrow_shard(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Entries ``[start, start + length)`` along ``dim`` of a full checkpoint tensor (a
+    view where it can be), zero-padded where the range runs past the tensor (the padding
+    rows of a vocabulary split over the ranks)."""
+    size = tensor.shape[dim]
+    if start + length <= size:
+        return tensor.narrow(dim, start, length)
+    start = min(start, size)
+    part = tensor.narrow(dim, start, size - start)
+    padding = list(tensor.shape)
+    padding[dim] = length - part.shape[dim]
+    return torch.cat([part, tensor.new_zeros(padding)], dim=dim)
+
+
 def copy_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -145,7 +160,9 @@ def copy_weights(
 
     ``rename(name)`` maps a checkpoint name to a parameter name (or None to drop it);
     names containing any of ``skip`` are ignored. An unknown name or a shape mismatch is
-    an error naming the tensor.
+    an error naming the tensor. A parameter holding a tensor-parallel shard
+    (``tp_narrow = (dim, start, length)``, see ``pagedllm.core.layers.linear.mark_shard``)
+    takes its slice of the full checkpoint tensor (:func:`narrow_shard`).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -158,6 +175,9 @@ def copy_weights(
         param = params.get(target)
         if param is None:
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
+        narrow = getattr(param, "tp_narrow", None)
+        if narrow is not None and tensor.dim() > narrow[0]:
+            tensor = narrow_shard(tensor, *narrow)
         if tuple(param.shape) != tuple(tensor.shape):
             if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
                 tensor = tensor.reshape(param.shape)
@@ -220,6 +240,18 @@ def layer_sliding_windows(config: Any, disable_sliding_window: bool = False) -> 
     return [window] * num_layers
 
 
+def kv_head_share(num_kv_heads: int) -> tuple[int, int]:
+    """``(first, count)`` of the KV heads this tensor-parallel rank holds: its equal share
+    when there are at least as many heads as ranks, else one head, ``rank // (ranks //
+    num_kv_heads)``, replicated over the ranks whose query heads share it. ``count`` is
+    the number of KV heads a rank's KV cache holds."""
+    size, rank = tp_size(), tp_rank()
+    if num_kv_heads >= size:
+        share = num_kv_heads // size
+        return rank * share, share
+    return rank // (size // num_kv_heads), 1
+
+
 class CausalLM(nn.Module, ModelArchitecture):
     """A decoder and a vocabulary head, tied to the input embedding or not.
 
@@ -231,6 +263,34 @@ class CausalLM(nn.Module, ModelArchitecture):
     tie_by_default: bool = False
     # Whether an untied head has a bias (Phi's has).
     head_bias: ClassVar[bool] = False
+    # Whether the head is a Linear split by vocabulary rows over the tensor-parallel
+    # ranks, whose logits compute_logits gathers (set by init_head).
+    gather_head_logits: bool = False
+
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, size: int) -> None:
+        """As ``ModelArchitecture``'s, and the attention heads, the KV heads (or ``size``
+        by them, when there are fewer) and the MLP's intermediate size divide evenly."""
+        super().check_tensor_parallel(config, size)
+        if size == 1:
+            return
+        name = cls.__name__
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        inter = getattr(config, "intermediate_size", None)
+        problems = []
+        if heads % size:
+            problems.append(f"its {heads} attention heads do not divide by {size}")
+        if kv_heads >= size and kv_heads % size:
+            problems.append(f"its {kv_heads} KV heads do not divide by {size}")
+        if kv_heads < size and size % kv_heads:
+            problems.append(f"{size} is not a multiple of its {kv_heads} KV heads")
+        if inter is not None and inter % size:
+            problems.append(f"its intermediate size {inter} does not divide by {size}")
+        if problems:
+            raise ConfigError(
+                f"{name} cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)
+            )
 
     def init_head(
         self,
@@ -240,7 +300,9 @@ class CausalLM(nn.Module, ModelArchitecture):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         """The vocabulary head: the input embedding when tied, else a ``Linear`` that
-        ``quant_config`` may quantize (prefix ``lm_head``)."""
+        ``quant_config`` may quantize (prefix ``lm_head``). With several tensor-parallel
+        ranks the untied head is split by vocabulary rows (padded to a multiple of the
+        ranks), and :meth:`compute_logits` gathers the full logits."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
         if self.tie_word_embeddings:
             if self.head_bias:
@@ -250,14 +312,24 @@ class CausalLM(nn.Module, ModelArchitecture):
                 )
             self.lm_head = embedding
         else:
+            self.vocab_size = config.vocab_size
             self.lm_head = Linear(
-                input_size, config.vocab_size, self.head_bias, quant_config, "lm_head"
+                input_size,
+                padded_vocab_size(config.vocab_size),
+                self.head_bias,
+                quant_config,
+                "lm_head",
+                parallel="column",
             )
+            self.gather_head_logits = tp_size() > 1
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         if isinstance(head, VocabEmbedding):
             return head.as_linear(hidden_states).float()
+        if self.gather_head_logits:
+            logits = all_gather(head(hidden_states), dim=-1)
+            return logits[..., : self.vocab_size].float().contiguous()
         if isinstance(head, Linear):
             return head(hidden_states).float()
         return torch.nn.functional.linear(hidden_states, head.weight).float()

@@ -4,6 +4,12 @@ One implementation; the members differ in biases and q/k norms (class attributes
 their attention) and sliding windows (read from the Hugging Face config). Module names
 mirror Hugging Face's so checkpoints load by name; Q/K/V and gate/up are computed as
 ``LinearGroup``s built with the model.
+
+Built after ``pagedllm.distributed.parallel_state.set_tensor_parallel`` with several
+ranks, each rank holds its share of the attention heads (Q/K/V column-parallel, the
+output projection row-parallel; fewer KV heads than ranks are replicated, one per rank)
+and of the MLP (gate/up column-parallel, down row-parallel); the embedding and an untied
+head are split by vocabulary rows. Llama, Mistral, Qwen2 and Qwen3 support it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
@@ -26,6 +33,7 @@ from pagedllm.plugins.models.common import (
     CausalLM,
     RMSNorm,
     activation,
+    kv_head_share,
     layer_sliding_windows,
 )
 
@@ -44,16 +52,28 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
+        # This rank's heads (all of them on one rank): its share of the query heads, and
+        # of the KV heads, or the one KV head its query heads share.
+        first_kv, self.num_kv_heads = kv_head_share(kv_heads)
+        self.num_heads = heads // tp_size()
         qkv_bias, o_bias = self.biases(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, q_size, qkv_bias, quant, f"{prefix}.q_proj")
-        self.k_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.k_proj")
-        self.v_proj = Linear(hidden, kv_size, qkv_bias, quant, f"{prefix}.v_proj")
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
+        kv_shard = (first_kv * self.head_dim, self.num_kv_heads * self.head_dim)
+
+        def column(size: int, name: str, shard: tuple[int, int] | None = None) -> Linear:
+            return Linear(
+                hidden, size, qkv_bias, quant, f"{prefix}.{name}", parallel="column", shard=shard
+            )
+
+        self.q_proj = column(q_size, "q_proj")
+        self.k_proj = column(kv_size, "k_proj", kv_shard)
+        self.v_proj = column(kv_size, "v_proj", kv_shard)
         o_name = self.o_proj_name
-        setattr(self, o_name, Linear(q_size, hidden, o_bias, quant, f"{prefix}.{o_name}"))
+        o_proj = Linear(q_size, hidden, o_bias, quant, f"{prefix}.{o_name}", parallel="row")
+        setattr(self, o_name, o_proj)
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         norms = self.qk_norms(config)
         self.has_qk_norm = norms is not None
@@ -108,9 +128,11 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         # Gemma names it hidden_activation.
         act = getattr(config, "hidden_activation", None) or config.hidden_act
-        self.gate_proj = Linear(hidden, inter, bias, quant, f"{prefix}.gate_proj")
-        self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj")
-        self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj")
+        self.gate_proj = Linear(
+            hidden, inter, bias, quant, f"{prefix}.gate_proj", parallel="column"
+        )
+        self.up_proj = Linear(hidden, inter, bias, quant, f"{prefix}.up_proj", parallel="column")
+        self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj", parallel="row")
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.act_fn = activation(act)
         self.silu = act in SILU_NAMES
@@ -210,6 +232,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     model_cls: type[nn.Module] = LlamaModel
+    supports_tensor_parallel = True
 
     def __init__(
         self,
@@ -235,7 +258,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    supports_tensor_parallel = True
 
 
 class Qwen2Attention(LlamaAttention):
@@ -255,6 +278,7 @@ class Qwen2Model(LlamaModel):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen2Model
+    supports_tensor_parallel = True
 
 
 class Qwen3Attention(LlamaAttention):
@@ -273,3 +297,4 @@ class Qwen3Model(LlamaModel):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model
+    supports_tensor_parallel = True

@@ -1,0 +1,225 @@
+"""Tensor-parallel worker processes (``--distributed-executor-backend mp``).
+
+The engine's process is rank 0: it schedules, computes its shard of every step and
+samples. Ranks 1 to N - 1 are processes started here (``spawn``), each joining the
+``torch.distributed`` group, building its shard of the model and then following rank 0:
+every step rank 0 sends them the step's :class:`~pagedllm.core.runner.StepInput` through a
+pipe (one pickled message per step, no per-layer calls) and they compute the same
+forward pass, the collectives carrying the partial results between the ranks.
+
+A worker that dies (or fails) makes the engine fail loudly: rank 0 checks the workers
+before each step and turns a failed collective into :class:`EngineDeadError`, which stops
+the engine (a server answers 503 on ``/health`` and exits) rather than hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pagedllm.core.errors import ConfigError, EngineDeadError
+from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed
+
+logger = logging.getLogger(__name__)
+
+# How long rank 0 waits for a worker to build its shard of the model.
+LOAD_TIMEOUT_S = 600.0
+
+
+def collective_backend(device_name: str) -> str:
+    """The ``torch.distributed`` backend for a device: NCCL between GPUs, gloo else."""
+    return "nccl" if device_name == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class WorkerGroup:
+    """Ranks 1 to ``size - 1`` of a tensor-parallel engine, as processes."""
+
+    def __init__(self, config: Any, size: int) -> None:
+        self.size = size
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, size):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=worker_main,
+                args=(config, rank, size, self.init_method, child),
+                name=f"pagedllm-tp-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._closed = False
+
+    def wait(self, what: str, timeout: float = LOAD_TIMEOUT_S) -> None:
+        """Wait for every worker to report ``what`` (``loaded``, ``ready``)."""
+        deadline = time.monotonic() + timeout
+        for rank, conn in enumerate(self.conns, start=1):
+            while not conn.poll(0.2):
+                self._raise_if_dead()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(
+                        f"tensor-parallel worker rank {rank}: no {what!r} in time"
+                    )
+            kind, detail = pickle.loads(conn.recv_bytes())
+            if kind == "error":
+                raise ConfigError(f"tensor-parallel worker rank {rank} failed: {detail}")
+            if kind != what:
+                raise EngineDeadError(f"tensor-parallel worker rank {rank} sent {kind!r}")
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        """One message to every worker (pickled once)."""
+        self._raise_if_dead()
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+            raise EngineDeadError(f"a tensor-parallel worker is gone: {exc}") from exc
+
+    def step(self, step: Any) -> None:
+        self.send("step", step)
+
+    def _raise_if_dead(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                detail = self._last_error(rank)
+                raise EngineDeadError(
+                    f"tensor-parallel worker rank {rank} exited (code {proc.exitcode})"
+                    + (f": {detail}" if detail else "")
+                )
+
+    def _last_error(self, rank: int) -> str | None:
+        conn = self.conns[rank - 1]
+        try:
+            while conn.poll(0):
+                kind, detail = pickle.loads(conn.recv_bytes())
+                if kind == "error":
+                    return detail
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def check(self, exc: BaseException) -> BaseException:
+        """The error to raise for ``exc`` from a step: EngineDeadError when a worker has
+        died (a collective with a dead peer fails), else ``exc``."""
+        time.sleep(0.05)  # (a dying worker's exit is seen a moment after its sockets close)
+        try:
+            self._raise_if_dead()
+        except EngineDeadError as dead:
+            return dead
+        return exc
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                _send(conn, ("stop", None))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+
+
+def start_tensor_parallel(config: Any) -> WorkerGroup:
+    """Start the workers and join their group as rank 0 (before the model is built)."""
+    size = config.parallel_config.tensor_parallel_size
+    device = config.device_config.device
+    group = WorkerGroup(config, size)
+    try:
+        init_distributed(0, size, group.init_method, collective_backend(device.name))
+    except BaseException:
+        group.shutdown()
+        raise
+    logger.info(
+        "tensor parallelism: %d ranks (%s, %s), rank 0 in this process",
+        size,
+        collective_backend(device.name),
+        group.init_method,
+    )
+    return group
+
+
+def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
+    """A tensor-parallel worker: join the group, build this rank's shard, then follow
+    rank 0's messages until ``stop`` (or until rank 0 is gone)."""
+    from pagedllm.core.args.validate import attention_backend_name
+    from pagedllm.core.compilation import compile_model
+    from pagedllm.core.model_setup import load_model
+    from pagedllm.core.plugins import make_plugin_manager
+    from pagedllm.core.runner import ModelRunner, profile_step
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        device = config.device_config.device
+        if device.name == "cuda":
+            torch.cuda.set_device(rank)
+        init_distributed(rank, size, init_method, collective_backend(device.name))
+        pm = make_plugin_manager()
+        loaded = load_model(config, pm)
+        compile_model(loaded.model, config.compilation_config.level)
+        torch.set_num_threads(max(1, device.num_threads() // size))
+        backend_cls = pm.load("attention_backends", attention_backend_name(device, pm))
+        backend = backend_cls()
+        runner = None
+        _send(conn, ("loaded", None))
+        while True:
+            try:
+                kind, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                return
+            if kind == "step":
+                assert runner is not None
+                runner.follow(payload)
+            elif kind == "profile":
+                spec, block_size, tokens, seqs, max_len = payload
+                profile_step(
+                    loaded.model, backend, spec, block_size, tokens, seqs,
+                    config.device_config.torch_device, max_len,
+                )  # fmt: skip
+            elif kind == "cache":
+                spec, num_blocks, block_size, vocab_size = payload
+                runner = ModelRunner(
+                    loaded.model, spec, num_blocks, block_size, vocab_size,
+                    config.device_config.torch_device, backend,
+                )  # fmt: skip
+                runner.sampler = None  # (rank 0 samples)
+                _send(conn, ("ready", None))
+            elif kind == "stop":
+                return
+    except BaseException as exc:  # reported to rank 0, then this process exits
+        try:
+            _send(conn, ("error", f"{exc!r}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        destroy_distributed()

@@ -1,0 +1,139 @@
+"""Tensor parallelism on CPU (gloo): ``-tp 2`` runs rank 1 in a worker process that
+follows rank 0's steps; greedy tokens equal ``-tp 1`` and transformers, offline (with
+prefix caching, chunked prefill and preemption) and through the server; a worker that
+dies stops the server (``/health`` 503, exit) rather than hanging it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from openai_server import RemoteServer
+from tiny_models import load_reference, make_checkpoint, reference_greedy
+
+from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.plugins import make_plugin_manager
+
+NEW_TOKENS = 8
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(6, 512, (20,), generator=g).tolist()
+    return [shared + torch.randint(6, 512, (n,), generator=g).tolist() for n in (3, 11, 26)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3
+    )
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [("llama", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
+    ids=["llama", "qwen3", "llama-one-kv-head"],
+)
+def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
+    """-tp 2 (KV heads split, or the one KV head replicated): transformers' greedy tokens
+    and -tp 1's logprobs within 1e-4, prompts chunked over a cached prefix (second pass)
+    in a cache small enough to preempt."""
+    directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
+    reference = load_reference(directory)
+    prompts = _prompts()
+    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+    kwargs = dict(
+        dtype="float32",
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=8,
+        block_size=8,
+        max_model_len=64,
+        disable_log_stats=True,
+    )
+    single = _generate(LLM(str(directory), **kwargs), prompts)
+    llm = LLM(str(directory), tensor_parallel_size=2, **kwargs)
+    try:
+        engine = llm.llm_engine
+        assert engine.workers is not None and len(engine.workers.procs) == 1
+        # Rank 0 holds half the attention heads.
+        attention = engine.loaded.model.model.layers[0].self_attn
+        assert attention.num_heads == reference.config.num_attention_heads // 2
+        for _ in range(2):
+            outputs = _generate(llm, prompts)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+            for ours, theirs in zip(outputs, single, strict=True):
+                for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+                    for token, logprob in b.items():
+                        assert abs(a[token].logprob - logprob.logprob) < 1e-4
+        assert engine.kv_manager.total_prefix_cache_stats.hits > 0
+        assert engine.scheduler.num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert all(not proc.is_alive() for proc in engine.workers.procs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"distributed_executor_backend": "ray"}, "ray is not supported by pagedllm yet"),
+        ({"distributed_executor_backend": "uni"}, "uni runs one process"),
+        ({"enable_lora": True}, "--enable-lora is not supported with --tensor-parallel-size"),
+        ({"tensor_parallel_size": 0}, "--tensor-parallel-size=0 is invalid"),
+    ],
+)
+def test_what_tensor_parallelism_cannot_do_is_refused(kwargs, message):
+    args = EngineArgs(model="m", **{"tensor_parallel_size": 2, **kwargs})
+    with pytest.raises(ConfigError, match=message):
+        args.create_engine_config(make_plugin_manager())
+
+
+def test_an_architecture_without_sharding_is_refused(tmp_path):
+    directory = make_checkpoint(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*tensor parallel"):
+        LLM(str(directory), dtype="float32", tensor_parallel_size=2)
+
+
+def _worker_pids(server: RemoteServer) -> list[int]:
+    assert server.proc is not None
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    return [c.pid for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def test_the_server_serves_with_two_ranks_and_dies_with_a_worker(tmp_path):
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    reference = load_reference(directory)
+    prompt = _prompts()[1]
+    server = RemoteServer(directory, "-tp", "2", log_path=tmp_path / "server.log")
+    server.start()
+    try:
+        server.wait_ready()
+        completion = server.client().completions.create(
+            model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+        )
+        tokens = server.client().completions.create(
+            model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            logprobs=1, extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        ids = [int(t.removeprefix("token_id:")) for t in tokens.choices[0].logprobs.tokens]
+        assert ids == reference_greedy(reference, prompt, NEW_TOKENS)[0]
+        assert completion.choices[0].finish_reason == "length"
+        (worker,) = _worker_pids(server)
+        psutil.Process(worker).kill()
+        with pytest.raises(Exception):  # noqa: B017 (whatever the client makes of it)
+            server.client().completions.create(
+                model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS
+            )
+        deadline = time.monotonic() + 30
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.returncode is not None, "the server did not exit"
+        assert "tensor-parallel worker rank 1" in server.log_text()
+    finally:
+        server.stop()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url + "/health", timeout=2)
