@@ -80,7 +80,10 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"distributed_executor_backend": "ray"}, "ray is not supported by pagedllm yet"),
+        (
+            {"distributed_executor_backend": "external_launcher"},
+            "external_launcher is not supported by pagedllm yet",
+        ),
         ({"distributed_executor_backend": "uni"}, "uni runs one process"),
         ({"enable_lora": True}, "--enable-lora is not supported with --tensor-parallel-size"),
         ({"tensor_parallel_size": 0}, "--tensor-parallel-size=0 is invalid"),
@@ -137,3 +140,34 @@ def test_the_server_serves_with_two_ranks_and_dies_with_a_worker(tmp_path):
         server.stop()
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_ray_actors_as_the_ranks(tmp_path):
+    """--distributed-executor-backend ray: rank 1 is a Ray actor placed by a placement
+    group on a local Ray instance; transformers' greedy tokens."""
+    pytest.importorskip("ray")
+    import ray
+
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    reference = load_reference(directory)
+    prompts = _prompts()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        llm = LLM(
+            str(directory),
+            dtype="float32",
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            disable_log_stats=True,
+        )
+        try:
+            outputs = _generate(llm, prompts)
+            expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+            group = llm.llm_engine.workers
+            assert len(group.actors) == 1
+            assert ray.util.placement_group_table(group.group)["state"] == "CREATED"
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ray.shutdown()

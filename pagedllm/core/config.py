@@ -291,10 +291,10 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
     tp = args.tensor_parallel_size
     _require(tp >= 1, "--tensor-parallel-size", tp, "must be at least 1")
     backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
-    if backend in ("ray", "external_launcher"):
+    if backend == "external_launcher":
         raise ConfigError(
-            f"--distributed-executor-backend {backend} is not supported by pagedllm yet; "
-            "use mp (worker processes) or uni"
+            "--distributed-executor-backend external_launcher is not supported by pagedllm "
+            "yet; use mp (worker processes), ray (Ray actors) or uni"
         )
     if backend == "uni" and tp > 1:
         raise ConfigError(

@@ -1,4 +1,5 @@
-"""Tensor-parallel worker processes (``--distributed-executor-backend mp``).
+"""Tensor-parallel worker processes (``--distributed-executor-backend mp``; ``ray`` runs
+the same ranks as Ray actors, :mod:`pagedllm.distributed.ray_executor`).
 
 The engine's process is rank 0: it schedules, computes its shard of every step and
 samples. Ranks 1 to N - 1 are processes started here (``spawn``), each joining the
@@ -149,11 +150,18 @@ class WorkerGroup:
             conn.close()
 
 
-def start_tensor_parallel(config: Any) -> WorkerGroup:
-    """Start the workers and join their group as rank 0 (before the model is built)."""
-    size = config.parallel_config.tensor_parallel_size
+def start_tensor_parallel(config: Any) -> Any:
+    """Start the workers (processes, or Ray actors with ``--distributed-executor-backend
+    ray``) and join their group as rank 0 (before the model is built)."""
+    parallel = config.parallel_config
+    size = parallel.tensor_parallel_size
     device = config.device_config.device
-    group = WorkerGroup(config, size)
+    if parallel.distributed_executor_backend == "ray":
+        from pagedllm.distributed.ray_executor import RayWorkerGroup
+
+        group: Any = RayWorkerGroup(config, size)
+    else:
+        group = WorkerGroup(config, size)
     try:
         init_distributed(0, size, group.init_method, collective_backend(device.name))
     except BaseException:

@@ -135,8 +135,9 @@ class RuntimeArgs:
         group="ParallelConfig",
         choices=("external_launcher", "mp", "ray", "uni"),
         help="How distributed model workers are run: 'mp' (worker processes, the default "
-        "with -tp above 1) or 'uni' (this process alone, the default otherwise); 'ray' and "
-        "'external_launcher' are not supported yet.",
+        "with -tp above 1), 'ray' (Ray actors, on the cluster at RAY_ADDRESS or a local Ray "
+        "instance; pip install 'pagedllm[ray]') or 'uni' (this process alone, the default "
+        "otherwise); 'external_launcher' is not supported yet.",
     )
     enable_expert_parallel: bool = arg(
         False,
