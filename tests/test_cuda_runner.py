@@ -145,30 +145,18 @@ def test_compilation_levels_keep_greedy_parity(level, tmp_path):
 def test_the_profiled_step_returns_its_throwaway_cache(tmp_path):
     directory = make_checkpoint(tmp_path / "llama", "llama")
     llm = LLM(str(directory), dtype="float32", disable_log_stats=True)
-    engine = llm.llm_engine
-    spec = kv_cache_spec(engine.loaded.hf_config, torch.float32)
-    excluded = profile_step(
-        engine.runner.model,
-        engine.runner.attention_backend,
-        spec,
-        16,
-        num_tokens=100,
-        num_seqs=3,
-        device=torch.device("cpu"),
-    )
+    runner = llm.llm_engine.runner
+    spec = kv_cache_spec(llm.llm_engine.loaded.hf_config, torch.float32)
+
+    def profile(**kwargs) -> int:
+        return profile_step(
+            runner.model, runner.attention_backend, spec, 16, device=torch.device("cpu"), **kwargs
+        )
+
     # 100 tokens over 3 requests (34, 33, 33): 3 blocks each.
-    assert excluded == 9 * spec.bytes_per_block(16)
+    assert profile(num_tokens=100, num_seqs=3) == 9 * spec.bytes_per_block(16)
     # No request longer than the context: 2 requests of 20 tokens (2 blocks each).
-    excluded = profile_step(
-        engine.runner.model,
-        engine.runner.attention_backend,
-        spec,
-        16,
-        num_tokens=100,
-        num_seqs=2,
-        device=torch.device("cpu"),
-        max_model_len=20,
-    )
+    excluded = profile(num_tokens=100, num_seqs=2, max_model_len=20)
     assert excluded == 4 * spec.bytes_per_block(16)
 
 
