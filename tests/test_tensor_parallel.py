@@ -95,6 +95,30 @@ def test_what_tensor_parallelism_cannot_do_is_refused(kwargs, message):
         args.create_engine_config(make_plugin_manager())
 
 
+def test_gguf_weights_split_packed(tmp_path):
+    """A Q4_1 GGUF model over two ranks: its packed rows and whole blocks of columns
+    split, the packed embedding vocab-parallel; transformers' tokens on the stored
+    weights."""
+    from gguf import GGMLQuantizationType
+    from gguf_writer import stored_weights, write_gguf
+
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    model = load_reference(directory)
+    state = model.state_dict()
+    qtype = GGMLQuantizationType.Q4_1
+    path = write_gguf(tmp_path / "llama.gguf", state, model.config, "llama", qtype)
+    model.load_state_dict(stored_weights(state, model.config, "llama", qtype))
+    prompts = _prompts()
+    expected = [reference_greedy(model, p, NEW_TOKENS)[0] for p in prompts]
+    llm = LLM(str(path), tokenizer=str(directory), dtype="float32", tensor_parallel_size=2)
+    try:
+        loaded = llm.llm_engine.loaded.model
+        assert loaded.model.embed_tokens.weight.dtype == torch.uint8
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_an_architecture_without_sharding_is_refused(tmp_path):
     directory = make_checkpoint(tmp_path / "gpt2", "gpt2")
     with pytest.raises(ConfigError, match="GPT2LMHeadModel.*tensor parallel"):

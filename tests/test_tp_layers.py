@@ -271,16 +271,24 @@ def test_kv_head_replication_over_more_ranks():
         parallel_state.set_tensor_parallel(0, 1)
 
 
-def test_quantized_layers_are_refused_with_several_ranks(rank_one_of_two):
-    from pagedllm.kernels.ggml_types import GGMLQuantizationType
+def test_quantized_layers_split_where_their_layout_allows(rank_one_of_two):
+    """GGUF rows split anywhere, columns at whole blocks (as bytes of the packed rows);
+    a layout that cannot be split (fp8 here, a K-quant's 256-value block across the
+    shard) is refused by name."""
+    from pagedllm.kernels.ggml_types import GGMLQuantizationType as T
     from pagedllm.plugins.quantization.fp8 import Fp8Config
     from pagedllm.plugins.quantization.gguf import GGUFConfig
 
-    with pytest.raises(ConfigError, match="fp8 is not supported with tensor parallelism"):
+    with pytest.raises(ConfigError, match="fp8: layer 'q' cannot be split over 2"):
         Linear(8, 16, quant_config=Fp8Config.from_config({}), prefix="q", parallel="column")
-    gguf = GGUFConfig({"emb.weight": GGMLQuantizationType.Q8_0})
-    with pytest.raises(ConfigError, match="gguf is not supported with tensor parallelism"):
-        VocabEmbedding(64, 32, gguf, "emb")
+    gguf = GGUFConfig({"emb.weight": T.Q8_0, "down.weight": T.Q4_1, "k.weight": T.Q4_K})
+    embedding = VocabEmbedding(64, 32, gguf, "emb")
+    assert embedding.weight.tp_narrow == (0, 32, 32)  # rank 1's rows
+    down = Linear(128, 16, quant_config=gguf, prefix="down", parallel="row")
+    # Columns 64..127 of Q4_1 (20 bytes per 32 values): bytes 40..79 of each row.
+    assert down.weight.tp_narrow == (1, 40, 40) and down.gguf_shape == (16, 64)
+    with pytest.raises(ConfigError, match="gguf: layer 'k' cannot be split"):
+        Linear(256, 16, quant_config=gguf, prefix="k", parallel="row")
 
 
 def test_bad_parallel_arguments():

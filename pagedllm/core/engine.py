@@ -18,6 +18,7 @@ from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
+from pagedllm.core.loading import get_model_loader
 from pagedllm.core.model_files import resolve_model_path
 from pagedllm.core.model_setup import (
     choose_implementation,
@@ -79,7 +80,7 @@ class LLMEngine:
 
             # (A missing model or an architecture that cannot be split is refused before
             # any process starts.)
-            hf_config = load_hf_config(config)
+            hf_config = load_hf_config(config, get_model_loader(config.load_config, pm))
             _, name = choose_implementation(
                 list(getattr(hf_config, "architectures", None) or []),
                 config.model_config.model_impl,

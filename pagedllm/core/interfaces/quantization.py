@@ -50,6 +50,14 @@ class LinearMethod(ABC):
         """
         return None
 
+    def shard_narrow(self, dim: int, start: int, length: int) -> tuple[int, int, int] | None:
+        """Tensor parallelism: where the values ``[start, start + length)`` along ``dim``
+        of the full weight (0: output rows, 1: input columns) lie in this method's stored
+        ``weight``, as ``(dim, start, length)`` of the stored tensor, or ``None`` (the
+        default) when its layout cannot be split there: the layer is then refused by name.
+        """
+        return None
+
 
 class EmbeddingMethod(LinearMethod):
     """How a vocabulary embedding stores its table: rows are looked up by token id, and

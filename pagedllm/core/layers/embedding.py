@@ -34,7 +34,8 @@ class VocabEmbedding(nn.Module):
     (``weight`` is ``[n, dim]``, its rows past the vocabulary zero); :meth:`forward` is
     the full lookup (each rank's rows for the ids it holds, summed over the ranks) and
     :meth:`as_linear` the full ``[..., vocab]`` logits (gathered). ``num_embeddings``
-    stays the vocabulary size. Quantized tables are not split yet (``ConfigError``).
+    stays the vocabulary size. A quantized table splits where its method's layout allows
+    (``LinearMethod.shard_narrow``), else it is refused (``ConfigError``).
     """
 
     def __init__(
@@ -54,24 +55,29 @@ class VocabEmbedding(nn.Module):
         # This rank's first vocabulary row and number of rows (all of them on one rank).
         self.vocab_start, self.num_local = 0, num_embeddings
         self.vocab_parallel = tp_size() > 1
+        narrow = None
         if self.vocab_parallel:
-            if self.method is not None:
-                raise ConfigError(
-                    f"--quantization {quant_config.name} is not supported with tensor "
-                    f"parallelism yet (embedding {prefix!r})"
-                )
             self.num_local = padded_vocab_size(num_embeddings) // tp_size()
             self.vocab_start = tp_rank() * self.num_local
+            narrow = (0, self.vocab_start, self.num_local)
+            if self.method is not None:
+                # (where the rows lie in the method's stored layout)
+                narrow = self.method.shard_narrow(*narrow)
+                if narrow is None:
+                    raise ConfigError(
+                        f"--quantization {quant_config.name}: embedding {prefix!r} cannot be "
+                        f"split over {tp_size()} tensor-parallel ranks in its stored layout"
+                    )
         if self.method is None:
             self.weight = nn.Parameter(
                 torch.empty(self.num_local, embedding_dim), requires_grad=False
             )
         else:
             self.method.create_weights(
-                self, embedding_dim, num_embeddings, torch.get_default_dtype()
+                self, embedding_dim, self.num_local, torch.get_default_dtype()
             )
-        if self.vocab_parallel:
-            mark_shard(self.weight, 0, self.vocab_start, self.num_local)
+        if narrow is not None:
+            mark_shard(self.weight, *narrow)
 
     # With --enable-lora: this table's adapter slots and their manager (pagedllm.lora).
     lora: Any = None
@@ -93,7 +99,11 @@ class VocabEmbedding(nn.Module):
         summed over the ranks."""
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        if self.method is None:
+            out = F.embedding(local, self.weight)
+        else:
+            out = self.method.embedding(self, local)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(out)
 
@@ -101,7 +111,8 @@ class VocabEmbedding(nn.Module):
         """``x @ weight.T``: the logits of a head tied to this embedding (with several
         ranks, each rank's logits gathered and the padding rows' dropped)."""
         if self.vocab_parallel:
-            logits = all_gather(F.linear(x, self.weight), dim=-1)
+            local = F.linear(x, self.weight) if self.method is None else self.method.apply(self, x)
+            logits = all_gather(local, dim=-1)
             if logits.shape[-1] != self.num_embeddings:
                 logits = logits[..., : self.num_embeddings].contiguous()
             return logits

@@ -51,8 +51,9 @@ class Linear(nn.Module):
       the share.
 
     Sharded parameters carry ``tp_narrow`` (:func:`mark_shard`), so the checkpoint's full
-    tensors load into them. Quantized layers are not sharded yet: a quantization method
-    with ``parallel`` on several ranks is a ``ConfigError``.
+    tensors load into them. A quantized layer splits where its method's stored layout
+    allows (``LinearMethod.shard_narrow``: GGUF rows anywhere, columns at whole blocks);
+    otherwise it is a ``ConfigError`` naming the method and the layer.
     """
 
     def __init__(
@@ -85,11 +86,15 @@ class Linear(nn.Module):
         self.output_size = output_size
         self.prefix = prefix
         self.method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        weight_narrow = narrow
         if self.method is not None and narrow is not None:
-            raise ConfigError(
-                f"--quantization {quant_config.name} is not supported with tensor "
-                f"parallelism yet (layer {prefix!r})"
-            )
+            # (where the shard lies in the method's stored layout)
+            weight_narrow = self.method.shard_narrow(*narrow)
+            if weight_narrow is None:
+                raise ConfigError(
+                    f"--quantization {quant_config.name}: layer {prefix!r} cannot be split "
+                    f"over {tp_size()} tensor-parallel ranks in its stored layout"
+                )
         dtype = torch.get_default_dtype()
         if self.method is None:
             self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -97,7 +102,7 @@ class Linear(nn.Module):
             self.method.create_weights(self, input_size, output_size, dtype)
         self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
         if narrow is not None:
-            mark_shard(self.weight, *narrow)
+            mark_shard(self.weight, *weight_narrow)
             if narrow[0] == 0 and self.bias is not None:
                 mark_shard(self.bias, *narrow)
             if narrow[0] == 1:
@@ -123,7 +128,10 @@ class Linear(nn.Module):
     def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a row-parallel layer on several ranks: the ranks' partial
         products summed, plus the full bias (added once)."""
-        y = all_reduce(F.linear(x, self.weight))
+        if self.method is None:
+            y = all_reduce(F.linear(x, self.weight))
+        else:
+            y = all_reduce(self.method.apply(self, x, None))
         if self.bias is not None:
             y += self.bias
         return self.add_lora(y, x)

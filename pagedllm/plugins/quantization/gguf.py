@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.core.interfaces import EmbeddingMethod, LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import share_rows
-from pagedllm.kernels.ggml_types import GGMLQuantizationType
+from pagedllm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, bytes_per_row
 from pagedllm.kernels.gguf_matmul import activation_mode, gguf_embedding, gguf_linear
 
@@ -41,6 +41,16 @@ class GGUFLinearMethod(LinearMethod):
     ) -> torch.Tensor:
         out_features, in_features = layer.gguf_shape
         return gguf_linear(x, layer.weight, self.qtype, out_features, in_features, bias)
+
+    def shard_narrow(self, dim: int, start: int, length: int) -> tuple[int, int, int] | None:
+        """Rows are independent; columns split at whole quantization blocks only (32
+        values, 256 for the K-quants), as bytes of each packed row."""
+        if dim == 0:
+            return (0, start, length)
+        block_size = GGML_QUANT_SIZES[self.qtype][0]
+        if start % block_size or length % block_size:
+            return None
+        return (1, bytes_per_row(self.qtype, start), bytes_per_row(self.qtype, length))
 
     def fuse(self, layers: Sequence[nn.Module]) -> nn.Module | None:
         """One packed weight for layers that read the same input (Q/K/V, gate/up) when
