@@ -36,8 +36,14 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
 
 @pytest.mark.parametrize(
     ("architecture", "overrides"),
-    [("llama", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
-    ids=["llama", "qwen3", "llama-one-kv-head"],
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("llama", {"num_key_value_heads": 1}),
+        ("gemma3", {}),
+        ("gemma2", {}),
+    ],
+    ids=["llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2"],
 )
 def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     """-tp 2 (KV heads split, or the one KV head replicated): transformers' greedy tokens

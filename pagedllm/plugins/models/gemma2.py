@@ -38,3 +38,4 @@ class Gemma2Model(Gemma3Model):
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     model_cls = Gemma2Model
+    supports_tensor_parallel = True

@@ -19,7 +19,7 @@ from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.models.common import CausalLM, RMSNorm, layer_sliding_windows
-from pagedllm.plugins.models.llama import LlamaMLP
+from pagedllm.plugins.models.llama import LlamaMLP, qkv_projections
 
 
 def _norm(size: int, config: Any) -> RMSNorm:
@@ -35,15 +35,14 @@ class Gemma3Attention(nn.Module):
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, q_size, bias, quant, f"{prefix}.q_proj")
-        self.k_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.k_proj")
-        self.v_proj = Linear(hidden, kv_size, bias, quant, f"{prefix}.v_proj")
-        self.o_proj = Linear(q_size, hidden, bias, quant, f"{prefix}.o_proj")
+        heads = config.num_attention_heads
+        self.q_proj, self.k_proj, self.v_proj, self.num_heads, self.num_kv_heads = qkv_projections(
+            config, heads, config.num_key_value_heads, self.head_dim, bias, quant, prefix
+        )
+        q_size = heads * self.head_dim
+        self.o_proj = Linear(q_size, hidden, bias, quant, f"{prefix}.o_proj", parallel="row")
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = _norm(self.head_dim, config) if self.qk_norm else None
         self.k_norm = _norm(self.head_dim, config) if self.qk_norm else None
@@ -122,6 +121,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    supports_tensor_parallel = True
     tie_by_default = True
     model_cls: type[nn.Module] = Gemma3Model
 

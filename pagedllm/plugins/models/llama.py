@@ -38,6 +38,35 @@ from pagedllm.plugins.models.common import (
 )
 
 
+def qkv_projections(
+    config: Any,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    bias: bool,
+    quant: QuantizationConfig | None,
+    prefix: str,
+) -> tuple[Linear, Linear, Linear, int, int]:
+    """``q_proj``, ``k_proj``, ``v_proj`` (column-parallel) and this rank's numbers of
+    query and KV heads (all of them on one rank): its share of the query heads, and of
+    the KV heads, or the one KV head its query heads share."""
+    hidden = config.hidden_size
+    first_kv, num_kv_heads = kv_head_share(kv_heads)
+    kv_size = kv_heads * head_dim
+    kv_shard = (first_kv * head_dim, num_kv_heads * head_dim)
+
+    def column(size: int, name: str, shard: tuple[int, int] | None = None) -> Linear:
+        return Linear(hidden, size, bias, quant, f"{prefix}.{name}", parallel="column", shard=shard)
+
+    return (
+        column(heads * head_dim, "q_proj"),
+        column(kv_size, "k_proj", kv_shard),
+        column(kv_size, "v_proj", kv_shard),
+        heads // tp_size(),
+        num_kv_heads,
+    )
+
+
 class LlamaAttention(nn.Module):
     # Biases of the Q/K/V and output projections; None: the config's attention_bias.
     qkv_bias: ClassVar[bool | None] = None
@@ -55,22 +84,11 @@ class LlamaAttention(nn.Module):
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // heads
-        # This rank's heads (all of them on one rank): its share of the query heads, and
-        # of the KV heads, or the one KV head its query heads share.
-        first_kv, self.num_kv_heads = kv_head_share(kv_heads)
-        self.num_heads = heads // tp_size()
         qkv_bias, o_bias = self.biases(config)
-        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
-        kv_shard = (first_kv * self.head_dim, self.num_kv_heads * self.head_dim)
-
-        def column(size: int, name: str, shard: tuple[int, int] | None = None) -> Linear:
-            return Linear(
-                hidden, size, qkv_bias, quant, f"{prefix}.{name}", parallel="column", shard=shard
-            )
-
-        self.q_proj = column(q_size, "q_proj")
-        self.k_proj = column(kv_size, "k_proj", kv_shard)
-        self.v_proj = column(kv_size, "v_proj", kv_shard)
+        q_size = heads * self.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.num_heads, self.num_kv_heads = qkv_projections(
+            config, heads, kv_heads, self.head_dim, qkv_bias, quant, prefix
+        )
         o_name = self.o_proj_name
         o_proj = Linear(q_size, hidden, o_bias, quant, f"{prefix}.{o_name}", parallel="row")
         setattr(self, o_name, o_proj)
