@@ -78,6 +78,9 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
                         assert abs(a[token].logprob - logprob.logprob) < 1e-4
         assert engine.kv_manager.total_prefix_cache_stats.hits > 0
         assert engine.scheduler.num_preemptions > 0
+        # One group per process: a second engine waits for the first to shut down.
+        with pytest.raises(ConfigError, match="already belongs to a tensor-parallel group"):
+            LLM(str(directory), tensor_parallel_size=2, **kwargs)
     finally:
         llm.llm_engine.shutdown()
     assert all(not proc.is_alive() for proc in engine.workers.procs)

@@ -156,6 +156,11 @@ def start_tensor_parallel(config: Any) -> Any:
     parallel = config.parallel_config
     size = parallel.tensor_parallel_size
     device = config.device_config.device
+    if torch.distributed.is_initialized():
+        raise ConfigError(
+            "this process already belongs to a tensor-parallel group (another engine's): "
+            "shut that engine down first (LLM(...).llm_engine.shutdown())"
+        )
     if parallel.distributed_executor_backend == "ray":
         from pagedllm.distributed.ray_executor import RayWorkerGroup
 
