@@ -204,3 +204,64 @@ def test_ray_actors_as_the_ranks(tmp_path):
             llm.llm_engine.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(tmp_path):
+    """The other row blocks (prompt logprobs), the block copies of beam search and an fp8
+    KV cache (each rank's scales) give -tp 1's results; a one-rank engine built beside a
+    two-rank one in the same process is built whole."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm import BeamSearchParams
+
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    # The checkpoint's own KV-cache scales (every rank must store with them).
+    state = load_file(directory / "model.safetensors")
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            state[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.02 + 0.01 * layer)
+    save_file(state, directory / "model.safetensors")
+    prompts = _prompts()[:2]
+    kwargs = dict(dtype="float32", kv_cache_dtype="fp8", disable_log_stats=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    beams = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list, list, list]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        searched = llm.beam_search([{"prompt_token_ids": p} for p in prompts], beams)
+        return (
+            [o.outputs[0].token_ids for o in outputs],
+            [[{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]]
+             for o in outputs],
+            [[s.output_tokens for s in o.sequences] for o in searched],
+        )  # fmt: skip
+
+    two = LLM(str(directory), tensor_parallel_size=2, **kwargs)
+    try:
+        tokens, prompt_logprobs, searched = run(two)
+        single = LLM(str(directory), **kwargs)
+        assert single.llm_engine.loaded.model.model.layers[0].self_attn.num_heads == 4
+        expected_tokens, expected_logprobs, expected_beams = run(single)
+    finally:
+        two.llm_engine.shutdown()
+    assert tokens == expected_tokens and searched == expected_beams
+    for ours, theirs in zip(prompt_logprobs, expected_logprobs, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_a_weight_too_small_for_its_shard_is_refused(tmp_path):
+    """Only the vocabulary's padding rows are zero-filled; any other tensor too short for
+    a rank's range is an error naming it."""
+    from pagedllm.core.layers.linear import Linear
+    from pagedllm.distributed import parallel_state
+    from pagedllm.plugins.models.common import copy_weights
+
+    parallel_state.set_tensor_parallel(1, 2)
+    try:
+        layer = Linear(8, 16, parallel="column")
+    finally:
+        parallel_state.set_tensor_parallel(0, 1)
+    with pytest.raises(ConfigError, match="'weight' has shape \\(12, 8\\): too small"):
+        copy_weights(layer, [("weight", torch.ones(12, 8))])

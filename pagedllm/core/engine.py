@@ -12,7 +12,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
-from pagedllm.core.attention.layer import Attention
 from pagedllm.core.compilation import compile_model
 from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
@@ -36,7 +35,13 @@ from pagedllm.core.pooling import (
     sentence_transformers_pooler,
 )
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype, profile_step
+from pagedllm.core.runner import (
+    ModelRunner,
+    kv_cache_spec,
+    kv_cache_torch_dtype,
+    profile_step,
+    set_kv_scales,
+)
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
@@ -125,15 +130,7 @@ class LLMEngine:
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp)
-        for module in loaded.model.modules():
-            if not isinstance(module, Attention):
-                continue
-            if cache.calculate_kv_scales:
-                module.calculate_kv_scales = True
-            elif spec.dtype == torch.float8_e4m3fn:
-                # The checkpoint's own scales, where it was quantized for an fp8 cache.
-                module.k_scale = getattr(module, "checkpoint_k_scale", 1.0)
-                module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)
+        set_kv_scales(loaded.model, cache, spec.dtype)
         compile_model(loaded.model, config.compilation_config.level)
         device = config.device_config.device
         backend = backend_cls()

@@ -18,6 +18,7 @@ from pagedllm.core.loading import (
     loader_for_quantization,
 )
 from pagedllm.core.model_files import resolve_model_path
+from pagedllm.distributed.parallel_state import building
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
@@ -333,7 +334,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     try:
         # Built where it runs: fused layers share storage with the layers loaded by name
         # (views), which moving the model afterwards would split into copies.
-        with torch.device(config.device_config.torch_device):
+        with torch.device(config.device_config.torch_device), building(tp):
             model = model_cls(
                 hf_config,
                 quant,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.core.errors import EngineDeadError
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.transfer import host_tensor
@@ -45,6 +46,23 @@ _KV_CACHE_DTYPES = {
 def kv_cache_torch_dtype(cache_config: Any, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type for ``--kv-cache-dtype`` (``auto``: the model's)."""
     return _KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype, model_dtype)
+
+
+def set_kv_scales(model: torch.nn.Module, cache_config: Any, kv_dtype: torch.dtype) -> None:
+    """The scales an fp8 KV cache stores keys and values with, on every attention layer
+    of ``model`` (each tensor-parallel rank's): computed from the first batch with
+    ``--calculate-kv-scales``, else the checkpoint's own where it was quantized for an
+    fp8 cache (1.0 otherwise)."""
+    from pagedllm.core.attention.layer import Attention
+
+    for module in model.modules():
+        if not isinstance(module, Attention):
+            continue
+        if cache_config.calculate_kv_scales:
+            module.calculate_kv_scales = True
+        elif kv_dtype == torch.float8_e4m3fn:
+            module.k_scale = getattr(module, "checkpoint_k_scale", 1.0)
+            module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)
 
 
 def kv_cache_spec(hf_config: Any, dtype: torch.dtype, tp: int = 1) -> KVCacheSpec:
@@ -159,14 +177,11 @@ class ModelRunner:
                     step.prompt_rows.append((offset, last - start))
                     prompt_rows.append((request, request.prompt_token_ids[start + 1 : last + 1]))
             offset += item.num_new_tokens
-        if self.workers is not None:
-            self.workers.step(step)
-        hidden = self._hidden(step, output)
+        hidden, logits_of = self._compute(step, output)
 
         result = RunnerOutput()
         if sampling_requests:
-            rows = host_tensor(step.sample_rows, torch.long, self.device)
-            logits = self._logits(hidden, rows)
+            logits = logits_of(0)
             sampling = SamplingMetadata.from_requests(
                 sampling_requests, logits.shape[-1], self.device
             )
@@ -176,17 +191,17 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
-        for (request, drafts), (first, count) in zip(spec_rows, step.spec_rows, strict=True):
-            rows = torch.arange(first, first + count, device=self.device)
+        blocks = iter(range(1, 1 + len(step.spec_rows) + len(step.prompt_rows)))
+        for request, drafts in spec_rows:
             result.spec_token_ids[request.request_id] = self._verify(
-                request, self._logits(hidden, rows), drafts
+                request, logits_of(next(blocks)), drafts
             )
         for request, start, item in pooling_rows:
             result.pooled[request.request_id] = self._pool(
                 request, hidden[start : start + item.num_new_tokens], item
             )
-        for (request, targets), (start, count) in zip(prompt_rows, step.prompt_rows, strict=True):
-            logits = self._logits(hidden, torch.arange(start, start + count, device=self.device))
+        for request, targets in prompt_rows:
+            logits = logits_of(next(blocks))
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits,
                 torch.tensor(targets, dtype=torch.long, device=self.device),
@@ -194,16 +209,54 @@ class ModelRunner:
             )
         return result
 
+    def _row_blocks(self, step: StepInput) -> list[torch.Tensor]:
+        """The rows whose logits a step computes, block by block, in the order every
+        rank computes them: the sampled rows (when any), each verification's, each
+        prompt-logprobs request's."""
+        blocks = []
+        if step.sample_rows:
+            blocks.append(host_tensor(step.sample_rows, torch.long, self.device))
+        for first, count in (*step.spec_rows, *step.prompt_rows):
+            blocks.append(torch.arange(first, first + count, device=self.device))
+        return blocks
+
+    def _compute(self, step: StepInput, output: SchedulerOutput) -> tuple[torch.Tensor, Any]:
+        """The step's hidden states and ``logits_of(i)``, the logits of row block ``i``
+        (:meth:`_row_blocks`; block 0 is the sampled rows when there are any). With
+        tensor-parallel workers every block is computed here, before any work of rank 0
+        alone, so the ranks' collectives stay in step; a failure among them stops the
+        engine (the ranks could not agree on the next step's collectives any more).
+        Without workers each block is computed when asked for (one at a time)."""
+        if self.workers is None:
+            hidden = self._hidden(step, output)
+            blocks = self._row_blocks(step)
+            if not step.sample_rows:
+                blocks.insert(0, None)
+            return hidden, lambda i: self._logits(hidden, blocks[i])
+        self.workers.step(step)
+        try:
+            hidden = self._hidden(step, output)
+            computed = [self._logits(hidden, rows) for rows in self._row_blocks(step)]
+        except Exception as exc:
+            dead = self.workers.check(exc)  # (a worker that died names itself)
+            if isinstance(dead, EngineDeadError):
+                raise dead from exc
+            raise EngineDeadError(
+                f"tensor-parallel rank 0 failed within a step, out of step with the other "
+                f"ranks: {exc!r}"
+            ) from exc
+        if not step.sample_rows:
+            computed.insert(0, None)
+        return hidden, computed.__getitem__
+
     @torch.inference_mode()
     def follow(self, step: StepInput) -> None:
         """A tensor-parallel worker's part of a step: the forward pass and the logits of
-        the rows rank 0 computes them for, in its order (each takes part in collectives);
-        rank 0 samples."""
+        the row blocks rank 0 computes them for, in its order (each takes part in
+        collectives); rank 0 samples."""
         hidden = self._hidden(step, None)
-        if step.sample_rows:
-            self._logits(hidden, torch.tensor(step.sample_rows, device=self.device))
-        for first, count in (*step.spec_rows, *step.prompt_rows):
-            self._logits(hidden, torch.arange(first, first + count, device=self.device))
+        for rows in self._row_blocks(step):
+            self._logits(hidden, rows)
 
     def _hidden(self, step: StepInput, output: SchedulerOutput | None) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one covers the step,

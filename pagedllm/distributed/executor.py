@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import pickle
 import socket
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -59,19 +60,23 @@ class WorkerGroup:
         context = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(1, size):
-            parent, child = context.Pipe()
-            proc = context.Process(
-                target=worker_main,
-                args=(config, rank, size, self.init_method, child),
-                name=f"pagedllm-tp-worker-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
         self._closed = False
+        try:
+            for rank in range(1, size):
+                parent, child = context.Pipe()
+                proc = context.Process(
+                    target=worker_main,
+                    args=(config, rank, size, self.init_method, child),
+                    name=f"pagedllm-tp-worker-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(proc)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def wait(self, what: str, timeout: float = LOAD_TIMEOUT_S) -> None:
         """Wait for every worker to report ``what`` (``loaded``, ``ready``)."""
@@ -124,13 +129,20 @@ class WorkerGroup:
 
     def check(self, exc: BaseException) -> BaseException:
         """The error to raise for ``exc`` from a step: EngineDeadError when a worker has
-        died (a collective with a dead peer fails), else ``exc``."""
-        time.sleep(0.05)  # (a dying worker's exit is seen a moment after its sockets close)
-        try:
-            self._raise_if_dead()
-        except EngineDeadError as dead:
-            return dead
-        return exc
+        died or reported a failure (a collective with a dead peer fails), else ``exc``."""
+        deadline = time.monotonic() + 2.0  # (a dying worker exits after its sockets close)
+        while True:
+            for rank in range(1, self.size):
+                detail = self._last_error(rank)
+                if detail is not None:
+                    return EngineDeadError(f"tensor-parallel worker rank {rank} failed: {detail}")
+            try:
+                self._raise_if_dead()
+            except EngineDeadError as dead:
+                return dead
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -168,7 +180,7 @@ def start_tensor_parallel(config: Any) -> Any:
     else:
         group = WorkerGroup(config, size)
     try:
-        init_distributed(0, size, group.init_method, collective_backend(device.name))
+        _join_watching(group, size, collective_backend(device.name))
     except BaseException:
         group.shutdown()
         raise
@@ -181,6 +193,27 @@ def start_tensor_parallel(config: Any) -> Any:
     return group
 
 
+def _join_watching(group: Any, size: int, backend: str) -> None:
+    """Join the group as rank 0 while watching the workers: one that dies before it
+    joins (a failed import, a GPU it cannot use) ends the wait at once."""
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            init_distributed(0, size, group.init_method, backend)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if thread.is_alive() and isinstance(group, WorkerGroup):
+            group._raise_if_dead()
+    if errors:
+        raise errors[0]
+
+
 def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
     """A tensor-parallel worker: join the group, build this rank's shard, then follow
     rank 0's messages until ``stop`` (or until rank 0 is gone)."""
@@ -188,7 +221,7 @@ def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Conne
     from pagedllm.core.compilation import compile_model
     from pagedllm.core.model_setup import load_model
     from pagedllm.core.plugins import make_plugin_manager
-    from pagedllm.core.runner import ModelRunner, profile_step
+    from pagedllm.core.runner import ModelRunner, profile_step, set_kv_scales
 
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -220,6 +253,7 @@ def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Conne
                 )  # fmt: skip
             elif kind == "cache":
                 spec, num_blocks, block_size, vocab_size = payload
+                set_kv_scales(loaded.model, config.cache_config, spec.dtype)
                 runner = ModelRunner(
                     loaded.model, spec, num_blocks, block_size, vocab_size,
                     config.device_config.torch_device, backend,

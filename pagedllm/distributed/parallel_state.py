@@ -14,8 +14,10 @@ themselves as they are constructed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,26 @@ def set_tensor_parallel(rank: int, size: int) -> None:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a group of {size}")
     _state = TensorParallel(rank, size)
+
+
+@contextlib.contextmanager
+def building(size: int) -> Iterator[None]:
+    """Layers built inside shard for ``size`` ranks: a one-rank model built in a process
+    that is a rank of a tensor-parallel engine is built whole (every choice a layer makes
+    between one rank and several is made when it is built)."""
+    global _state
+    previous = _state
+    if size == 1 and previous.size > 1:
+        _state = TensorParallel()
+    elif size != previous.size:
+        raise RuntimeError(
+            f"building a model for {size} tensor-parallel ranks in a process of a group of "
+            f"{previous.size}"
+        )
+    try:
+        yield
+    finally:
+        _state = previous
 
 
 def init_distributed(

@@ -15,6 +15,7 @@ calls to an actor in order); a dead actor makes the engine fail loudly, as with 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -57,6 +58,8 @@ class _Rank:
         if device.name == "cuda":
             torch.cuda.set_device(0)  # (Ray shows each actor its own GPU)
         init_distributed(self.rank, self.size, self.init_method, collective_backend(device.name))
+        # (Ray gives a one-CPU actor one thread; the ranks share the node's cores.)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.size))
         pm = make_plugin_manager()
         self.loaded = load_model(config, pm)
         compile_model(self.loaded.model, config.compilation_config.level)
@@ -73,9 +76,10 @@ class _Rank:
         )  # fmt: skip
 
     def cache(self, payload: tuple[Any, ...]) -> str:
-        from pagedllm.core.runner import ModelRunner
+        from pagedllm.core.runner import ModelRunner, set_kv_scales
 
         spec, num_blocks, block_size, vocab_size = payload
+        set_kv_scales(self.loaded.model, self.config.cache_config, spec.dtype)
         self.runner = ModelRunner(
             self.loaded.model, spec, num_blocks, block_size, vocab_size,
             self.config.device_config.torch_device, self.backend,
@@ -84,7 +88,12 @@ class _Rank:
         return "ready"
 
     def follow(self, step: Any) -> None:
-        self.runner.follow(step)
+        try:
+            self.runner.follow(step)
+        except BaseException:
+            # (Exit, so that rank 0's collective fails now rather than at its timeout.)
+            logger.exception("tensor-parallel rank %d failed", self.rank)
+            os._exit(1)
 
     def stop(self) -> None:
         from pagedllm.distributed.parallel_state import destroy_distributed
@@ -111,11 +120,18 @@ class RayWorkerGroup:
             port = sock.getsockname()[1]
         self.init_method = f"tcp://{host}:{port}"
         gpu = config.device_config.device.name == "cuda"
-        bundle = {"GPU": 1} if gpu else {"CPU": 1}
+        if gpu:
+            # (Rank 0's GPU would have to be in the placement group too, so that Ray does
+            # not give an actor the GPU this process uses: not built yet.)
+            raise ConfigError(
+                "--distributed-executor-backend ray is not supported on the cuda device yet; use mp"
+            )
+        bundle = {"CPU": 1}
         self.group = placement_group([bundle] * (size - 1))
         try:
             ray.get(self.group.ready(), timeout=120)
         except Exception as exc:
+            ray.util.remove_placement_group(self.group)
             raise ConfigError(
                 f"--distributed-executor-backend ray: the Ray cluster has no room for "
                 f"{size - 1} worker(s) of {bundle}: {exc}"

@@ -386,6 +386,12 @@ class LLM:
         needs the memory of a second copy of the weights while it runs."""
         from pagedllm.plugins.loaders.sharded_state import save_sharded_state
 
+        tp = self.llm_engine.config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            raise ConfigError(
+                f"save_sharded_state saves one process's whole model; this engine runs "
+                f"--tensor-parallel-size {tp} (build it with 1 to save)"
+            )
         save_sharded_state(
             self.llm_engine.config, self.plugin_manager, path, pattern=pattern, max_size=max_size
         )

@@ -77,7 +77,7 @@ class VocabEmbedding(nn.Module):
                 self, embedding_dim, self.num_local, torch.get_default_dtype()
             )
         if narrow is not None:
-            mark_shard(self.weight, *narrow)
+            mark_shard(self.weight, *narrow, pad=True)
 
     # With --enable-lora: this table's adapter slots and their manager (pagedllm.lora).
     lora: Any = None

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 PARALLEL_STYLES = ("column", "row")
 
 
-def mark_shard(param: nn.Parameter, dim: int, start: int, length: int) -> None:
+def mark_shard(param: nn.Parameter, dim: int, start: int, length: int, pad: bool = False) -> None:
     """Record that ``param`` holds ``length`` entries from ``start`` along ``dim`` of the
-    checkpoint's full tensor: ``copy_weights`` narrows the full tensor to them."""
+    checkpoint's full tensor: ``copy_weights`` narrows the full tensor to them. ``pad``:
+    the range may run past the tensor (a vocabulary padded to a multiple of the ranks),
+    the rest zeros; elsewhere a tensor too short for the range is refused."""
     param.tp_narrow = (dim, start, length)
+    param.tp_pad = pad
 
 
 class Linear(nn.Module):

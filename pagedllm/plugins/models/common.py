@@ -177,6 +177,12 @@ def copy_weights(
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
         narrow = getattr(param, "tp_narrow", None)
         if narrow is not None and tensor.dim() > narrow[0]:
+            dim, start, length = narrow
+            if start + length > tensor.shape[dim] and not getattr(param, "tp_pad", False):
+                raise ConfigError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}: too small for this "
+                    f"tensor-parallel rank's entries {start}..{start + length} along dim {dim}"
+                )
             tensor = narrow_shard(tensor, *narrow)
         if tuple(param.shape) != tuple(tensor.shape):
             if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
@@ -322,6 +328,9 @@ class CausalLM(nn.Module, ModelArchitecture):
                 parallel="column",
             )
             self.gather_head_logits = tp_size() > 1
+            for param in (self.lm_head.weight, self.lm_head.bias):
+                if param is not None and hasattr(param, "tp_narrow"):
+                    param.tp_pad = True  # (the vocabulary's padding rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
