@@ -42,8 +42,9 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
         ("llama", {"num_key_value_heads": 1}),
         ("gemma3", {}),
         ("gemma2", {}),
+        ("phi3", {}),
     ],
-    ids=["llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2"],
+    ids=["llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2", "phi3"],
 )
 def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     """-tp 2 (KV heads split, or the one KV head replicated): transformers' greedy tokens
@@ -104,19 +105,20 @@ def test_what_tensor_parallelism_cannot_do_is_refused(kwargs, message):
         args.create_engine_config(make_plugin_manager())
 
 
-def test_gguf_weights_split_packed(tmp_path):
-    """A Q4_1 GGUF model over two ranks: its packed rows and whole blocks of columns
-    split, the packed embedding vocab-parallel; transformers' tokens on the stored
-    weights."""
+@pytest.mark.parametrize(("architecture", "qtype"), [("llama", "Q4_1"), ("phi3", "Q5_1")])
+def test_gguf_weights_split_packed(architecture, qtype, tmp_path):
+    """GGUF models over two ranks: packed rows (Phi-3's fused Q/K/V and gate/up parts too)
+    and whole blocks of columns split, the packed embedding vocab-parallel;
+    transformers' tokens on the stored weights."""
     from gguf import GGMLQuantizationType
     from gguf_writer import stored_weights, write_gguf
 
-    directory = make_checkpoint(tmp_path / "llama", "llama")
+    qtype = GGMLQuantizationType[qtype]
+    directory = make_checkpoint(tmp_path / architecture, architecture)
     model = load_reference(directory)
     state = model.state_dict()
-    qtype = GGMLQuantizationType.Q4_1
-    path = write_gguf(tmp_path / "llama.gguf", state, model.config, "llama", qtype)
-    model.load_state_dict(stored_weights(state, model.config, "llama", qtype))
+    path = write_gguf(tmp_path / "model.gguf", state, model.config, architecture, qtype)
+    model.load_state_dict(stored_weights(state, model.config, architecture, qtype))
     prompts = _prompts()
     expected = [reference_greedy(model, p, NEW_TOKENS)[0] for p in prompts]
     llm = LLM(str(path), tokenizer=str(directory), dtype="float32", tensor_parallel_size=2)

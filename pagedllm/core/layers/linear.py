@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 PARALLEL_STYLES = ("column", "row")
 
 
+def mark_rows(param: nn.Parameter, ranges: Sequence[tuple[int, int]]) -> None:
+    """Record that ``param`` holds the full tensor's rows ``[start, start + length)`` of
+    each of ``ranges``, concatenated: a rank's share of each part of a fused weight (Q, K
+    and V stacked in one ``qkv_proj``, say). ``copy_weights`` gathers them."""
+    param.tp_rows = tuple(ranges)
+
+
 def mark_shard(param: nn.Parameter, dim: int, start: int, length: int, pad: bool = False) -> None:
     """Record that ``param`` holds ``length`` entries from ``start`` along ``dim`` of the
     checkpoint's full tensor: ``copy_weights`` narrows the full tensor to them. ``pad``:

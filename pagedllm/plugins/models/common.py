@@ -175,6 +175,14 @@ def copy_weights(
         param = params.get(target)
         if param is None:
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
+        rows = getattr(param, "tp_rows", None)
+        if rows is not None and sum(length for _, length in rows) != tensor.shape[0]:
+            if max(start + length for start, length in rows) > tensor.shape[0]:
+                raise ConfigError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}: too few rows for this "
+                    f"tensor-parallel rank's parts {list(rows)}"
+                )
+            tensor = torch.cat([tensor.narrow(0, start, length) for start, length in rows])
         narrow = getattr(param, "tp_narrow", None)
         if narrow is not None and tensor.dim() > narrow[0]:
             dim, start, length = narrow

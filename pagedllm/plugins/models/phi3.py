@@ -10,25 +10,48 @@ import torch
 from torch import nn
 
 from pagedllm.core.attention import Attention
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.linear import Linear, mark_rows
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import activation
+from pagedllm.distributed.parallel_state import tp_rank, tp_size
+from pagedllm.plugins.models.common import activation, kv_head_share
 from pagedllm.plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+def fused_rows(layer: Linear, parts: list[tuple[int, int]]) -> None:
+    """With several tensor-parallel ranks, ``layer`` (built with this rank's output size)
+    holds this rank's rows of each part of a fused weight: ``parts`` are ``(start,
+    length)`` of this rank's share within the full checkpoint tensor."""
+    if tp_size() > 1:
+        mark_rows(layer.weight, parts)
 
 
 class Phi3Attention(nn.Module):
     def __init__(self, config: Any, layer: int, window: int | None, quant, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = config.num_key_value_heads or heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
+        # This rank's heads (all on one rank): its share of the query heads, and of the KV
+        # heads or the one it shares.
+        first_kv, self.num_kv_heads = kv_head_share(kv_heads)
+        self.num_heads = heads // tp_size()
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             hidden, self.q_size + 2 * self.kv_size, False, quant, f"{prefix}.qkv_proj"
         )
-        self.o_proj = Linear(self.q_size, hidden, False, quant, f"{prefix}.o_proj")
+        full_q, full_kv = heads * self.head_dim, kv_heads * self.head_dim
+        kv_start = first_kv * self.head_dim
+        fused_rows(
+            self.qkv_proj,
+            [
+                (tp_rank() * self.q_size, self.q_size),
+                (full_q + kv_start, self.kv_size),
+                (full_q + full_kv + kv_start, self.kv_size),
+            ],
+        )
+        self.o_proj = Linear(full_q, hidden, False, quant, f"{prefix}.o_proj", parallel="row")
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer, window
         )
@@ -47,8 +70,11 @@ class Phi3MLP(nn.Module):
     def __init__(self, config: Any, quant, prefix: str) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(hidden, 2 * inter, False, quant, f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj")
+        local = inter // tp_size()
+        self.gate_up_proj = Linear(hidden, 2 * local, False, quant, f"{prefix}.gate_up_proj")
+        start = tp_rank() * local
+        fused_rows(self.gate_up_proj, [(start, local), (inter + start, local)])
+        self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj", parallel="row")
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +92,8 @@ class Phi3Model(LlamaModel):
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Its checkpoints already fuse Q/K/V and gate/up."""
+    """Its checkpoints already fuse Q/K/V and gate/up (with several tensor-parallel ranks
+    each rank takes its rows of each part)."""
 
     model_cls = Phi3Model
+    supports_tensor_parallel = True
