@@ -323,9 +323,10 @@ def test_check_tensor_parallel():
 def test_unsupported_architectures_are_named():
     config = _llama_config()
     # Subclasses of a supported architecture do not inherit the support.
-    for model_cls in (Phi3ForCausalLM, PhiForCausalLM, LlamaForSequenceClassification):
+    for model_cls in (PhiForCausalLM, LlamaForSequenceClassification):
         assert not model_cls.supports_tensor_parallel
         model_cls.check_tensor_parallel(config, 1)
         with pytest.raises(ConfigError, match=f"{model_cls.__name__} does not support tensor"):
             model_cls.check_tensor_parallel(config, 2)
     assert llama.Qwen3ForCausalLM.supports_tensor_parallel
+    assert Phi3ForCausalLM.supports_tensor_parallel  # (set on the class itself)
