@@ -164,27 +164,19 @@ class LLMEngine:
             bytes_per_block += draft[1].bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
-            profile = (
-                spec,
-                cache.block_size,
-                sched.max_num_batched_tokens,
-                sched.max_num_seqs,
-                self.max_model_len,
+            profile = dict(
+                spec=spec,
+                block_size=cache.block_size,
+                num_tokens=sched.max_num_batched_tokens,
+                num_seqs=sched.max_num_seqs,
+                max_model_len=self.max_model_len,
             )
 
             def profile_all_ranks() -> int:
                 if self.workers is not None:  # (their collectives meet this rank's)
                     self.workers.send("profile", profile)
-                return profile_step(
-                    loaded.model,
-                    backend,
-                    spec,
-                    cache.block_size,
-                    sched.max_num_batched_tokens,
-                    sched.max_num_seqs,
-                    config.device_config.torch_device,
-                    self.max_model_len,
-                )
+                torch_device = config.device_config.torch_device
+                return profile_step(loaded.model, backend, device=torch_device, **profile)
 
             device.measure_peak_memory(profile_all_ranks)
         num_blocks = num_kv_blocks(

@@ -322,10 +322,9 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.
     tokenizer = load_tokenizer(config, loader)
     model_cls = registry.load(model_name)
+    # (With several ranks the engine checked model_cls.check_tensor_parallel before any
+    # rank started: its layers shard themselves as they are built.)
     tp = config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        # (Layers shard themselves as they are built: the architecture must know how.)
-        model_cls.check_tensor_parallel(hf_config, tp)
     device = config.device_config.device
     device.prepare_process()
     torch.set_num_threads(device.num_threads())

@@ -209,34 +209,35 @@ class ModelRunner:
             )
         return result
 
-    def _row_blocks(self, step: StepInput) -> list[torch.Tensor]:
+    def _row_blocks(self, step: StepInput) -> list[torch.Tensor | None]:
         """The rows whose logits a step computes, block by block, in the order every
-        rank computes them: the sampled rows (when any), each verification's, each
+        rank computes them: the sampled rows (None when none), each verification's, each
         prompt-logprobs request's."""
-        blocks = []
-        if step.sample_rows:
-            blocks.append(host_tensor(step.sample_rows, torch.long, self.device))
+        blocks: list[torch.Tensor | None] = [
+            host_tensor(step.sample_rows, torch.long, self.device) if step.sample_rows else None
+        ]
         for first, count in (*step.spec_rows, *step.prompt_rows):
             blocks.append(torch.arange(first, first + count, device=self.device))
         return blocks
 
     def _compute(self, step: StepInput, output: SchedulerOutput) -> tuple[torch.Tensor, Any]:
         """The step's hidden states and ``logits_of(i)``, the logits of row block ``i``
-        (:meth:`_row_blocks`; block 0 is the sampled rows when there are any). With
-        tensor-parallel workers every block is computed here, before any work of rank 0
-        alone, so the ranks' collectives stay in step; a failure among them stops the
-        engine (the ranks could not agree on the next step's collectives any more).
-        Without workers each block is computed when asked for (one at a time)."""
+        (:meth:`_row_blocks`). With tensor-parallel workers every block is computed here,
+        before any work of rank 0 alone, so the ranks' collectives stay in step; a failure
+        among them stops the engine (the ranks could not agree on the next step's
+        collectives any more). Without workers each block is computed when asked for (one
+        at a time)."""
         if self.workers is None:
             hidden = self._hidden(step, output)
             blocks = self._row_blocks(step)
-            if not step.sample_rows:
-                blocks.insert(0, None)
             return hidden, lambda i: self._logits(hidden, blocks[i])
         self.workers.step(step)
         try:
             hidden = self._hidden(step, output)
-            computed = [self._logits(hidden, rows) for rows in self._row_blocks(step)]
+            computed = [
+                None if rows is None else self._logits(hidden, rows)
+                for rows in self._row_blocks(step)
+            ]
         except Exception as exc:
             dead = self.workers.check(exc)  # (a worker that died names itself)
             if isinstance(dead, EngineDeadError):
@@ -245,8 +246,6 @@ class ModelRunner:
                 f"tensor-parallel rank 0 failed within a step, out of step with the other "
                 f"ranks: {exc!r}"
             ) from exc
-        if not step.sample_rows:
-            computed.insert(0, None)
         return hidden, computed.__getitem__
 
     @torch.inference_mode()
@@ -256,7 +255,8 @@ class ModelRunner:
         collectives); rank 0 samples."""
         hidden = self._hidden(step, None)
         for rows in self._row_blocks(step):
-            self._logits(hidden, rows)
+            if rows is not None:
+                self._logits(hidden, rows)
 
     def _hidden(self, step: StepInput, output: SchedulerOutput | None) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one covers the step,

@@ -105,7 +105,7 @@ class WorkerGroup:
             raise EngineDeadError(f"a tensor-parallel worker is gone: {exc}") from exc
 
     def step(self, step: Any) -> None:
-        self.send("step", step)
+        self.send("follow", step)
 
     def _raise_if_dead(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -214,54 +214,86 @@ def _join_watching(group: Any, size: int, backend: str) -> None:
         raise errors[0]
 
 
-def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
-    """A tensor-parallel worker: join the group, build this rank's shard, then follow
-    rank 0's messages until ``stop`` (or until rank 0 is gone)."""
-    from pagedllm.core.args.validate import attention_backend_name
-    from pagedllm.core.compilation import compile_model
-    from pagedllm.core.model_setup import load_model
-    from pagedllm.core.plugins import make_plugin_manager
-    from pagedllm.core.runner import ModelRunner, profile_step, set_kv_scales
+class WorkerRank:
+    """One tensor-parallel rank above 0, as the ``mp`` worker processes and the Ray actors
+    both run it: :meth:`load` joins the group and builds this rank's shard, :meth:`profile`
+    takes part in rank 0's profiled step, :meth:`cache` allocates its KV cache and
+    :meth:`follow` computes its part of each step. ``cores``: the CPUs the ranks on this
+    machine share (by default the device's thread count)."""
 
-    logging.basicConfig(level=logging.WARNING)
-    try:
+    def __init__(
+        self, config: Any, rank: int, size: int, init_method: str, cores: int | None = None
+    ) -> None:
+        self.config, self.rank, self.size, self.init_method = config, rank, size, init_method
+        self.cores = cores
+        self.loaded: Any = None
+        self.backend: Any = None
+        self.runner: Any = None
+
+    def load(self) -> str:
+        from pagedllm.core.args.validate import attention_backend_name
+        from pagedllm.core.compilation import compile_model
+        from pagedllm.core.model_setup import load_model
+        from pagedllm.core.plugins import make_plugin_manager
+
+        config = self.config
         device = config.device_config.device
         if device.name == "cuda":
-            torch.cuda.set_device(rank)
-        init_distributed(rank, size, init_method, collective_backend(device.name))
+            torch.cuda.set_device(self.rank)
+        init_distributed(self.rank, self.size, self.init_method, collective_backend(device.name))
         pm = make_plugin_manager()
-        loaded = load_model(config, pm)
-        compile_model(loaded.model, config.compilation_config.level)
-        torch.set_num_threads(max(1, device.num_threads() // size))
-        backend_cls = pm.load("attention_backends", attention_backend_name(device, pm))
-        backend = backend_cls()
-        runner = None
-        _send(conn, ("loaded", None))
+        self.loaded = load_model(config, pm)
+        compile_model(self.loaded.model, config.compilation_config.level)
+        cores = device.num_threads() if self.cores is None else self.cores
+        torch.set_num_threads(max(1, cores // self.size))
+        self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
+        return "loaded"
+
+    def profile(self, payload: dict[str, Any]) -> None:
+        """``payload``: :func:`~pagedllm.core.runner.profile_step`'s arguments but the
+        model, the backend and the device."""
+        from pagedllm.core.runner import profile_step
+
+        device = self.config.device_config.torch_device
+        profile_step(self.loaded.model, self.backend, device=device, **payload)
+
+    def cache(self, payload: tuple[Any, ...]) -> str:
+        from pagedllm.core.runner import ModelRunner, set_kv_scales
+
+        spec, num_blocks, block_size, vocab_size = payload
+        set_kv_scales(self.loaded.model, self.config.cache_config, spec.dtype)
+        self.runner = ModelRunner(
+            self.loaded.model, spec, num_blocks, block_size, vocab_size,
+            self.config.device_config.torch_device, self.backend,
+        )  # fmt: skip
+        self.runner.sampler = None  # (rank 0 samples)
+        return "ready"
+
+    def follow(self, step: Any) -> None:
+        self.runner.follow(step)
+
+    def stop(self) -> None:
+        destroy_distributed()
+
+
+def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
+    """A tensor-parallel worker process: a :class:`WorkerRank` doing what rank 0's
+    messages say (``load`` first, then ``profile``, ``cache``, ``follow``; a method's
+    answer goes back) until ``stop`` or until rank 0 is gone."""
+    logging.basicConfig(level=logging.WARNING)
+    worker = WorkerRank(config, rank, size, init_method)
+    try:
+        _send(conn, (worker.load(), None))
         while True:
             try:
                 kind, payload = pickle.loads(conn.recv_bytes())
             except EOFError:  # rank 0 is gone
                 return
-            if kind == "step":
-                assert runner is not None
-                runner.follow(payload)
-            elif kind == "profile":
-                spec, block_size, tokens, seqs, max_len = payload
-                profile_step(
-                    loaded.model, backend, spec, block_size, tokens, seqs,
-                    config.device_config.torch_device, max_len,
-                )  # fmt: skip
-            elif kind == "cache":
-                spec, num_blocks, block_size, vocab_size = payload
-                set_kv_scales(loaded.model, config.cache_config, spec.dtype)
-                runner = ModelRunner(
-                    loaded.model, spec, num_blocks, block_size, vocab_size,
-                    config.device_config.torch_device, backend,
-                )  # fmt: skip
-                runner.sampler = None  # (rank 0 samples)
-                _send(conn, ("ready", None))
-            elif kind == "stop":
+            if kind == "stop":
                 return
+            answer = getattr(worker, kind)(payload)
+            if answer is not None:
+                _send(conn, (answer, None))
     except BaseException as exc:  # reported to rank 0, then this process exits
         try:
             _send(conn, ("error", f"{exc!r}\n{traceback.format_exc()}"))
@@ -269,4 +301,4 @@ def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Conne
             pass
         raise SystemExit(1) from None
     finally:
-        destroy_distributed()
+        worker.stop()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from typing import Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
+from pagedllm.distributed.executor import WorkerRank
 
 logger = logging.getLogger(__name__)
 
@@ -35,70 +35,20 @@ def _import_ray() -> Any:
     return ray
 
 
-class _Rank:
-    """A worker rank inside a Ray actor (the methods rank 0 calls)."""
+class RayRank(WorkerRank):
+    """A rank as a Ray actor. Built inside the actor, where Ray gives a one-CPU actor one
+    thread: the ranks share the node's cores by its CPU affinity. A failed step exits the
+    actor, so that rank 0's collective fails now rather than at its timeout."""
 
     def __init__(self, config: Any, rank: int, size: int, init_method: str) -> None:
-        self.config, self.rank, self.size, self.init_method = config, rank, size, init_method
-        self.loaded: Any = None
-        self.runner: Any = None
-
-    def load(self) -> str:
-        import torch
-
-        from pagedllm.core.args.validate import attention_backend_name
-        from pagedllm.core.compilation import compile_model
-        from pagedllm.core.model_setup import load_model
-        from pagedllm.core.plugins import make_plugin_manager
-        from pagedllm.distributed.executor import collective_backend
-        from pagedllm.distributed.parallel_state import init_distributed
-
-        config = self.config
-        device = config.device_config.device
-        if device.name == "cuda":
-            torch.cuda.set_device(0)  # (Ray shows each actor its own GPU)
-        init_distributed(self.rank, self.size, self.init_method, collective_backend(device.name))
-        # (Ray gives a one-CPU actor one thread; the ranks share the node's cores.)
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.size))
-        pm = make_plugin_manager()
-        self.loaded = load_model(config, pm)
-        compile_model(self.loaded.model, config.compilation_config.level)
-        self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
-        return "loaded"
-
-    def profile(self, payload: tuple[Any, ...]) -> None:
-        from pagedllm.core.runner import profile_step
-
-        spec, block_size, tokens, seqs, max_len = payload
-        profile_step(
-            self.loaded.model, self.backend, spec, block_size, tokens, seqs,
-            self.config.device_config.torch_device, max_len,
-        )  # fmt: skip
-
-    def cache(self, payload: tuple[Any, ...]) -> str:
-        from pagedllm.core.runner import ModelRunner, set_kv_scales
-
-        spec, num_blocks, block_size, vocab_size = payload
-        set_kv_scales(self.loaded.model, self.config.cache_config, spec.dtype)
-        self.runner = ModelRunner(
-            self.loaded.model, spec, num_blocks, block_size, vocab_size,
-            self.config.device_config.torch_device, self.backend,
-        )  # fmt: skip
-        self.runner.sampler = None  # (rank 0 samples)
-        return "ready"
+        super().__init__(config, rank, size, init_method, cores=len(os.sched_getaffinity(0)))
 
     def follow(self, step: Any) -> None:
         try:
-            self.runner.follow(step)
+            super().follow(step)
         except BaseException:
-            # (Exit, so that rank 0's collective fails now rather than at its timeout.)
             logger.exception("tensor-parallel rank %d failed", self.rank)
             os._exit(1)
-
-    def stop(self) -> None:
-        from pagedllm.distributed.parallel_state import destroy_distributed
-
-        destroy_distributed()
 
 
 class RayWorkerGroup:
@@ -119,8 +69,7 @@ class RayWorkerGroup:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         self.init_method = f"tcp://{host}:{port}"
-        gpu = config.device_config.device.name == "cuda"
-        if gpu:
+        if config.device_config.device.name == "cuda":
             # (Rank 0's GPU would have to be in the placement group too, so that Ray does
             # not give an actor the GPU this process uses: not built yet.)
             raise ConfigError(
@@ -136,7 +85,7 @@ class RayWorkerGroup:
                 f"--distributed-executor-backend ray: the Ray cluster has no room for "
                 f"{size - 1} worker(s) of {bundle}: {exc}"
             ) from exc
-        actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(_Rank)
+        actor = ray.remote(num_cpus=1)(RayRank)
         self.actors = [
             actor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -163,15 +112,15 @@ class RayWorkerGroup:
             raise ConfigError(f"a tensor-parallel Ray worker failed: {exc}") from exc
 
     def send(self, kind: str, payload: Any = None) -> None:
-        method = {"profile": "profile", "cache": "cache", "step": "follow"}[kind]
-        refs = [getattr(a, method).remote(payload) for a in self.actors]
+        """Call each actor's ``kind`` (``profile``, ``cache``, ``follow``)."""
+        refs = [getattr(a, kind).remote(payload) for a in self.actors]
         if kind == "cache":
             self._pending["ready"] = refs
         else:
             self._last = refs
 
     def step(self, step: Any) -> None:
-        self.send("step", step)
+        self.send("follow", step)
 
     def check(self, exc: BaseException) -> BaseException:
         """EngineDeadError when an actor died (its last call failed), else ``exc``."""
@@ -193,5 +142,4 @@ class RayWorkerGroup:
             pass
         for a in self.actors:
             self.ray.kill(a)
-        time.sleep(0)  # (the actors' processes exit asynchronously)
         self.ray.util.remove_placement_group(self.group)

@@ -80,14 +80,11 @@ class CudaDevice(Device):
     def kv_cache_memory(self, cache_config: CacheConfig) -> KVCacheMemory:
         import torch
 
-        fraction = cache_config.gpu_memory_utilization
-        free, total = self.memory_info()
         if self.peak_bytes is None or self.free_at_start is None:
-            return KVCacheMemory(
-                int(min(free, total * fraction)), f"--gpu-memory-utilization={fraction}"
-            )
+            return super().kv_cache_memory(cache_config)
+        free, total = self.memory_info()
         return kv_cache_budget(
-            fraction,
+            cache_config.gpu_memory_utilization,
             total,
             self.free_at_start,
             free,
