@@ -119,3 +119,21 @@ def stored_weights(
             data = (data + np.float32(1)) - np.float32(1)
         out[name] = torch.from_numpy(np.asarray(data, dtype=np.float32).copy())
     return out
+
+
+def gguf_checkpoint(
+    root: Path, arch: str, qtype: GGMLQuantizationType, tiny: str | None = None, **overrides: Any
+) -> tuple[Path, Path, Any]:
+    """The tiny checkpoint ``tiny`` (``tiny_models``, by default ``arch``; config
+    ``overrides``) under ``root``, written as ``root/<arch>.gguf`` with ``qtype`` 2-D
+    weights: its directory (the tokenizer), the GGUF file, and transformers' model
+    holding the weights as the file stores them (the reference)."""
+    from tiny_models import load_reference, make_checkpoint
+
+    tiny = tiny or arch
+    directory = make_checkpoint(root / tiny, tiny, **overrides)
+    model = load_reference(directory)
+    state = model.state_dict()
+    path = write_gguf(root / f"{arch}.gguf", state, model.config, arch, qtype)
+    model.load_state_dict(stored_weights(state, model.config, arch, qtype))
+    return directory, path, model

@@ -239,14 +239,9 @@ def test_gguf_weights_on_the_gpu(tmp_path):
     """A Q4_1 GGUF model's packed weights decoded by the Triton GGUF kernels: the tokens
     transformers gives on the same stored weights."""
     from gguf import GGMLQuantizationType
-    from gguf_writer import stored_weights, write_gguf
+    from gguf_writer import gguf_checkpoint
 
-    directory = make_checkpoint(tmp_path / "llama", "llama")
-    model = load_reference(directory)
-    state = model.state_dict()
-    qtype = GGMLQuantizationType.Q4_1
-    path = write_gguf(tmp_path / "llama.gguf", state, model.config, "llama", qtype)
-    model.load_state_dict(stored_weights(state, model.config, "llama", qtype))
+    directory, path, model = gguf_checkpoint(tmp_path, "llama", GGMLQuantizationType.Q4_1)
     prompts = _prompts()
     expected = [reference_greedy(model, p, NEW_TOKENS)[0] for p in prompts]
     llm = LLM(str(path), tokenizer=str(directory), device="cuda", dtype="float32")

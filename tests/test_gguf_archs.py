@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_writer import stored_weights, write_gguf
+from gguf_writer import gguf_checkpoint, write_gguf
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 
 from pagedllm import LLM, SamplingParams
@@ -51,11 +51,9 @@ PROMPTS = _prompts()
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     arch, tiny, overrides, qtype = CASES[request.param]
-    directory = make_checkpoint(tmp_path_factory.mktemp(tiny), tiny, **overrides)
-    model = load_reference(directory)
-    state = model.state_dict()
-    path = write_gguf(directory.parent / f"{arch}.gguf", state, model.config, arch, qtype)
-    model.load_state_dict(stored_weights(state, model.config, arch, qtype))
+    directory, path, model = gguf_checkpoint(
+        tmp_path_factory.mktemp(tiny), arch, qtype, tiny, **overrides
+    )
     expected = [reference_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     return directory, path, qtype, expected
 

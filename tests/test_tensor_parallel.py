@@ -111,14 +111,9 @@ def test_gguf_weights_split_packed(architecture, qtype, tmp_path):
     and whole blocks of columns split, the packed embedding vocab-parallel;
     transformers' tokens on the stored weights."""
     from gguf import GGMLQuantizationType
-    from gguf_writer import stored_weights, write_gguf
+    from gguf_writer import gguf_checkpoint
 
-    qtype = GGMLQuantizationType[qtype]
-    directory = make_checkpoint(tmp_path / architecture, architecture)
-    model = load_reference(directory)
-    state = model.state_dict()
-    path = write_gguf(tmp_path / "model.gguf", state, model.config, architecture, qtype)
-    model.load_state_dict(stored_weights(state, model.config, architecture, qtype))
+    directory, path, model = gguf_checkpoint(tmp_path, architecture, GGMLQuantizationType[qtype])
     prompts = _prompts()
     expected = [reference_greedy(model, p, NEW_TOKENS)[0] for p in prompts]
     llm = LLM(str(path), tokenizer=str(directory), dtype="float32", tensor_parallel_size=2)
