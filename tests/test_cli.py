@@ -94,13 +94,15 @@ def test_plugins_lists_every_registry_with_sources():
 
 
 def test_serve_refuses_unbuilt_and_unavailable(tmp_path):
-    pp = run_cli("serve", "some-model", "-pp", "2")
-    assert pp.returncode == 2
-    assert "--pipeline-parallel-size=2 is not supported by pagedllm yet" in pp.stderr
-    # -tp 2 on a model that is not there: refused before any worker process starts.
-    tp = run_cli("serve", "some-model", "-tp", "2")
-    assert tp.returncode == 2
-    assert "does not download models" in tp.stderr and "tensor parallelism" not in tp.stderr
+    ep = run_cli("serve", "some-model", "--enable-expert-parallel")
+    assert ep.returncode == 2
+    assert "--enable-expert-parallel=True is not supported by pagedllm yet" in ep.stderr
+    # -tp 2 / -pp 2 on a model that is not there: refused before any worker process starts.
+    for flag in ("-tp", "-pp"):
+        ranks = run_cli("serve", "some-model", flag, "2")
+        assert ranks.returncode == 2
+        assert "does not download models" in ranks.stderr
+        assert "parallelism" not in ranks.stderr
 
     cuda = run_cli("serve", "some-model", "--device", "cuda")
     assert cuda.returncode == 2 and "--device cuda" in cuda.stderr

@@ -66,6 +66,41 @@ def _prompts(seed: int = 5) -> list[list[int]]:
     return [shared + torch.randint(6, 512, (n,), generator=g).tolist() for n in (3, 14, 40)]
 
 
+# ---------------------------------------------------------------- NCCL
+
+
+def test_nccl_carries_the_parallel_collectives_on_the_gpu():
+    """The collectives and transfers tensor and pipeline parallelism use, over NCCL on
+    this GPU: a group of one rank (NCCL refuses two ranks on one device), joined as the
+    engine's ranks join theirs. The all-reduce, the all-gather of a vocabulary split and
+    a stage's point-to-point send (to itself) carry GPU tensors."""
+    import torch.distributed as dist
+
+    from pagedllm.distributed.executor import _free_port, collective_backend
+
+    assert collective_backend("cuda") == "nccl"
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        x = torch.arange(12.0, device=CUDA).reshape(3, 4)
+        dist.all_reduce(summed := x.clone())
+        torch.testing.assert_close(summed, x)
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x)
+        torch.testing.assert_close(parts[0], x)
+        got = torch.empty_like(x, dtype=torch.bfloat16)
+        ops = [
+            dist.P2POp(dist.isend, x.to(torch.bfloat16), 0),
+            dist.P2POp(dist.irecv, got, 0),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        torch.testing.assert_close(got, x.to(torch.bfloat16))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- kernels, compiled
 
 

@@ -1,11 +1,15 @@
 """Tensor parallelism on CPU (gloo): ``-tp 2`` runs rank 1 in a worker process that
 follows rank 0's steps; greedy tokens equal ``-tp 1`` and transformers, offline (with
 prefix caching, chunked prefill and preemption) and through the server; a worker that
-dies stops the server (``/health`` 503, exit) rather than hanging it."""
+dies stops the server (``/health`` 503, exit) rather than hanging it. The tests of what
+tensor and pipeline parallelism share (the server, Ray, the other row blocks) run for
+both (the rest of pipeline parallelism: test_pipeline_parallel.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import psutil
@@ -51,25 +55,45 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     and -tp 1's logprobs within 1e-4, prompts chunked over a cached prefix (second pass)
     in a cache small enough to preempt."""
     directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
-    reference = load_reference(directory)
-    prompts = _prompts()
-    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
-    kwargs = dict(
-        dtype="float32",
-        max_num_batched_tokens=16,
-        num_gpu_blocks_override=8,
-        block_size=8,
-        max_model_len=64,
-        disable_log_stats=True,
-    )
-    single = _generate(LLM(str(directory), **kwargs), prompts)
-    llm = LLM(str(directory), tensor_parallel_size=2, **kwargs)
-    try:
-        engine = llm.llm_engine
-        assert engine.workers is not None and len(engine.workers.procs) == 1
+
+    def check(engine: Any, reference: Any) -> None:
+        assert len(engine.workers.procs) == 1
         # Rank 0 holds half the attention heads.
         attention = engine.loaded.model.model.layers[0].self_attn
         assert attention.num_heads == reference.config.num_attention_heads // 2
+        # One group per process: a second engine waits for the first to shut down.
+        with pytest.raises(ConfigError, match="already belongs to a tensor-parallel or pipeline"):
+            LLM(str(directory), tensor_parallel_size=2, **SMALL_CACHE)
+
+    assert_parity_with_one_rank(directory, {"tensor_parallel_size": 2}, check)
+
+
+# Chunked prefill over a cached prefix in a cache small enough to preempt.
+SMALL_CACHE: dict[str, Any] = dict(
+    dtype="float32",
+    max_num_batched_tokens=16,
+    num_gpu_blocks_override=8,
+    block_size=8,
+    max_model_len=64,
+    disable_log_stats=True,
+)
+
+
+def assert_parity_with_one_rank(
+    directory: Any, parallel: dict[str, int], check: Callable[[Any, Any], None]
+) -> Any:
+    """An engine with ``parallel`` (its ranks' ``check(engine, reference)`` first) gives
+    transformers' greedy tokens and one rank's logprobs within 1e-4, twice (the second
+    time over cached prefixes), with chunked prefill and preemption; its workers are gone
+    after its shutdown. Returns the engine, shut down."""
+    reference = load_reference(directory)
+    prompts = _prompts()
+    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+    single = _generate(LLM(str(directory), **SMALL_CACHE), prompts)
+    llm = LLM(str(directory), **parallel, **SMALL_CACHE)
+    engine = llm.llm_engine
+    try:
+        check(engine, reference)
         for _ in range(2):
             outputs = _generate(llm, prompts)
             assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -79,12 +103,10 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
                         assert abs(a[token].logprob - logprob.logprob) < 1e-4
         assert engine.kv_manager.total_prefix_cache_stats.hits > 0
         assert engine.scheduler.num_preemptions > 0
-        # One group per process: a second engine waits for the first to shut down.
-        with pytest.raises(ConfigError, match="already belongs to a tensor-parallel group"):
-            LLM(str(directory), tensor_parallel_size=2, **kwargs)
     finally:
-        llm.llm_engine.shutdown()
+        engine.shutdown()
     assert all(not proc.is_alive() for proc in engine.workers.procs)
+    return engine
 
 
 @pytest.mark.parametrize(
@@ -137,44 +159,48 @@ def _worker_pids(server: RemoteServer) -> list[int]:
     return [c.pid for c in children if "spawn_main" in " ".join(c.cmdline())]
 
 
-def test_the_server_serves_with_two_ranks_and_dies_with_a_worker(tmp_path):
+@pytest.mark.parametrize(
+    ("flag", "worker"), [("-tp", "tensor-parallel worker rank 1"), ("-pp", "pipeline stage 1")]
+)
+def test_the_server_serves_with_two_ranks_and_dies_with_a_worker(flag, worker, tmp_path):
+    """-tp 2 / -pp 2 behind the server: transformers' greedy tokens for a batch of
+    prompts; a worker (rank 1, or stage 1) killed makes the server fail and exit."""
     directory = make_checkpoint(tmp_path / "llama", "llama")
     reference = load_reference(directory)
-    prompt = _prompts()[1]
-    server = RemoteServer(directory, "-tp", "2", log_path=tmp_path / "server.log")
+    prompts = _prompts()
+    server = RemoteServer(directory, flag, "2", log_path=tmp_path / "server.log")
     server.start()
     try:
         server.wait_ready()
-        completion = server.client().completions.create(
-            model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
-        )
-        tokens = server.client().completions.create(
-            model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+        client = server.client()
+        completion = client.completions.create(
+            model=str(directory), prompt=prompts, max_tokens=NEW_TOKENS, temperature=0,
             logprobs=1, extra_body={"return_tokens_as_token_ids": True},
         )  # fmt: skip
-        ids = [int(t.removeprefix("token_id:")) for t in tokens.choices[0].logprobs.tokens]
-        assert ids == reference_greedy(reference, prompt, NEW_TOKENS)[0]
-        assert completion.choices[0].finish_reason == "length"
-        (worker,) = _worker_pids(server)
-        psutil.Process(worker).kill()
+        for choice in completion.choices:
+            ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+            assert ids == reference_greedy(reference, prompts[choice.index], NEW_TOKENS)[0]
+            assert choice.finish_reason == "length"
+        (pid,) = _worker_pids(server)
+        psutil.Process(pid).kill()
         with pytest.raises(Exception):  # noqa: B017 (whatever the client makes of it)
-            server.client().completions.create(
-                model=str(directory), prompt=prompt, max_tokens=NEW_TOKENS
-            )
+            client.completions.create(model=str(directory), prompt=prompts[0], max_tokens=4)
         deadline = time.monotonic() + 30
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert server.proc.returncode is not None, "the server did not exit"
-        assert "tensor-parallel worker rank 1" in server.log_text()
+        assert server.proc.returncode not in (None, 0), "the server did not fail"
+        assert worker in server.log_text()
     finally:
         server.stop()
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2)
 
 
-def test_ray_actors_as_the_ranks(tmp_path):
-    """--distributed-executor-backend ray: rank 1 is a Ray actor placed by a placement
-    group on a local Ray instance; transformers' greedy tokens."""
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_ray_actors_as_the_ranks(parallel, tmp_path):
+    """--distributed-executor-backend ray: rank 1 (a tensor-parallel rank, or pipeline
+    stage 1) is a Ray actor placed by a placement group on a local Ray instance;
+    transformers' greedy tokens."""
     pytest.importorskip("ray")
     import ray
 
@@ -186,8 +212,8 @@ def test_ray_actors_as_the_ranks(tmp_path):
         llm = LLM(
             str(directory),
             dtype="float32",
-            tensor_parallel_size=2,
             distributed_executor_backend="ray",
+            **{parallel: 2},
             disable_log_stats=True,
         )
         try:
@@ -203,13 +229,16 @@ def test_ray_actors_as_the_ranks(tmp_path):
         ray.shutdown()
 
 
-def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(tmp_path):
-    """The other row blocks (prompt logprobs), the block copies of beam search and an fp8
-    KV cache (each rank's scales) give -tp 1's results; a one-rank engine built beside a
-    two-rank one in the same process is built whole."""
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_path):
+    """The other row blocks (prompt logprobs: with stages, every prompt row back from the
+    last one), the block copies of beam search (each rank's cache) and an fp8 KV cache
+    (each rank's scales, of its heads or its layers) give one rank's results; a one-rank
+    engine built beside a two-rank one in the same process is built whole."""
     from safetensors.torch import load_file, save_file
 
     from pagedllm import BeamSearchParams
+    from pagedllm.plugins.models.common import PipelineMissing
 
     directory = make_checkpoint(tmp_path / "llama", "llama")
     # The checkpoint's own KV-cache scales (every rank must store with them).
@@ -233,11 +262,14 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(tmp_path):
             [[s.output_tokens for s in o.sequences] for o in searched],
         )  # fmt: skip
 
-    two = LLM(str(directory), tensor_parallel_size=2, **kwargs)
+    two = LLM(str(directory), **{parallel: 2}, **kwargs)
     try:
         tokens, prompt_logprobs, searched = run(two)
         single = LLM(str(directory), **kwargs)
-        assert single.llm_engine.loaded.model.model.layers[0].self_attn.num_heads == 4
+        layers = single.llm_engine.loaded.model.model.layers
+        assert layers[0].self_attn.num_heads == 4
+        assert not any(isinstance(layer, PipelineMissing) for layer in layers)
+        assert layers[1].self_attn.attn.k_scale == pytest.approx(0.03)
         expected_tokens, expected_logprobs, expected_beams = run(single)
     finally:
         two.llm_engine.shutdown()

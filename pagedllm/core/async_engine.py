@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager
     from pagedllm.core.sampling import SamplingParams
     from pagedllm.inputs import PromptType
+    from pagedllm.lora.request import LoRARequest
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "NewRequest", "RequestFailedError"]
 
@@ -193,6 +194,14 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread, between steps."""
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    def load_lora(self, request: LoRARequest) -> concurrent.futures.Future[None]:
+        """Load the adapter on the engine thread, between steps (``InvalidRequestError``
+        when it cannot be); a future, so that start-up can wait for it without a loop."""
+        return self._submit(lambda: self.engine.lora.adapter(request))
+
+    def unload_lora(self, lora_int_id: int) -> concurrent.futures.Future[None]:
+        return self._submit(lambda: self.engine.lora.remove(lora_int_id))
 
     async def generate(
         self,

@@ -155,7 +155,8 @@ class ParallelConfig:
     tensor_parallel_size: int = _flag("tensor_parallel_size")
     pipeline_parallel_size: int = _flag("pipeline_parallel_size")
     data_parallel_size: int = _flag("data_parallel_size")
-    # "uni" (one process) or "mp" (tensor-parallel worker processes).
+    # "uni" (one process), "mp" (worker processes: tensor-parallel ranks or pipeline
+    # stages) or "ray" (the same as Ray actors).
     distributed_executor_backend: str = "uni"
 
 
@@ -287,21 +288,29 @@ def _lora_config(args: EngineArgs) -> LoRAConfig | None:
 
 
 def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
-    """-tp and --distributed-executor-backend, checked against what runs with them."""
-    tp = args.tensor_parallel_size
+    """-tp, -pp and --distributed-executor-backend, checked against what runs with them."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     _require(tp >= 1, "--tensor-parallel-size", tp, "must be at least 1")
-    backend = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    _require(pp >= 1, "--pipeline-parallel-size", pp, "must be at least 1")
+    if tp > 1 and pp > 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} with --pipeline-parallel-size {pp}: pagedllm does "
+            "not combine tensor and pipeline parallelism yet; use one of them"
+        )
+    ranks = tp * pp
+    flag = "--tensor-parallel-size" if tp > 1 else "--pipeline-parallel-size"
+    backend = args.distributed_executor_backend or ("mp" if ranks > 1 else "uni")
     if backend == "external_launcher":
         raise ConfigError(
             "--distributed-executor-backend external_launcher is not supported by pagedllm "
             "yet; use mp (worker processes), ray (Ray actors) or uni"
         )
-    if backend == "uni" and tp > 1:
+    if backend == "uni" and ranks > 1:
         raise ConfigError(
             f"--distributed-executor-backend uni runs one process, which cannot hold "
-            f"--tensor-parallel-size {tp} ranks; use mp"
+            f"{flag} {ranks} ranks; use mp"
         )
-    if tp > 1:
+    if ranks > 1:
         refused = {
             "--enable-lora": args.enable_lora,
             "--speculative-config": bool(args.speculative_config),
@@ -309,20 +318,17 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         }
         for option, given in refused.items():
             if given:
-                raise ConfigError(
-                    f"{option} is not supported with --tensor-parallel-size above 1 yet"
-                )
+                raise ConfigError(f"{option} is not supported with {flag} above 1 yet")
         if device.name == "cuda":
             import torch
 
-            if torch.cuda.device_count() < tp:
+            if torch.cuda.device_count() < ranks:
                 raise ConfigError(
-                    f"--tensor-parallel-size {tp} needs {tp} GPUs; "
-                    f"{torch.cuda.device_count()} are visible"
+                    f"{flag} {ranks} needs {ranks} GPUs; {torch.cuda.device_count()} are visible"
                 )
     return ParallelConfig(
         tensor_parallel_size=tp,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=pp,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=backend,
     )
@@ -463,4 +469,40 @@ def create_engine_config(
     )
     config.compilation_config = compilation_config(args, config.scheduler_config.max_num_seqs)
     pm.hook.pagedllm_update_config(config=config)
+    _check_data_parallel(config, usage_context)
     return config
+
+
+def _check_data_parallel(config: PagedLLMConfig, usage_context: UsageContext) -> None:
+    """``--data-parallel-size``, checked against who starts the engine and the device.
+
+    Replicas are engine processes behind the API server's front end (``pagedllm serve``,
+    and ``run-batch``, which serves through the same front end); an ``LLM`` or an
+    ``LLMEngine`` is one engine in the caller's process, so asking it for several would
+    silently run one. On a GPU each replica takes its ranks' (``-tp`` x ``-pp``) devices."""
+    parallel = config.parallel_config
+    dp = parallel.data_parallel_size
+    _require(dp >= 1, "--data-parallel-size", dp, "must be at least 1")
+    if dp == 1:
+        return
+    if usage_context != UsageContext.OPENAI_API_SERVER:
+        raise ConfigError(
+            f"--data-parallel-size {dp}: the offline LLM class, LLMEngine and `pagedllm "
+            f"bench throughput` run one engine in this process; serve {dp} replicas with "
+            f"`pagedllm serve MODEL --data-parallel-size {dp}` instead"
+        )
+    device = config.device_config.device
+    if device.name not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"--data-parallel-size {dp}: data-parallel replicas run on the cpu and cuda "
+            f"devices only, not --device {device.name}"
+        )
+    if device.name == "cuda":
+        import torch
+
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        if torch.cuda.device_count() < dp * ranks:
+            raise ConfigError(
+                f"--data-parallel-size {dp} with {ranks} rank(s) per replica (-tp x -pp) "
+                f"needs {dp * ranks} GPUs; {torch.cuda.device_count()} are visible"
+            )

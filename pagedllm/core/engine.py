@@ -46,6 +46,7 @@ from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
+from pagedllm.distributed.parallel_state import stage_layers
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -76,12 +77,13 @@ class LLMEngine:
     output processor (which holds the live requests) turns them into outputs."""
 
     def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
-        # -tp N: ranks 1..N-1 are worker processes, started first (they build their
-        # shards of the model while this process, rank 0, builds its own).
+        # -tp N / -pp N: ranks 1..N-1 are worker processes, started first (they build
+        # their shards or stages of the model while this process, rank 0, builds its own).
         self.workers: Any = None
-        tp = config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            from pagedllm.distributed.executor import start_tensor_parallel
+        parallel = config.parallel_config
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        if tp * pp > 1:
+            from pagedllm.distributed.executor import start_workers
 
             # (A missing model or an architecture that cannot be split is refused before
             # any process starts.)
@@ -91,8 +93,10 @@ class LLMEngine:
                 config.model_config.model_impl,
                 pm.registry("models"),
             )
-            pm.registry("models").load(name).check_tensor_parallel(hf_config, tp)
-            self.workers = start_tensor_parallel(config)
+            architecture = pm.registry("models").load(name)
+            architecture.check_tensor_parallel(hf_config, tp)
+            architecture.check_pipeline_parallel(hf_config, pp)
+            self.workers = start_workers(config)
         try:
             self._build(config, pm)
         except BaseException:
@@ -117,19 +121,26 @@ class LLMEngine:
                 f"backend of this device stores {', '.join(backend_cls.kv_cache_dtypes)} only"
             )
         loaded = load_model(config, pm)
-        tp = config.parallel_config.tensor_parallel_size
+        parallel = config.parallel_config
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         if self.workers is not None:
             self.workers.wait("loaded")
             # (the ranks share the machine's cores)
-            torch.set_num_threads(max(1, config.device_config.device.num_threads() // tp))
+            torch.set_num_threads(max(1, config.device_config.device.num_threads() // (tp * pp)))
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
+        if self.is_pooling and pp > 1:
+            raise ConfigError(
+                f"--task {self.task}: pooling is not supported with --pipeline-parallel-size "
+                "above 1 yet"
+            )
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
-        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp)
+        stage = stage_layers(loaded.hf_config.num_hidden_layers) if pp > 1 else None
+        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp, stage)
         set_kv_scales(loaded.model, cache, spec.dtype)
         compile_model(loaded.model, config.compilation_config.level)
         device = config.device_config.device
@@ -141,7 +152,7 @@ class LLMEngine:
             and bool(config.compilation_config.capture_sizes)
             and not self.is_pooling
             and config.lora_config is None
-            and tp == 1
+            and tp * pp == 1
         )
         # Adapters' slots and the draft model take their memory before the KV cache is
         # sized from what is left.
@@ -173,7 +184,7 @@ class LLMEngine:
             )
 
             def profile_all_ranks() -> int:
-                if self.workers is not None:  # (their collectives meet this rank's)
+                if tp > 1:  # (their collectives meet this rank's; a stage runs alone)
                     self.workers.send("profile", profile)
                 torch_device = config.device_config.torch_device
                 return profile_step(loaded.model, backend, device=torch_device, **profile)
@@ -222,6 +233,12 @@ class LLMEngine:
             self.workers.send("cache", (spec, num_blocks, cache.block_size, self.vocab_size))
             self.workers.wait("ready")
             self.runner.workers = self.workers
+            if pp > 1:
+                from pagedllm.distributed.pipeline import PipelineStages
+
+                self.runner.pipeline = PipelineStages(self.workers, pp)
+                self.runner.hidden_size = loaded.hf_config.hidden_size
+                self.runner.hidden_dtype = loaded.dtype
         self.runner.pooler_configs = self.pooler_configs
         self.runner.lora = self.lora
         if use_graphs:
@@ -596,7 +613,8 @@ class LLMEngine:
         gc.unfreeze()  # (so that collecting the engine's cycles can free it)
 
     def _stop_workers(self) -> None:
-        """Stop the tensor-parallel workers and leave their group (no-op without)."""
+        """Stop the workers (tensor-parallel ranks, pipeline stages) and leave their
+        group (no-op without)."""
         if self.workers is None:
             return
         from pagedllm.distributed.parallel_state import destroy_distributed

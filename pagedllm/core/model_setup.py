@@ -325,6 +325,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     # (With several ranks the engine checked model_cls.check_tensor_parallel before any
     # rank started: its layers shard themselves as they are built.)
     tp = config.parallel_config.tensor_parallel_size
+    stages = config.parallel_config.pipeline_parallel_size
     device = config.device_config.device
     device.prepare_process()
     torch.set_num_threads(device.num_threads())
@@ -333,7 +334,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     try:
         # Built where it runs: fused layers share storage with the layers loaded by name
         # (views), which moving the model afterwards would split into copies.
-        with torch.device(config.device_config.torch_device), building(tp):
+        with torch.device(config.device_config.torch_device), building(tp, stages):
             model = model_cls(
                 hf_config,
                 quant,

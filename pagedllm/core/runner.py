@@ -30,10 +30,30 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # The layers whose caches this rank holds (a pipeline stage's); None: every layer.
+    layers: range | None = None
+
+    @property
+    def num_held_layers(self) -> int:
+        return self.num_layers if self.layers is None else len(self.layers)
 
     def bytes_per_block(self, block_size: int) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_held_layers * block_size * self.num_kv_heads * self.head_dim * element
+
+    def allocate(
+        self, num_blocks: int, block_size: int, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One cache per layer, ``[2, num_blocks, block_size, kv heads, head dim]``; an
+        empty tensor for a layer another pipeline stage holds. Not zero-filled: memory is
+        committed only as blocks are written, and attention never reads a slot before it
+        is written (padding repeats a written slot)."""
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        held = range(self.num_layers) if self.layers is None else self.layers
+        return [
+            torch.empty(shape if i in held else (0,), dtype=self.dtype, device=device)
+            for i in range(self.num_layers)
+        ]
 
 
 _KV_CACHE_DTYPES = {
@@ -65,14 +85,17 @@ def set_kv_scales(model: torch.nn.Module, cache_config: Any, kv_dtype: torch.dty
             module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)
 
 
-def kv_cache_spec(hf_config: Any, dtype: torch.dtype, tp: int = 1) -> KVCacheSpec:
+def kv_cache_spec(
+    hf_config: Any, dtype: torch.dtype, tp: int = 1, layers: range | None = None
+) -> KVCacheSpec:
     """The KV cache of one rank of ``tp`` tensor-parallel ranks: its share of the KV
-    heads, or one head where there are fewer KV heads than ranks (each replicated)."""
+    heads, or one head where there are fewer KV heads than ranks (each replicated);
+    ``layers``: a pipeline stage's (None: all)."""
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     kv_heads = max(1, kv_heads // tp)
-    return KVCacheSpec(hf_config.num_hidden_layers, kv_heads, head_dim, dtype)
+    return KVCacheSpec(hf_config.num_hidden_layers, kv_heads, head_dim, dtype, layers)
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,12 +137,7 @@ class ModelRunner:
         # Blocks past the KV manager's num_blocks, which never hold a request's tokens:
         # the padding rows of a replayed decode graph write and read pad_block.
         self.pad_block = num_blocks
-        shape = (2, num_blocks + reserved_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # Not zero-filled: memory is committed only as blocks are written, and attention
-        # never reads a slot before it is written (padding repeats a written slot).
-        self.kv_caches = [
-            torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = spec.allocate(num_blocks + reserved_blocks, block_size, device)
         self.sampler = Sampler()
         # The pooler of each pooling task the engine serves (set by the engine).
         self.pooler_configs: dict[str, Any] = {}
@@ -130,6 +148,13 @@ class ModelRunner:
         # Tensor parallelism, on rank 0: the other ranks' worker group (its step() sends
         # them each step's StepInput), set by the engine.
         self.workers: Any = None
+        # Pipeline parallelism: on stage 0, the stages' driver (PipelineStages); on every
+        # stage, the hidden states' size and type between stages (set by the engine and
+        # the workers).
+        self.pipeline: Any = None
+        self.hidden_size = 0
+        self.hidden_dtype = torch.float32
+        self.stage: tuple[int, int] = (0, 1)
 
     @torch.inference_mode()
     def execute(
@@ -231,6 +256,14 @@ class ModelRunner:
             hidden = self._hidden(step, output)
             blocks = self._row_blocks(step)
             return hidden, lambda i: self._logits(hidden, blocks[i])
+        if self.pipeline is not None:
+            # (Stage 0 alone computes the logits: no collectives after the stages.)
+            try:
+                hidden = self.pipeline.hidden(self, step)
+            except Exception as exc:
+                raise self._stopped(exc) from exc
+            blocks = self._row_blocks(step)
+            return hidden, lambda i: self._logits(hidden, blocks[i])
         self.workers.step(step)
         try:
             hidden = self._hidden(step, output)
@@ -239,28 +272,45 @@ class ModelRunner:
                 for rows in self._row_blocks(step)
             ]
         except Exception as exc:
-            dead = self.workers.check(exc)  # (a worker that died names itself)
-            if isinstance(dead, EngineDeadError):
-                raise dead from exc
-            raise EngineDeadError(
-                f"tensor-parallel rank 0 failed within a step, out of step with the other "
-                f"ranks: {exc!r}"
-            ) from exc
+            raise self._stopped(exc) from exc
         return hidden, computed.__getitem__
 
+    def _stopped(self, exc: Exception) -> EngineDeadError:
+        """The error that stops the engine after ``exc`` within a step shared with the
+        other ranks: a worker that died names itself; else rank 0 is out of step with
+        them (they could not agree on the next step's collectives or transfers)."""
+        dead = self.workers.check(exc)
+        if isinstance(dead, EngineDeadError):
+            return dead
+        return EngineDeadError(
+            f"rank 0 failed within a step, out of step with the other ranks: {exc!r}"
+        )
+
     @torch.inference_mode()
-    def follow(self, step: StepInput) -> None:
-        """A tensor-parallel worker's part of a step: the forward pass and the logits of
-        the row blocks rank 0 computes them for, in its order (each takes part in
-        collectives); rank 0 samples."""
+    def follow(self, step: Any) -> None:
+        """A worker's part of a step. A tensor-parallel rank computes the forward pass and
+        the logits of the row blocks rank 0 computes them for, in its order (each takes
+        part in collectives); rank 0 samples. A pipeline stage runs its layers on each
+        micro-batch (:func:`~pagedllm.distributed.pipeline.follow_stage`)."""
+        if self.stage[1] > 1:
+            from pagedllm.distributed.pipeline import follow_stage
+
+            follow_stage(self, step, *self.stage)
+            return
         hidden = self._hidden(step, None)
         for rows in self._row_blocks(step):
             if rows is not None:
                 self._logits(hidden, rows)
 
-    def _hidden(self, step: StepInput, output: SchedulerOutput | None) -> torch.Tensor:
+    def _hidden(
+        self,
+        step: StepInput,
+        output: SchedulerOutput | None,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one covers the step,
-        else computed eagerly."""
+        else computed eagerly (``intermediate``: a pipeline stage's input, the previous
+        stage's hidden states)."""
         if step.blocks_to_copy:
             self._copy_blocks(step.blocks_to_copy)
         graphs = self.graphs
@@ -270,19 +320,25 @@ class ModelRunner:
             and graphs.covers(len(step.token_ids), max(step.context_lens))
         ):
             return graphs.run(step.token_ids, step.positions, step.context_lens, step.block_tables)
-        return self._forward(output, step)
+        return self._forward(output, step, intermediate)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer's cache."""
         sources = torch.tensor([c[0] for c in copies], device=self.device)
         destinations = torch.tensor([c[1] for c in copies], device=self.device)
         for cache in self.kv_caches:
-            cache[:, destinations] = cache[:, sources]
+            if cache.dim() > 1:  # (a layer of this pipeline stage)
+                cache[:, destinations] = cache[:, sources]
 
-    def _forward(self, output: SchedulerOutput | None, step: StepInput) -> torch.Tensor:
+    def _forward(
+        self,
+        output: SchedulerOutput | None,
+        step: StepInput,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The step's hidden states, computed eagerly (``output``: the scheduler's, on
-        rank 0, for adapters and token types; None on a tensor-parallel worker, whose
-        engine has neither)."""
+        rank 0, for adapters and token types; None on a worker, whose engine has neither,
+        and for a pipeline's micro-batch)."""
         metadata = self.attention_backend.build_metadata(
             step.query_lens,
             step.context_lens,
@@ -301,6 +357,8 @@ class ModelRunner:
             self.model.step_ranges = list(
                 itertools.pairwise(itertools.accumulate(step.query_lens, initial=0))
             )
+        if intermediate is not None:
+            return self.model(input_ids, input_positions, metadata, intermediate)
         return self.model(input_ids, input_positions, metadata)
 
     def _pool(self, request: Any, hidden: torch.Tensor, item: Any) -> torch.Tensor:
@@ -377,8 +435,7 @@ def profile_step(
         count = -(-n // block_size)
         tables.append(list(range(blocks, blocks + count)))
         blocks += count
-    shape = (2, blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    caches = spec.allocate(blocks, block_size, device)
     metadata = backend.build_metadata(lens, lens, tables, block_size, caches, device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)

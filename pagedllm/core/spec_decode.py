@@ -211,11 +211,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.vocab_size = vocab_size
-        shape = (2, num_blocks, block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
-        self.kv_caches = [
-            torch.empty(shape, dtype=kv_spec.dtype, device=device)
-            for _ in range(kv_spec.num_layers)
-        ]
+        self.kv_caches = kv_spec.allocate(num_blocks, block_size, device)
         # request id -> (its preemption count, tokens whose draft KV is written)
         self._written: dict[str, tuple[int, int]] = {}
 

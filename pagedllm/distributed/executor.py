@@ -1,7 +1,8 @@
-"""Tensor-parallel worker processes (``--distributed-executor-backend mp``; ``ray`` runs
-the same ranks as Ray actors, :mod:`pagedllm.distributed.ray_executor`).
+"""Tensor-parallel and pipeline-parallel worker processes (``--distributed-executor-backend
+mp``; ``ray`` runs the same ranks as Ray actors, :mod:`pagedllm.distributed.ray_executor`).
 
-The engine's process is rank 0: it schedules, computes its shard of every step and
+The engine's process is rank 0: it schedules, computes its shard of every step (or, with
+pipeline parallelism, the first stage: see :mod:`pagedllm.distributed.pipeline`) and
 samples. Ranks 1 to N - 1 are processes started here (``spawn``), each joining the
 ``torch.distributed`` group, building its shard of the model and then following rank 0:
 every step rank 0 sends them the step's :class:`~pagedllm.core.runner.StepInput` through a
@@ -15,6 +16,7 @@ the engine (a server answers 503 on ``/health`` and exits) rather than hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import pickle
@@ -51,11 +53,18 @@ def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def rank_label(config: Any) -> str:
+    """How errors name a worker: a tensor-parallel rank or a pipeline stage."""
+    pipeline = config.parallel_config.pipeline_parallel_size > 1
+    return "pipeline stage" if pipeline else "tensor-parallel worker rank"
+
+
 class WorkerGroup:
-    """Ranks 1 to ``size - 1`` of a tensor-parallel engine, as processes."""
+    """Ranks 1 to ``size - 1`` of a tensor- or pipeline-parallel engine, as processes."""
 
     def __init__(self, config: Any, size: int) -> None:
         self.size = size
+        self.label = rank_label(config)
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
@@ -67,7 +76,7 @@ class WorkerGroup:
                 proc = context.Process(
                     target=worker_main,
                     args=(config, rank, size, self.init_method, child),
-                    name=f"pagedllm-tp-worker-{rank}",
+                    name=f"pagedllm-worker-{rank}",
                     daemon=True,
                 )
                 proc.start()
@@ -85,14 +94,12 @@ class WorkerGroup:
             while not conn.poll(0.2):
                 self._raise_if_dead()
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(
-                        f"tensor-parallel worker rank {rank}: no {what!r} in time"
-                    )
+                    raise EngineDeadError(f"{self.label} {rank}: no {what!r} in time")
             kind, detail = pickle.loads(conn.recv_bytes())
             if kind == "error":
-                raise ConfigError(f"tensor-parallel worker rank {rank} failed: {detail}")
+                raise ConfigError(f"{self.label} {rank} failed: {detail}")
             if kind != what:
-                raise EngineDeadError(f"tensor-parallel worker rank {rank} sent {kind!r}")
+                raise EngineDeadError(f"{self.label} {rank} sent {kind!r}")
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker (pickled once)."""
@@ -102,7 +109,7 @@ class WorkerGroup:
             for conn in self.conns:
                 conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-            raise EngineDeadError(f"a tensor-parallel worker is gone: {exc}") from exc
+            raise EngineDeadError(f"a {self.label.rsplit(' ', 1)[0]} is gone: {exc}") from exc
 
     def step(self, step: Any) -> None:
         self.send("follow", step)
@@ -112,7 +119,7 @@ class WorkerGroup:
             if not proc.is_alive():
                 detail = self._last_error(rank)
                 raise EngineDeadError(
-                    f"tensor-parallel worker rank {rank} exited (code {proc.exitcode})"
+                    f"{self.label} {rank} exited (code {proc.exitcode})"
                     + (f": {detail}" if detail else "")
                 )
 
@@ -135,7 +142,7 @@ class WorkerGroup:
             for rank in range(1, self.size):
                 detail = self._last_error(rank)
                 if detail is not None:
-                    return EngineDeadError(f"tensor-parallel worker rank {rank} failed: {detail}")
+                    return EngineDeadError(f"{self.label} {rank} failed: {detail}")
             try:
                 self._raise_if_dead()
             except EngineDeadError as dead:
@@ -162,15 +169,23 @@ class WorkerGroup:
             conn.close()
 
 
-def start_tensor_parallel(config: Any) -> Any:
+def world_size(config: Any) -> int:
+    """The engine's ranks: its tensor-parallel ranks or its pipeline stages."""
+    parallel = config.parallel_config
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def start_workers(config: Any) -> Any:
     """Start the workers (processes, or Ray actors with ``--distributed-executor-backend
     ray``) and join their group as rank 0 (before the model is built)."""
     parallel = config.parallel_config
-    size = parallel.tensor_parallel_size
+    size = world_size(config)
+    pipeline = parallel.pipeline_parallel_size > 1
     device = config.device_config.device
     if torch.distributed.is_initialized():
         raise ConfigError(
-            "this process already belongs to a tensor-parallel group (another engine's): "
+            "this process already belongs to a tensor-parallel or pipeline group (another "
+            "engine's): "
             "shut that engine down first (LLM(...).llm_engine.shutdown())"
         )
     if parallel.distributed_executor_backend == "ray":
@@ -180,12 +195,13 @@ def start_tensor_parallel(config: Any) -> Any:
     else:
         group = WorkerGroup(config, size)
     try:
-        _join_watching(group, size, collective_backend(device.name))
+        _join_watching(group, size, collective_backend(device.name), pipeline)
     except BaseException:
         group.shutdown()
         raise
     logger.info(
-        "tensor parallelism: %d ranks (%s, %s), rank 0 in this process",
+        "%s parallelism: %d ranks (%s, %s), rank 0 in this process",
+        "pipeline" if pipeline else "tensor",
         size,
         collective_backend(device.name),
         group.init_method,
@@ -193,14 +209,14 @@ def start_tensor_parallel(config: Any) -> Any:
     return group
 
 
-def _join_watching(group: Any, size: int, backend: str) -> None:
+def _join_watching(group: Any, size: int, backend: str, pipeline: bool) -> None:
     """Join the group as rank 0 while watching the workers: one that dies before it
     joins (a failed import, a GPU it cannot use) ends the wait at once."""
     errors: list[BaseException] = []
 
     def join() -> None:
         try:
-            init_distributed(0, size, group.init_method, backend)
+            init_distributed(0, size, group.init_method, backend, pipeline=pipeline)
         except BaseException as exc:
             errors.append(exc)
 
@@ -215,11 +231,12 @@ def _join_watching(group: Any, size: int, backend: str) -> None:
 
 
 class WorkerRank:
-    """One tensor-parallel rank above 0, as the ``mp`` worker processes and the Ray actors
-    both run it: :meth:`load` joins the group and builds this rank's shard, :meth:`profile`
-    takes part in rank 0's profiled step, :meth:`cache` allocates its KV cache and
-    :meth:`follow` computes its part of each step. ``cores``: the CPUs the ranks on this
-    machine share (by default the device's thread count)."""
+    """One rank above 0 (a tensor-parallel rank or a pipeline stage), as the ``mp`` worker
+    processes and the Ray actors both run it: :meth:`load` joins the group and builds this
+    rank's shard (or stage), :meth:`profile` takes part in rank 0's profiled step,
+    :meth:`cache` allocates its KV cache and :meth:`follow` computes its part of each
+    step. ``cores``: the CPUs the ranks on this machine share (by default the device's
+    thread count)."""
 
     def __init__(
         self, config: Any, rank: int, size: int, init_method: str, cores: int | None = None
@@ -240,7 +257,14 @@ class WorkerRank:
         device = config.device_config.device
         if device.name == "cuda":
             torch.cuda.set_device(self.rank)
-        init_distributed(self.rank, self.size, self.init_method, collective_backend(device.name))
+        self.pipeline = config.parallel_config.pipeline_parallel_size > 1
+        init_distributed(
+            self.rank,
+            self.size,
+            self.init_method,
+            collective_backend(device.name),
+            pipeline=self.pipeline,
+        )
         pm = make_plugin_manager()
         self.loaded = load_model(config, pm)
         compile_model(self.loaded.model, config.compilation_config.level)
@@ -261,12 +285,20 @@ class WorkerRank:
         from pagedllm.core.runner import ModelRunner, set_kv_scales
 
         spec, num_blocks, block_size, vocab_size = payload
+        if self.pipeline:  # (rank 0's spec holds stage 0's layers)
+            from pagedllm.distributed.parallel_state import stage_layers
+
+            spec = dataclasses.replace(spec, layers=stage_layers(spec.num_layers))
         set_kv_scales(self.loaded.model, self.config.cache_config, spec.dtype)
         self.runner = ModelRunner(
             self.loaded.model, spec, num_blocks, block_size, vocab_size,
             self.config.device_config.torch_device, self.backend,
         )  # fmt: skip
         self.runner.sampler = None  # (rank 0 samples)
+        if self.pipeline:
+            self.runner.stage = (self.rank, self.size)
+            self.runner.hidden_size = self.loaded.hf_config.hidden_size
+            self.runner.hidden_dtype = self.loaded.dtype
         return "ready"
 
     def follow(self, step: Any) -> None:
@@ -277,7 +309,7 @@ class WorkerRank:
 
 
 def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
-    """A tensor-parallel worker process: a :class:`WorkerRank` doing what rank 0's
+    """A worker process: a :class:`WorkerRank` doing what rank 0's
     messages say (``load`` first, then ``profile``, ``cache``, ``follow``; a method's
     answer goes back) until ``stop`` or until rank 0 is gone."""
     logging.basicConfig(level=logging.WARNING)

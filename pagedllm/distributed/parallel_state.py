@@ -1,5 +1,5 @@
-"""This process's rank in the tensor-parallel group and the collectives the parallel
-layers use.
+"""This process's rank in the tensor-parallel or pipeline-parallel group, and the
+collectives and transfers the parallel layers and stages use.
 
 Each process of a tensor-parallel engine is one rank: the engine's own process is rank 0
 (it schedules, and samples from the gathered logits), the worker processes ranks 1 to
@@ -7,9 +7,15 @@ N - 1. ``torch.distributed`` carries the collectives: gloo between CPU processes
 between GPUs. With one rank (the default, and every engine without ``-tp``) nothing is
 initialised and every collective returns its input.
 
+With pipeline parallelism (``-pp N``) each process is a stage instead: it holds a
+contiguous range of the decoder layers (:func:`stage_layers`), stage 0 also the embedding
+and the vocabulary head, the last stage the final norm. Hidden states travel stage to
+stage by point-to-point sends.
+
 The state is per process (one engine per process is a rank of at most one group):
-:func:`set_tensor_parallel` sets it before the model is built, so that layers shard
-themselves as they are constructed.
+:func:`set_tensor_parallel` / :func:`set_pipeline_parallel` set it before the model is
+built, so that layers shard themselves (or are left to another stage) as they are
+constructed.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import dataclasses
 import datetime
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +36,47 @@ class TensorParallel:
     size: int = 1
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelineParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+
 _state = TensorParallel()
+_pipeline = PipelineParallel()
+
+
+def pipeline_parallel() -> PipelineParallel:
+    """This process's pipeline stage and the number of stages."""
+    return _pipeline
+
+
+def set_pipeline_parallel(rank: int, size: int) -> None:
+    """Record this process's pipeline stage (models built from now on hold its layers)."""
+    global _pipeline
+    if not 0 <= rank < size:
+        raise ValueError(f"stage {rank} is not in a pipeline of {size}")
+    _pipeline = PipelineParallel(rank, size)
+
+
+def stage_layers(num_layers: int, rank: int | None = None, size: int | None = None) -> range:
+    """The decoder layers pipeline stage ``rank`` of ``size`` holds: equal shares, the
+    later stages one more each where the layers do not divide evenly (stage 0 also embeds
+    the tokens, computes the logits and samples)."""
+    rank = _pipeline.rank if rank is None else rank
+    size = _pipeline.size if size is None else size
+    share, extra = divmod(num_layers, size)
+    counts = [share + (1 if i >= size - extra else 0) for i in range(size)]
+    start = sum(counts[:rank])
+    return range(start, start + counts[rank])
 
 
 def tensor_parallel() -> TensorParallel:
@@ -54,30 +101,44 @@ def set_tensor_parallel(rank: int, size: int) -> None:
 
 
 @contextlib.contextmanager
-def building(size: int) -> Iterator[None]:
-    """Layers built inside shard for ``size`` ranks: a one-rank model built in a process
-    that is a rank of a tensor-parallel engine is built whole (every choice a layer makes
-    between one rank and several is made when it is built)."""
-    global _state
-    previous = _state
-    if size == 1 and previous.size > 1:
-        _state = TensorParallel()
-    elif size != previous.size:
-        raise RuntimeError(
-            f"building a model for {size} tensor-parallel ranks in a process of a group of "
-            f"{previous.size}"
-        )
+def building(size: int, stages: int = 1) -> Iterator[None]:
+    """Layers built inside shard for ``size`` ranks and ``stages`` pipeline stages: a
+    one-rank model built in a process that is a rank of a tensor-parallel engine (or a
+    stage of a pipeline) is built whole (every choice a layer makes between one rank and
+    several is made when it is built)."""
+    global _state, _pipeline
+    previous, previous_stage = _state, _pipeline
+    _state = _state_to_build(previous, size, "tensor-parallel ranks")
+    _pipeline = _state_to_build(previous_stage, stages, "pipeline stages")
     try:
         yield
     finally:
-        _state = previous
+        _state, _pipeline = previous, previous_stage
+
+
+def _state_to_build(state: Any, size: int, what: str) -> Any:
+    """The state to build a model of ``size`` (ranks or stages) with in a process whose
+    state is ``state``: its own, or the one-rank default."""
+    if size == 1 and state.size > 1:
+        return type(state)()
+    if size != state.size:
+        raise RuntimeError(
+            f"building a model for {size} {what} in a process of a group of {state.size}"
+        )
+    return state
 
 
 def init_distributed(
-    rank: int, size: int, init_method: str, backend: str, timeout_s: float = 600.0
+    rank: int,
+    size: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float = 600.0,
+    pipeline: bool = False,
 ) -> None:
     """Join the process group of ``size`` ranks at ``init_method`` (``tcp://host:port``)
-    as ``rank``, with ``backend`` (``gloo``, ``nccl``), and record the rank."""
+    as ``rank``, with ``backend`` (``gloo``, ``nccl``), and record the rank: a
+    tensor-parallel rank, or with ``pipeline`` a pipeline stage."""
     if size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend,
@@ -86,14 +147,18 @@ def init_distributed(
             world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    set_tensor_parallel(rank, size)
+    if pipeline:
+        set_pipeline_parallel(rank, size)
+    else:
+        set_tensor_parallel(rank, size)
 
 
 def destroy_distributed() -> None:
-    global _state
+    global _state, _pipeline
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TensorParallel()
+    _pipeline = PipelineParallel()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

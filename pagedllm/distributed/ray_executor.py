@@ -47,7 +47,7 @@ class RayRank(WorkerRank):
         try:
             super().follow(step)
         except BaseException:
-            logger.exception("tensor-parallel rank %d failed", self.rank)
+            logger.exception("rank %d failed", self.rank)
             os._exit(1)
 
 
@@ -109,7 +109,7 @@ class RayWorkerGroup:
         try:
             self.ray.get(refs, timeout=timeout)
         except Exception as exc:
-            raise ConfigError(f"a tensor-parallel Ray worker failed: {exc}") from exc
+            raise ConfigError(f"a Ray worker failed: {exc}") from exc
 
     def send(self, kind: str, payload: Any = None) -> None:
         """Call each actor's ``kind`` (``profile``, ``cache``, ``follow``)."""
@@ -129,7 +129,7 @@ class RayWorkerGroup:
             try:
                 self.ray.get(ref)
             except Exception as error:
-                return EngineDeadError(f"a tensor-parallel Ray worker failed: {error}")
+                return EngineDeadError(f"a Ray worker failed: {error}")
         return exc
 
     def shutdown(self) -> None:

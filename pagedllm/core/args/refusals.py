@@ -18,8 +18,10 @@ import dataclasses
 from pagedllm.core.argspec import arg
 
 _LEAVE_OUT = "; leave this flag out"
-_SINGLE_DEVICE = "pagedllm runs the model on a single device" + _LEAVE_OUT
-_NO_DATA_PARALLEL = "pagedllm has no data parallelism; run several servers behind a load balancer"
+_ONE_NODE_DATA_PARALLEL = (
+    "multi-node data parallelism is not supported yet: `pagedllm serve "
+    "--data-parallel-size N` runs every replica on this machine"
+)
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
 _NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
@@ -41,18 +43,17 @@ UNSUPPORTED: dict[str, str] = {
     # LoadConfig
     "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,
     # ParallelConfig
-    "pipeline_parallel_size": _SINGLE_DEVICE,
-    "data_parallel_size": _NO_DATA_PARALLEL,
-    "data_parallel_size_local": _NO_DATA_PARALLEL,
-    "data_parallel_address": _NO_DATA_PARALLEL,
-    "data_parallel_rpc_port": _NO_DATA_PARALLEL,
-    "data_parallel_backend": _NO_DATA_PARALLEL,
-    "enable_expert_parallel": _SINGLE_DEVICE,
-    "enable_multimodal_encoder_data_parallel": _SINGLE_DEVICE,
+    "data_parallel_size_local": _ONE_NODE_DATA_PARALLEL,
+    "data_parallel_address": _ONE_NODE_DATA_PARALLEL,
+    "data_parallel_rpc_port": _ONE_NODE_DATA_PARALLEL,
+    "data_parallel_backend": "data-parallel replicas run as local processes (mp); Ray "
+    "placement of replicas is not supported yet",
+    "enable_expert_parallel": "pagedllm does not shard MoE layers by expert yet" + _LEAVE_OUT,
+    "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
     "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,
-    "ray_workers_use_nsight": "pagedllm does not use Ray" + _LEAVE_OUT,
-    "disable_custom_all_reduce": "this only matters with tensor parallelism, which pagedllm "
-    "does not support",
+    "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,
+    "disable_custom_all_reduce": "pagedllm has no custom all-reduce to disable (its ranks "
+    "all-reduce with torch.distributed)" + _LEAVE_OUT,
     "worker_cls": _ONE_WORKER,
     "worker_extension_cls": _ONE_WORKER,
     # CacheConfig
@@ -66,7 +67,8 @@ UNSUPPORTED: dict[str, str] = {
     "enable_lora_bias": "LoRA adapters with biases are not supported",
     "lora_extra_vocab_size": "LoRA adapters that add tokens are not supported",
     "long_lora_scaling_factors": "LongLoRA adapters (their own RoPE scaling) are not supported",
-    "fully_sharded_loras": "pagedllm runs one device: LoRA is not sharded",
+    "fully_sharded_loras": "LoRA runs without tensor parallelism in pagedllm, so its "
+    "adapters are not sharded" + _LEAVE_OUT,
     # PromptAdapterConfig
     "enable_prompt_adapter": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapters": _NO_PROMPT_ADAPTERS,

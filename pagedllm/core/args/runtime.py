@@ -92,15 +92,17 @@ class RuntimeArgs:
         1,
         group="ParallelConfig",
         aliases=("-pp",),
-        help="Number of pipeline-parallel groups.",
-        unbuilt=UNSUPPORTED["pipeline_parallel_size"],
+        help="Number of pipeline stages: the model's layers split across this many "
+        "processes (devices), each step's requests in micro-batches that overlap on the "
+        "stages.",
     )
     data_parallel_size: int = arg(
         1,
         group="ParallelConfig",
         aliases=("-dp",),
-        help="Number of data-parallel groups.",
-        unbuilt=UNSUPPORTED["data_parallel_size"],
+        help="Number of data-parallel replicas of the engine (pagedllm serve): each an "
+        "engine process with its own copy of the model and KV cache (and -tp ranks), "
+        "requests going to the least loaded one.",
     )
     data_parallel_size_local: int | None = arg(
         None,

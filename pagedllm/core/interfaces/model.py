@@ -36,6 +36,13 @@ class ModelArchitecture(ABC):
       and returns the full hidden states and full logits on every rank (each rank runs
       the same steps; the collectives join them). :meth:`check_tensor_parallel` says
       before the build whether a config splits over ``size`` ranks.
+    - With ``supports_pipeline_parallel``, a model built after
+      ``set_pipeline_parallel(rank, size)`` holds stage ``rank``'s decoder layers
+      (``stage_layers``), stage 0 the embedding and the head, the last stage the final
+      norm; the parts it does not hold are ``PipelineMissing`` modules and their
+      checkpoint tensors are skipped. :meth:`forward` then takes ``intermediate``: the
+      previous stage's hidden states in place of the token ids (None on stage 0), and
+      returns this stage's output (final hidden states on the last stage).
     """
 
     # Whether it generates text (``--task generate``), and the pooling tasks it serves
@@ -47,6 +54,9 @@ class ModelArchitecture(ABC):
     # Not inherited: a subclass may change the layers, so each class that supports it
     # says so in its own body (``__init_subclass__`` resets it otherwise).
     supports_tensor_parallel: ClassVar[bool] = False
+    # Whether its layers can be split over pipeline stages (``--pipeline-parallel-size``):
+    # inherited, as the decoder that holds a stage's layers is shared by the subclasses.
+    supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -62,6 +72,24 @@ class ModelArchitecture(ABC):
             raise ConfigError(
                 f"{cls.__name__} does not support tensor parallelism "
                 f"(--tensor-parallel-size {size}); use --tensor-parallel-size 1"
+            )
+
+    @classmethod
+    def check_pipeline_parallel(cls, config: Any, size: int) -> None:
+        """Raise ``ConfigError`` unless a model of Hugging Face ``config`` can be split
+        over ``size`` pipeline stages: it supports it and has a layer for each."""
+        if size == 1:
+            return
+        if not (cls.supports_pipeline_parallel and cls.supports_generation):
+            raise ConfigError(
+                f"{cls.__name__} does not support pipeline parallelism "
+                f"(--pipeline-parallel-size {size}); use --pipeline-parallel-size 1"
+            )
+        layers = getattr(config, "num_hidden_layers", 0)
+        if layers < size:
+            raise ConfigError(
+                f"{cls.__name__} has {layers} layers: too few for --pipeline-parallel-size "
+                f"{size} (a stage holds at least one)"
             )
 
     def default_pooler_config(self, task: str) -> Any:

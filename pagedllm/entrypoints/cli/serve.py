@@ -52,6 +52,10 @@ class ServeSubcommand(CLISubcommand):
         if frontend_args.lora_modules and not engine_args.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         log_config = apply_log_config(frontend_args.log_config_file)
+        if frontend_args.api_server_count > 1:
+            from pagedllm.entrypoints.openai.front_ends import serve_front_ends
+
+            return serve_front_ends(engine_args, frontend_args, pm, log_config)
         # The model loads on the engine's thread while this one imports the HTTP server
         # (FastAPI, uvicorn, the routes): about 0.2 s of the start.
         pending = start_serving(engine_args, frontend_args, pm)

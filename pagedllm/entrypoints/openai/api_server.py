@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from typing import Any
 
 from fastapi import FastAPI
 
 from pagedllm import __version__
-from pagedllm.core.async_engine import AsyncLLMEngine
+from pagedllm.core.engine_client import EngineClient
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.errors import add_exception_handlers, document_errors
-from pagedllm.entrypoints.openai.metrics import Metrics
+from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
 from pagedllm.entrypoints.openai.middleware import OPEN_PATHS, add_middleware, api_key
 from pagedllm.entrypoints.openai.routes import add_routes
 from pagedllm.entrypoints.openai.serving import OpenAIServing
@@ -25,9 +26,9 @@ logger = logging.getLogger("pagedllm.server")
 
 def build_app(
     args: FrontendArgs,
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     serving: OpenAIServing,
-    metrics: Metrics,
+    metrics: Metrics | ReplicaMetrics,
     pm: Any,
     model_path: str,
 ) -> FastAPI:
@@ -61,11 +62,17 @@ def build_app(
 
 
 def run_server(
-    pending: PendingServing, args: FrontendArgs, pm: Any, log_config: dict[str, Any] | None
+    pending: PendingServing,
+    args: FrontendArgs,
+    pm: Any,
+    log_config: dict[str, Any] | None,
+    sockets: list[socket.socket] | None = None,
 ) -> int:
     """Wait for the model that ``pending`` loads (see
     :func:`~pagedllm.entrypoints.openai.serving_setup.start_serving`), then serve until
-    SIGINT/SIGTERM. ``log_config``: what ``--log-config-file`` gave, for uvicorn."""
+    SIGINT/SIGTERM. ``log_config``: what ``--log-config-file`` gave, for uvicorn;
+    ``sockets``: listen on these (a front end of ``--api-server-count``, sharing its
+    parent's socket) rather than binding --host and --port."""
     import uvicorn
 
     stack = pending.finish()
@@ -129,7 +136,7 @@ def run_server(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda number, _frame: stopped_by.append(number))
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

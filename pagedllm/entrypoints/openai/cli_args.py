@@ -9,7 +9,10 @@ import dataclasses
 
 from pagedllm.core.argspec import arg
 
-_SINGLE_SERVER = "pagedllm runs one API server process; leave this flag out"
+_ONE_NODE = (
+    "multi-node data parallelism is not supported yet: `pagedllm serve "
+    "--data-parallel-size N` runs every replica on this machine"
+)
 
 
 @dataclasses.dataclass
@@ -215,22 +218,23 @@ class FrontendArgs:
         1,
         group="Frontend",
         aliases=("-asc",),
-        help="Number of API server processes.",
-        unbuilt=_SINGLE_SERVER,
+        min=1,
+        help="Number of API server (front-end) processes, all on the one --host/--port, "
+        "each sending requests to every engine replica (--data-parallel-size).",
     )
     headless: bool = arg(
         False,
         group="Frontend",
         bool_style="store_true",
         help="Run the engine without an API server, as a secondary data-parallel node.",
-        unbuilt="pagedllm has no data parallelism; run several servers behind a load balancer",
+        unbuilt=_ONE_NODE,
     )
     data_parallel_start_rank: int = arg(
         0,
         group="Frontend",
         aliases=("-dpr",),
         help="First data-parallel rank on a secondary node.",
-        unbuilt="pagedllm has no data parallelism; run several servers behind a load balancer",
+        unbuilt=_ONE_NODE,
     )
     disable_log_requests: bool = arg(
         False,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pagedllm.core.outputs import RequestOutput
 
@@ -134,9 +136,63 @@ class Metrics:
                     (metrics.last_token_time - metrics.first_token_time) / (tokens - 1)
                 )
 
+    async def exposition(self, engine: Any) -> bytes:
+        """``/metrics``' body (``engine``: the server's ``AsyncLLMEngine``)."""
+        self.refresh(engine.engine)
+        return generate_latest(self.registry)
+
     def refresh(self, engine: Any) -> None:
         """Gauges read fresh before a scrape (an idle engine runs no steps)."""
         stats = engine.stat_logger.snapshot()
         self.num_running.labels(self.model).set(stats.num_running)
         self.num_waiting.labels(self.model).set(stats.num_waiting)
         self.kv_usage.labels(self.model).set(stats.kv_cache_usage)
+
+
+class ReplicaMetrics:
+    """Metrics of data-parallel replicas (``--data-parallel-size``): each replica keeps
+    its own :class:`Metrics` in its process (its steps and its requests), and a scrape
+    gathers them all, each sample labelled ``engine="<replica index>"`` as vLLM does.
+    Every front end of ``--api-server-count`` answers with every replica's metrics,
+    whichever front end sent the requests; sum over ``engine`` for the server's totals.
+
+    ``engine``: the server's ``DataParallelClient``. ``registry`` collects the same for
+    prometheus-client's own HTTP server (``run-batch --enable-metrics``), blocking its
+    thread while the replicas answer."""
+
+    # How long a scrape waits for the replicas.
+    TIMEOUT_S = 30.0
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.registry = self
+
+    async def exposition(self, engine: Any) -> bytes:
+        families = await asyncio.wait_for(
+            asyncio.wrap_future(engine.metric_families()), self.TIMEOUT_S
+        )
+        return generate_latest(_Merged(families))
+
+    def collect(self) -> list[Metric]:
+        return _Merged(self.engine.metric_families().result(self.TIMEOUT_S)).collect()
+
+
+class _Merged:
+    """Families of the same name from several replicas as one family (a collector)."""
+
+    def __init__(self, per_replica: list[list[Metric]]) -> None:
+        self.per_replica = per_replica
+
+    def collect(self) -> list[Metric]:
+        merged: dict[str, Metric] = {}
+        for index, families in enumerate(self.per_replica):
+            for family in families:
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                for sample in family.samples:
+                    labels = {**sample.labels, "engine": str(index)}
+                    into.samples.append(sample._replace(labels=labels))
+        return list(merged.values())

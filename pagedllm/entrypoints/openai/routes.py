@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.entrypoints.openai.errors import OpenAIError, stream_errors
@@ -38,9 +38,9 @@ from pagedllm.entrypoints.openai.serving_pooling import (
 from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
-    from pagedllm.core.async_engine import AsyncLLMEngine
+    from pagedllm.core.engine_client import EngineClient
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-    from pagedllm.entrypoints.openai.metrics import Metrics
+    from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
@@ -49,9 +49,9 @@ logger = logging.getLogger("pagedllm.server")
 def add_routes(
     app: FastAPI,
     options: FrontendArgs,
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     serving: OpenAIServing,
-    metrics: Metrics,
+    metrics: Metrics | ReplicaMetrics,
     model_path: str,
 ) -> None:
     log_request = RequestLog.for_options(options, logger)
@@ -77,8 +77,7 @@ def add_routes(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.refresh(engine.engine)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.exposition(engine), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

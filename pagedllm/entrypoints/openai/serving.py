@@ -5,6 +5,7 @@ preparer, the checks a request passes before it reaches the engine, and ``/token
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from pagedllm.core.async_engine import AsyncLLMEngine, NewRequest
+from pagedllm.core.engine import NewRequest
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -29,6 +30,7 @@ from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 
 if TYPE_CHECKING:
+    from pagedllm.core.engine_client import EngineClient
     from pagedllm.core.interfaces import ReasoningParser, ToolParser
     from pagedllm.core.pooling import PoolingParams
     from pagedllm.core.sampling import SamplingParams
@@ -48,7 +50,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         options: FrontendArgs,
         *,
         model_names: list[str],
@@ -80,7 +82,7 @@ class OpenAIServing:
     def _new_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
         from pagedllm.lora.request import LoRARequest
 
-        if self.engine.engine.lora is None:
+        if self.engine.config.lora_config is None:
             raise OpenAIError(400, "LoRA adapters need a server started with --enable-lora")
         if name in self.loras or name in self.model_names:
             raise OpenAIError(400, f"the model name {name!r} is already served", param="lora_name")
@@ -89,11 +91,11 @@ class OpenAIServing:
         return request
 
     def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Serve the adapter at ``path`` as model ``name``, loading it now (start-up: the
-        engine runs no step yet)."""
+        """Serve the adapter at ``path`` as model ``name``, loading it now (start-up, no
+        event loop yet)."""
         request = self._new_lora(name, path, base_model_name)
         try:
-            self.engine.engine.lora.adapter(request)
+            self.engine.load_lora(request).result()
         except InvalidRequestError as exc:
             raise OpenAIError(400, str(exc), param="lora_path") from None
         self.loras[name] = request
@@ -104,7 +106,7 @@ class OpenAIServing:
         between steps."""
         request = self._new_lora(name, path, None)
         try:
-            await self.engine.call(lambda engine: engine.lora.adapter(request))
+            await asyncio.wrap_future(self.engine.load_lora(request))
         except InvalidRequestError as exc:
             raise OpenAIError(400, str(exc), param="lora_path") from None
         self.loras[name] = request
@@ -115,7 +117,7 @@ class OpenAIServing:
         if request is None:
             message = f"The LoRA adapter `{name}` does not exist."
             raise OpenAIError(404, message, "NotFoundError", param="lora_name")
-        await self.engine.call(lambda engine: engine.lora.remove(request.lora_int_id))
+        await asyncio.wrap_future(self.engine.unload_lora(request.lora_int_id))
 
     @functools.cached_property
     def pooling(self) -> PoolingServing:

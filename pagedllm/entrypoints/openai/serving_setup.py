@@ -17,21 +17,21 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
 if TYPE_CHECKING:
-    from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.engine_args import EngineArgs
+    from pagedllm.core.engine_client import EngineClient
     from pagedllm.core.plugins import PluginManager
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-    from pagedllm.entrypoints.openai.metrics import Metrics
+    from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 
 @dataclasses.dataclass(slots=True)
 class ServingStack:
     config: PagedLLMConfig
-    engine: AsyncLLMEngine
+    engine: EngineClient
     serving: OpenAIServing
-    metrics: Metrics
+    metrics: Metrics | ReplicaMetrics
 
     @property
     def model_names(self) -> list[str]:
@@ -65,7 +65,8 @@ def start_serving(
     engine_args: EngineArgs, options: FrontendArgs, pm: PluginManager
 ) -> PendingServing:
     """Check the options, read the chat template and start loading the model on the
-    engine's thread; :meth:`PendingServing.finish` waits for it."""
+    engine's thread (with ``--data-parallel-size`` N, in N replica processes);
+    :meth:`PendingServing.finish` waits for it."""
     from pagedllm.core.args.checks import invalid_values
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import UsageContext
@@ -76,7 +77,13 @@ def start_serving(
         raise ConfigError("; ".join(problems))
     chat_template = load_chat_template(options.chat_template)
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
-    engine = AsyncLLMEngine(config, pm, wait=False)
+    engine: EngineClient
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.distributed.replica_client import DataParallelClient
+
+        engine = DataParallelClient.start(config)
+    else:
+        engine = AsyncLLMEngine(config, pm, wait=False)
     return PendingServing(config, engine, options, pm, chat_template)
 
 
@@ -85,19 +92,28 @@ class PendingServing:
     """A model loading on the engine's thread (see :func:`start_serving`)."""
 
     config: PagedLLMConfig
-    engine: AsyncLLMEngine
+    engine: EngineClient
     options: FrontendArgs
     pm: PluginManager
     chat_template: str | None
 
     def finish(self) -> ServingStack:
         """Wait for the model, then build what serves it. A load that fails raises
-        here."""
-        from pagedllm.entrypoints.openai.metrics import Metrics
+        here; anything after it stops the engine (replica processes must not outlive
+        a server that failed to start)."""
+        self.engine.wait_built()  # (replicas that fail to start are stopped by then)
+        try:
+            return self._build()
+        except BaseException:
+            self.engine.shutdown()
+            raise
+
+    def _build(self) -> ServingStack:
+        from pagedllm.core.async_engine import AsyncLLMEngine
+        from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
         from pagedllm.entrypoints.openai.serving import OpenAIServing
 
         engine, options, pm, config = self.engine, self.options, self.pm, self.config
-        engine.wait_built()
         names = config.model_config.served_model_name
         reasoning_parser = config.decoding_config.reasoning_parser
         serving = OpenAIServing(
@@ -119,8 +135,12 @@ class PendingServing:
                 serving.add_lora(name, path, base)
             except OpenAIError as exc:
                 raise ConfigError(f"--lora-modules {name}: {exc.message}") from None
-        metrics = Metrics(metrics_label(names[0]))
-        engine.step_listeners.append(metrics.on_step)
+        metrics: Metrics | ReplicaMetrics
+        if isinstance(engine, AsyncLLMEngine):
+            metrics = Metrics(metrics_label(names[0]))
+            engine.step_listeners.append(metrics.on_step)
+        else:  # (each replica keeps its own; /metrics gathers them)
+            metrics = ReplicaMetrics(engine)
         return ServingStack(config, engine, serving, metrics)
 
 

@@ -69,7 +69,9 @@ class CpuPagedBackend(TorchSDPABackend):
         device: torch.device,
     ) -> Any:
         ops = cpu_ops()
-        if ops is None or not kv_caches or not _kernel_cache(ops, kv_caches[0]):
+        # (a pipeline stage's caches of the layers it does not hold are empty)
+        held = next((cache for cache in kv_caches if cache.dim() > 1), None)
+        if ops is None or held is None or not _kernel_cache(ops, held):
             return super().build_metadata(
                 query_lens, context_lens, block_tables, block_size, kv_caches, device
             )

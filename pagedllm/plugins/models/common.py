@@ -13,7 +13,13 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding, padded_vocab_size
 from pagedllm.core.layers.linear import Linear
-from pagedllm.distributed.parallel_state import all_gather, tp_rank, tp_size
+from pagedllm.distributed.parallel_state import (
+    all_gather,
+    pipeline_parallel,
+    stage_layers,
+    tp_rank,
+    tp_size,
+)
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.norms import rms_norm
@@ -135,6 +141,41 @@ class TwoLayerMLP(nn.Module):
         return proj(self.act(fc(x)))
 
 
+class PipelineMissing(nn.Module):
+    """A part of the model that another pipeline stage holds (a layer, the embedding,
+    the head, the final norm): no parameters, and its checkpoint tensors are skipped."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this part of the model is held by another pipeline stage")
+
+
+def held_elsewhere(module: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of ``module`` belongs to a part another pipeline stage
+    holds (one of its enclosing modules is a :class:`PipelineMissing`)."""
+    owner: Any = module
+    for part in name.split(".")[:-1]:
+        owner = owner._modules.get(part) if isinstance(owner, nn.Module) else None
+        if owner is None:
+            return False
+        if isinstance(owner, PipelineMissing):
+            return True
+    return False
+
+
+def stage_part(make: Any, held: bool) -> nn.Module:
+    """``make()`` where this pipeline stage holds the part, else a placeholder."""
+    return make() if held else PipelineMissing()
+
+
+def decoder_layers(num_layers: int, make: Any) -> tuple[nn.ModuleList, tuple[nn.Module, ...]]:
+    """The decoder's layers, ``make(i)`` for those this pipeline stage holds (every one
+    without pipeline parallelism) and placeholders for the others, and the held ones in
+    order (what the stage runs)."""
+    held = stage_layers(num_layers)
+    layers = nn.ModuleList(stage_part(lambda i=i: make(i), i in held) for i in range(num_layers))
+    return layers, tuple(layers[i] for i in held)
+
+
 def narrow_shard(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """Entries ``[start, start + length)`` along ``dim`` of a full checkpoint tensor (a
     view where it can be), zero-padded where the range runs past the tensor (the padding
@@ -174,6 +215,8 @@ def copy_weights(
             continue
         param = params.get(target)
         if param is None:
+            if held_elsewhere(module, target):
+                continue
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
         rows = getattr(param, "tp_rows", None)
         if rows is not None and sum(length for _, length in rows) != tensor.shape[0]:
@@ -228,7 +271,7 @@ def take_kv_scales(
             yield name, tensor
             continue
         target = rename(name) if rename else name
-        if target is None:
+        if target is None or held_elsewhere(model, target):
             continue  # (the model drops it, as copy_weights does)
         try:
             owner = model.get_submodule(target[: -len(suffix)])
@@ -318,6 +361,9 @@ class CausalLM(nn.Module, ModelArchitecture):
         ranks the untied head is split by vocabulary rows (padded to a multiple of the
         ranks), and :meth:`compute_logits` gathers the full logits."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
+        if not pipeline_parallel().first:
+            self.lm_head = PipelineMissing()  # (stage 0 computes the logits)
+            return
         if self.tie_word_embeddings:
             if self.head_bias:
                 raise ConfigError(

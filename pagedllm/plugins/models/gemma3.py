@@ -18,7 +18,14 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import CausalLM, RMSNorm, layer_sliding_windows
+from pagedllm.distributed.parallel_state import pipeline_parallel
+from pagedllm.plugins.models.common import (
+    CausalLM,
+    RMSNorm,
+    decoder_layers,
+    layer_sliding_windows,
+    stage_part,
+)
 from pagedllm.plugins.models.llama import LlamaMLP, qkv_projections
 
 
@@ -90,17 +97,22 @@ class Gemma3Model(nn.Module):
 
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+        stage = pipeline_parallel()  # (see LlamaModel)
+        self.embed_tokens = stage_part(
+            lambda: VocabEmbedding(
+                config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+            ),
+            stage.first,
         )
         # As Hugging Face: sqrt(hidden) rounded to the weight dtype, applied after lookup.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         windows = layer_sliding_windows(config, disable_sliding_window)
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        self.layers, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
-        self.norm = _norm(config.hidden_size, config)
+        self.last_stage = stage.last
+        self.norm = stage_part(lambda: _norm(config.hidden_size, config), stage.last)
         self.rotary = self.rotary_tables(config, max_positions)
 
     def rotary_tables(self, config: Any, max_positions: int) -> nn.ModuleDict:
@@ -112,16 +124,20 @@ class Gemma3Model(nn.Module):
             }
         )
 
-    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        hidden = hidden * self.embed_scale.to(hidden.dtype)
-        for layer in self.layers:
+    def forward(self, input_ids, positions, metadata, intermediate=None) -> torch.Tensor:
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)
+            hidden = hidden * self.embed_scale.to(hidden.dtype)
+        else:
+            hidden = intermediate
+        for layer in self.stage_layers:
             hidden = layer(positions, hidden, self.rotary[layer.layer_type], metadata)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.last_stage else hidden
 
 
 class Gemma3ForCausalLM(CausalLM):
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True
     tie_by_default = True
     model_cls: type[nn.Module] = Gemma3Model
 
@@ -149,8 +165,10 @@ class Gemma3ForCausalLM(CausalLM):
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(
+        self, input_ids, positions, attn_metadata: AttentionMetadata, intermediate=None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden_states)

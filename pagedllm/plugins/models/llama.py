@@ -24,7 +24,7 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.distributed.parallel_state import tp_size
+from pagedllm.distributed.parallel_state import pipeline_parallel, tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
@@ -33,8 +33,10 @@ from pagedllm.plugins.models.common import (
     CausalLM,
     RMSNorm,
     activation,
+    decoder_layers,
     kv_head_share,
     layer_sliding_windows,
+    stage_part,
 )
 
 
@@ -227,30 +229,40 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+        # (With pipeline parallelism: the stage's layers; stage 0 the embedding, the last
+        # stage the final norm.)
+        stage = pipeline_parallel()
+        self.embed_tokens = stage_part(
+            lambda: VocabEmbedding(
+                config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
+            ),
+            stage.first,
         )
         windows = layer_sliding_windows(config, disable_sliding_window)
-        self.layers = nn.ModuleList(
-            self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        self.layers, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
-        setattr(self, self.norm_name, self.layer_cls.make_norm(config))
+        self.last_stage = stage.last
+        setattr(
+            self, self.norm_name, stage_part(lambda: self.layer_cls.make_norm(config), stage.last)
+        )
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 
-    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
+    def forward(self, input_ids, positions, metadata, intermediate=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate
+        for layer in self.stage_layers:
             hidden = layer(positions, hidden, self.rotary_emb, metadata)
-        return getattr(self, self.norm_name)(hidden)
+        return getattr(self, self.norm_name)(hidden) if self.last_stage else hidden
 
 
 class LlamaForCausalLM(CausalLM):
     model_cls: type[nn.Module] = LlamaModel
     supports_tensor_parallel = True
+    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -266,8 +278,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.model_cls(config, quant_config, max_positions, disable_sliding_window)
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
 
-    def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(self, input_ids, positions, attn_metadata, intermediate=None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def checkpoint_name(self, name: str) -> str | None:
         if "rotary_emb.inv_freq" in name:

@@ -1,0 +1,143 @@
+"""The data-parallel replica processes, from the side of the process that starts them
+(the server): started together, waited for, stopped (see :mod:`.replica`)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import ConfigError, EngineDeadError
+from pagedllm.distributed.replica import EngineFacts, ReplicaSpec, error_from_wire, replica_main
+
+if TYPE_CHECKING:
+    import multiprocessing.process
+
+    from pagedllm.core.config import PagedLLMConfig
+
+logger = logging.getLogger("pagedllm.replica")
+
+# How long the parent waits for a replica to load its model.
+LOAD_TIMEOUT_S = 600.0
+
+
+class ReplicaGroup:
+    """The replica processes, started at once (they load their models together).
+
+    Not daemonic: a replica with ``-tp`` ranks starts their processes, which a daemonic
+    process may not. They stop on :meth:`stop`, and on their own when this process is
+    gone (their status pipe closes), so none outlives the server."""
+
+    def __init__(self, config: PagedLLMConfig) -> None:
+        import multiprocessing
+
+        parallel = config.parallel_config
+        self.size = parallel.data_parallel_size
+        self.authkey = os.urandom(32)
+        device = config.device_config.device
+        threads = max(1, device.num_threads() // self.size)
+        gpus = _visible_gpus() if device.name == "cuda" else None
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        context = multiprocessing.get_context("spawn")
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.status: list[Connection] = []
+        self.addresses: list[Any] = []
+        self.facts: EngineFacts | None = None
+        self._stopped = False
+        try:
+            for index in range(self.size):
+                spec = ReplicaSpec(
+                    config,
+                    index,
+                    self.size,
+                    self.authkey,
+                    threads,
+                    ",".join(gpus[index * ranks : (index + 1) * ranks]) if gpus else None,
+                )
+                parent, child = context.Pipe()
+                proc = context.Process(
+                    target=replica_main,
+                    args=(spec, child),
+                    name=f"pagedllm-dp-replica-{index}",
+                    daemon=False,
+                )
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.status.append(parent)
+        except BaseException:
+            self.stop()
+            raise
+        # (Before multiprocessing's own exit handler, which would wait for them forever.)
+        atexit.register(self.stop)
+        logger.info(
+            "data parallelism: %d engine replicas (processes %s), %d threads each",
+            self.size,
+            ", ".join(str(p.pid) for p in self.procs),
+            threads,
+        )
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT_S) -> None:
+        """Wait until every replica has loaded its model and listens; a replica that
+        fails or exits meanwhile raises (what it raised, when it said)."""
+        deadline = time.monotonic() + timeout
+        for index, (proc, conn) in enumerate(zip(self.procs, self.status, strict=True)):
+            while not conn.poll(0.2):
+                if not proc.is_alive():
+                    raise EngineDeadError(
+                        f"data-parallel replica {index} exited (code {proc.exitcode}) while "
+                        "loading the model"
+                    )
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"data-parallel replica {index}: not ready in time")
+            try:
+                kind, *detail = conn.recv()
+            except (EOFError, OSError):
+                proc.join(5)
+                raise EngineDeadError(
+                    f"data-parallel replica {index} exited (code {proc.exitcode}) while "
+                    "loading the model"
+                ) from None
+            if kind == "error":
+                error = error_from_wire(*detail)
+                if isinstance(error, ConfigError):
+                    raise error
+                raise EngineDeadError(f"data-parallel replica {index} failed to start: {error}")
+            address, facts = detail
+            self.addresses.append(address)
+            if self.facts is None:
+                self.facts = facts
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every replica (each aborts its requests and stops its -tp ranks), killing
+        one that does not exit in ``timeout`` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for conn in self.status:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                logger.warning("data-parallel replica %s did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.join(5)
+        for conn in self.status:
+            conn.close()
+
+
+def _visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]

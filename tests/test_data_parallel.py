@@ -1,0 +1,196 @@
+"""Data parallelism: ``serve -dp 2`` runs two engine replica processes behind the front
+end, ``--api-server-count 2`` two front-end processes on one port (with two replicas, and
+with one engine process). Greedy tokens equal transformers' through the official client
+(completions, chat, streaming); concurrent requests reach both replicas (their own
+counters in ``/metrics``); an invalid request is a 400 and the next one is served; a
+replica that dies makes the server answer 503 and exit non-zero, leaving no process
+behind; what data parallelism cannot do is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from conftest import run_cli
+from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
+from tiny_models import load_reference, reference_greedy
+
+from pagedllm import LLM, EngineArgs
+from pagedllm.core.errors import ConfigError
+
+NEW_TOKENS = 6
+SERVERS = {
+    "dp2": ("-dp", "2"),
+    "dp2-asc2": ("-dp", "2", "--api-server-count", "2"),
+    "dp1-asc2": ("-asc", "2"),
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(6, 512, (n,), generator=g).tolist() for n in (4, 9, 13)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory):
+    """The three layouts, started together (they load at the same time)."""
+    logs = tmp_path_factory.mktemp("dp_logs")
+    started = {
+        name: RemoteServer(model, *args, log_path=logs / f"{name}.log")
+        for name, args in SERVERS.items()
+    }
+    start_servers(*started.values())
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+def _replica_pids(server: RemoteServer) -> list[int]:
+    """The replicas' process ids, as the server logs them."""
+    match = re.search(r"engine replicas \(processes ([\d, ]+)\)", server.log_text())
+    assert match, server.log_text()
+    return [int(pid) for pid in match.group(1).split(", ")]
+
+
+def test_greedy_tokens_equal_transformers_in_every_layout(servers, model):
+    reference = load_reference(model)
+    prompts = _prompts()
+    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+    chats = {}
+    for name, server in servers.items():
+        client = server.client()
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            completion = client.completions.create(
+                model=str(model), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                logprobs=1, extra_body={"return_tokens_as_token_ids": True},
+            )  # fmt: skip
+            ids = [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+            assert ids == tokens, name
+        text = (
+            client.completions.create(
+                model=str(model), prompt=prompts[0], max_tokens=NEW_TOKENS, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+        stream = client.completions.create(
+            model=str(model), prompt=prompts[0], max_tokens=NEW_TOKENS, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        assert "".join(chunk.choices[0].text for chunk in stream) == text, name
+        messages = [{"role": "user", "content": "Say something."}]
+        chat = client.chat.completions.create(
+            model=str(model), messages=messages, max_tokens=NEW_TOKENS, temperature=0
+        )
+        streamed = client.chat.completions.create(
+            model=str(model), messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+        assert "".join(pieces) == chat.choices[0].message.content, name
+        chats[name] = chat.choices[0].message.content
+    assert len(set(chats.values())) == 1, chats
+
+
+async def _concurrent(server: RemoteServer, model: str, count: int) -> None:
+    client = server.async_client()
+    await asyncio.gather(
+        *(
+            client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS)
+            for p in _prompts() * (count // 3)
+        )
+    )
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp2-asc2"])
+def test_concurrent_requests_reach_both_replicas(servers, model, name):
+    server = servers[name]
+    before = [server.metric("pagedllm:request_success_total", engine=str(i)) for i in (0, 1)]
+    asyncio.run(_concurrent(server, str(model), 6))
+    after = [server.metric("pagedllm:request_success_total", engine=str(i)) for i in (0, 1)]
+    done = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(done) == 6 and min(done) >= 1, done
+    # Either front end answers for every replica.
+    prompt_tokens = server.metric("pagedllm:prompt_tokens_total")
+    assert prompt_tokens >= sum(len(p) for p in _prompts()) * 2
+
+
+@pytest.mark.parametrize("name", list(SERVERS))
+def test_an_invalid_request_is_a_400_and_the_server_goes_on(servers, model, name):
+    server = servers[name]
+    with server.http() as http:
+        body = {"model": str(model), "prompt": "Hello", "max_tokens": 2}
+        # (refused by the replica's engine: this server's policy has no priorities)
+        refused = http.post("/v1/completions", json={**body, "priority": 3})
+        error = assert_openai_error(refused, 400, "priority")
+        assert error["param"] == "priority"
+        schema = http.post(
+            "/v1/completions", json={**body, "guided_json": {"type": "no-such-type"}}
+        )
+        assert_openai_error(schema, 400)
+        served = http.post("/v1/completions", json=body)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 2
+
+
+def test_refusals_name_the_flag(pm, model):
+    with pytest.raises(ConfigError, match=r"--data-parallel-size 2: .*pagedllm serve"):
+        LLM(str(model), dtype="float32", data_parallel_size=2)
+    with pytest.raises(ConfigError, match="--data-parallel-backend=ray is not supported"):
+        EngineArgs(model=str(model), data_parallel_backend="ray").create_engine_config(pm)
+    with pytest.raises(ConfigError, match="--data-parallel-size=0 is invalid"):
+        from pagedllm.core.config import UsageContext, _check_data_parallel
+
+        config = EngineArgs(model=str(model), data_parallel_size=0).create_engine_config(pm)
+        _check_data_parallel(config, UsageContext.OPENAI_API_SERVER)
+    commands = {
+        ("bench", "throughput", "--model", str(model), "-dp", "2"): "--data-parallel-size 2",
+        ("serve", str(model), "--headless"): "--headless=True is not supported",
+        ("serve", str(model), "-dpa", "10.0.0.1"): "multi-node data parallelism",
+        ("serve", str(model), "--api-server-count", "0"): "--api-server-count=0 is invalid",
+        ("serve", str(model), "-asc", "2", "--enable-server-load-tracking"): (
+            "--enable-server-load-tracking"
+        ),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        results = dict(zip(commands, pool.map(lambda c: run_cli(*c), commands), strict=True))
+    for command, message in commands.items():
+        result = results[command]
+        assert result.returncode == 2 and message in result.stderr, (command, result.stderr)
+
+
+def test_a_dead_replica_stops_the_server(servers):
+    """(Last: it ends two of the servers.) A killed replica: /health answers 503, then the
+    server exits non-zero, and none of its processes is left."""
+    dying = [servers["dp2"], servers["dp2-asc2"]]
+    family = {}
+    for server in dying:
+        assert server.proc is not None
+        family[server.port] = psutil.Process(server.proc.pid).children(recursive=True)
+        psutil.Process(_replica_pids(server)[1]).kill()
+    statuses: dict[int, set[int]] = {server.port: set() for server in dying}
+    deadline = time.monotonic() + 60
+    while any(s.proc.poll() is None for s in dying) and time.monotonic() < deadline:
+        for server in dying:
+            try:
+                statuses[server.port].add(httpx.get(server.url + "/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.05)
+    for server in dying:
+        assert server.proc.returncode not in (None, 0), server.log_text()
+        assert 503 in statuses[server.port], (statuses, server.log_text())
+        assert "data-parallel replica 1 exited" in server.log_text()
+        _, alive = psutil.wait_procs(family[server.port], timeout=30)
+        assert not alive, alive

@@ -1,0 +1,137 @@
+"""Pipeline parallelism on CPU (gloo): ``-pp N`` runs stages 1..N-1 in worker processes,
+each holding its share of the layers and of the KV cache; each step's requests go through
+the stages in micro-batches. Greedy tokens equal ``-pp 1`` and transformers, offline (with
+prefix caching, chunked prefill and preemption). The server, Ray stages and the other row
+blocks (prompt logprobs, beams, an fp8 cache) are tested with tensor parallelism's, in
+test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_tensor_parallel import (
+    NEW_TOKENS,
+    _generate,
+    _prompts,
+    assert_parity_with_one_rank,
+)
+from tiny_models import make_checkpoint, reference_greedy
+
+from pagedllm import LLM, EngineArgs
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.plugins import make_plugin_manager
+from pagedllm.core.runner import StepInput
+from pagedllm.distributed.parallel_state import stage_layers
+from pagedllm.distributed.pipeline import split_micro_batches
+from pagedllm.plugins.models.common import PipelineMissing
+
+
+def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
+    lens = [5, 1, 1, 1, 2, 2]
+    step = StepInput(
+        token_ids=list(range(12)),
+        positions=list(range(100, 112)),
+        query_lens=lens,
+        context_lens=[9, 4, 5, 6, 7, 8],
+        block_tables=[[i] for i in range(6)],
+        blocks_to_copy=[(3, 4)],
+    )
+    two = split_micro_batches(step, 2)
+    assert [b.query_lens for b in two] == [[5, 1], [1, 1, 2, 2]]
+    assert two[1].token_ids == list(range(6, 12)) and two[1].positions == list(range(106, 112))
+    assert two[1].context_lens == [5, 6, 7, 8] and two[1].block_tables == [[2], [3], [4], [5]]
+    # The block copies are made once, before the first micro-batch.
+    assert two[0].blocks_to_copy == [(3, 4)] and two[1].blocks_to_copy == []
+    assert [b.query_lens for b in split_micro_batches(step, 3)] == [[5], [1, 1, 1], [2, 2]]
+    # Never more runs than requests, never an empty one.
+    assert [b.query_lens for b in split_micro_batches(step, 9)] == [[n] for n in lens]
+    # Layers: the later stages take the remainder (stage 0 also embeds and samples).
+    assert [stage_layers(30, r, 4) for r in range(4)] == [
+        range(0, 7),
+        range(7, 14),
+        range(14, 22),
+        range(22, 30),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "stages", "overrides"),
+    [
+        ("llama", 2, {}),
+        ("llama", 3, {"num_hidden_layers": 3}),
+        ("gemma3", 2, {}),
+        ("gemma2", 2, {}),
+        ("phi3", 2, {}),
+        ("mixtral", 2, {}),
+    ],
+    ids=["llama", "llama-3-stages", "gemma3", "gemma2", "phi3", "mixtral"],
+)
+def test_stages_give_the_tokens_of_one(architecture, stages, overrides, tmp_path):
+    """-pp N: transformers' greedy tokens and -pp 1's logprobs within 1e-4, prompts
+    chunked over a cached prefix (second pass) in a cache small enough to preempt; the
+    steps went through the stages in several micro-batches."""
+    directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
+
+    def check(engine: Any, reference: Any) -> None:
+        assert len(engine.workers.procs) == stages - 1
+        # Stage 0 holds its layers, the embedding and the head, not the final norm; its
+        # KV cache holds its layers only.
+        decoder = engine.loaded.model.model
+        layers = reference.config.num_hidden_layers
+        held = [i in stage_layers(layers, 0, stages) for i in range(layers)]
+        assert [not isinstance(layer, PipelineMissing) for layer in decoder.layers] == held
+        assert isinstance(decoder.norm, PipelineMissing)
+        assert [cache.dim() > 1 for cache in engine.runner.kv_caches] == held
+
+    engine = assert_parity_with_one_rank(directory, {"pipeline_parallel_size": stages}, check)
+    pipeline = engine.runner.pipeline
+    assert pipeline.num_micro_batches > pipeline.num_steps > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "does not combine tensor and pipeline parallelism"),
+        ({"distributed_executor_backend": "uni"}, "uni runs one process"),
+        ({"enable_lora": True}, "--enable-lora is not supported with --pipeline-parallel-size"),
+        ({"pipeline_parallel_size": 0}, "--pipeline-parallel-size=0 is invalid"),
+    ],
+)
+def test_what_pipeline_parallelism_cannot_do_is_refused(kwargs, message):
+    args = EngineArgs(model="m", **{"pipeline_parallel_size": 2, **kwargs})
+    with pytest.raises(ConfigError, match=message):
+        args.create_engine_config(make_plugin_manager())
+
+
+def test_architectures_and_depths_that_cannot_be_staged_are_refused(tmp_path):
+    gpt2 = make_checkpoint(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel does not support pipeline"):
+        LLM(str(gpt2), dtype="float32", pipeline_parallel_size=2)
+    llama = make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError, match="2 layers: too few for --pipeline-parallel-size 3"):
+        LLM(str(llama), dtype="float32", pipeline_parallel_size=3)
+
+
+def test_gguf_weights_over_two_stages(tmp_path):
+    """A GGUF model's tensors of the other stage's layers are skipped; transformers'
+    tokens on the stored weights, in bfloat16 between the stages too."""
+    from gguf import GGMLQuantizationType
+    from gguf_writer import gguf_checkpoint
+
+    directory, path, model = gguf_checkpoint(tmp_path, "llama", GGMLQuantizationType.Q4_1)
+    prompts = _prompts()
+    expected = [reference_greedy(model, p, NEW_TOKENS)[0] for p in prompts]
+    llm = LLM(str(path), tokenizer=str(directory), dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+    finally:
+        llm.llm_engine.shutdown()
+    # bfloat16 hidden states travel between the stages as they are.
+    single = LLM(str(path), tokenizer=str(directory), dtype="bfloat16")
+    expected = [o.outputs[0].token_ids for o in _generate(single, prompts)]
+    llm = LLM(str(path), tokenizer=str(directory), dtype="bfloat16", pipeline_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+    finally:
+        llm.llm_engine.shutdown()
