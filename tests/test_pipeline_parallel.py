@@ -56,35 +56,41 @@ def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
 
 
 @pytest.mark.parametrize(
-    ("architecture", "stages", "overrides"),
+    ("architecture", "stages", "ranks", "overrides"),
     [
-        ("llama", 2, {}),
-        ("llama", 3, {"num_hidden_layers": 3}),
-        ("gemma3", 2, {}),
-        ("gemma2", 2, {}),
-        ("phi3", 2, {}),
-        ("mixtral", 2, {}),
+        ("llama", 2, 1, {}),
+        ("llama", 3, 1, {"num_hidden_layers": 3}),
+        ("llama", 2, 2, {}),
+        ("gemma3", 2, 1, {}),
+        ("gemma2", 2, 1, {}),
+        ("phi3", 2, 1, {}),
+        ("mixtral", 2, 1, {}),
     ],
-    ids=["llama", "llama-3-stages", "gemma3", "gemma2", "phi3", "mixtral"],
+    ids=["llama", "llama-3-stages", "llama-tp2-pp2", "gemma3", "gemma2", "phi3", "mixtral"],
 )
-def test_stages_give_the_tokens_of_one(architecture, stages, overrides, tmp_path):
-    """-pp N: transformers' greedy tokens and -pp 1's logprobs within 1e-4, prompts
-    chunked over a cached prefix (second pass) in a cache small enough to preempt; the
-    steps went through the stages in several micro-batches."""
+def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, tmp_path):
+    """-pp N (and -tp 2 -pp 2: two stages of two tensor-parallel ranks each): transformers'
+    greedy tokens and -pp 1's logprobs within 1e-4, prompts chunked over a cached prefix
+    (second pass) in a cache small enough to preempt; the steps went through the stages
+    in several micro-batches."""
     directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
 
     def check(engine: Any, reference: Any) -> None:
-        assert len(engine.workers.procs) == stages - 1
+        assert len(engine.workers.procs) == stages * ranks - 1
         # Stage 0 holds its layers, the embedding and the head, not the final norm; its
-        # KV cache holds its layers only.
+        # KV cache holds its layers only (and with -tp its share of their heads).
         decoder = engine.loaded.model.model
-        layers = reference.config.num_hidden_layers
+        config = reference.config
+        layers = config.num_hidden_layers
         held = [i in stage_layers(layers, 0, stages) for i in range(layers)]
         assert [not isinstance(layer, PipelineMissing) for layer in decoder.layers] == held
         assert isinstance(decoder.norm, PipelineMissing)
         assert [cache.dim() > 1 for cache in engine.runner.kv_caches] == held
+        attention = decoder.layers[0].self_attn
+        assert attention.num_heads == config.num_attention_heads // ranks
 
-    engine = assert_parity_with_one_rank(directory, {"pipeline_parallel_size": stages}, check)
+    parallel = {"pipeline_parallel_size": stages, "tensor_parallel_size": ranks}
+    engine = assert_parity_with_one_rank(directory, parallel, check)
     pipeline = engine.runner.pipeline
     assert pipeline.num_micro_batches > pipeline.num_steps > 0
 
@@ -92,7 +98,6 @@ def test_stages_give_the_tokens_of_one(architecture, stages, overrides, tmp_path
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "does not combine tensor and pipeline parallelism"),
         ({"distributed_executor_backend": "uni"}, "uni runs one process"),
         ({"enable_lora": True}, "--enable-lora is not supported with --pipeline-parallel-size"),
         ({"pipeline_parallel_size": 0}, "--pipeline-parallel-size=0 is invalid"),

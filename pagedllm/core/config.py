@@ -292,13 +292,10 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     _require(tp >= 1, "--tensor-parallel-size", tp, "must be at least 1")
     _require(pp >= 1, "--pipeline-parallel-size", pp, "must be at least 1")
-    if tp > 1 and pp > 1:
-        raise ConfigError(
-            f"--tensor-parallel-size {tp} with --pipeline-parallel-size {pp}: pagedllm does "
-            "not combine tensor and pipeline parallelism yet; use one of them"
-        )
     ranks = tp * pp
-    flag = "--tensor-parallel-size" if tp > 1 else "--pipeline-parallel-size"
+    sizes = [f"--tensor-parallel-size {tp}"] if tp > 1 else []
+    sizes += [f"--pipeline-parallel-size {pp}"] if pp > 1 else []
+    flag = " with ".join(sizes)
     backend = args.distributed_executor_backend or ("mp" if ranks > 1 else "uni")
     if backend == "external_launcher":
         raise ConfigError(
@@ -307,8 +304,8 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         )
     if backend == "uni" and ranks > 1:
         raise ConfigError(
-            f"--distributed-executor-backend uni runs one process, which cannot hold "
-            f"{flag} {ranks} ranks; use mp"
+            f"--distributed-executor-backend uni runs one process, which cannot hold the "
+            f"{ranks} ranks of {flag}; use mp"
         )
     if ranks > 1:
         refused = {
@@ -318,13 +315,13 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         }
         for option, given in refused.items():
             if given:
-                raise ConfigError(f"{option} is not supported with {flag} above 1 yet")
+                raise ConfigError(f"{option} is not supported with {flag} yet")
         if device.name == "cuda":
             import torch
 
             if torch.cuda.device_count() < ranks:
                 raise ConfigError(
-                    f"{flag} {ranks} needs {ranks} GPUs; {torch.cuda.device_count()} are visible"
+                    f"{flag} needs {ranks} GPUs; {torch.cuda.device_count()} are visible"
                 )
     return ParallelConfig(
         tensor_parallel_size=tp,

@@ -236,7 +236,7 @@ class LLMEngine:
             if pp > 1:
                 from pagedllm.distributed.pipeline import PipelineStages
 
-                self.runner.pipeline = PipelineStages(self.workers, pp)
+                self.runner.pipeline = PipelineStages(pp)
                 self.runner.hidden_size = loaded.hf_config.hidden_size
                 self.runner.hidden_dtype = loaded.dtype
         self.runner.pooler_configs = self.pooler_configs

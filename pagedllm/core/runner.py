@@ -19,6 +19,7 @@ from pagedllm.core.errors import EngineDeadError
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.transfer import host_tensor
+from pagedllm.distributed.parallel_state import pipeline_parallel
 
 if TYPE_CHECKING:
     from pagedllm.core.step_data import SchedulerOutput
@@ -148,13 +149,12 @@ class ModelRunner:
         # Tensor parallelism, on rank 0: the other ranks' worker group (its step() sends
         # them each step's StepInput), set by the engine.
         self.workers: Any = None
-        # Pipeline parallelism: on stage 0, the stages' driver (PipelineStages); on every
-        # stage, the hidden states' size and type between stages (set by the engine and
+        # Pipeline parallelism: on rank 0, the stages' driver (PipelineStages); on every
+        # rank, the hidden states' size and type between stages (set by the engine and
         # the workers).
         self.pipeline: Any = None
         self.hidden_size = 0
         self.hidden_dtype = torch.float32
-        self.stage: tuple[int, int] = (0, 1)
 
     @torch.inference_mode()
     def execute(
@@ -247,8 +247,9 @@ class ModelRunner:
 
     def _compute(self, step: StepInput, output: SchedulerOutput) -> tuple[torch.Tensor, Any]:
         """The step's hidden states and ``logits_of(i)``, the logits of row block ``i``
-        (:meth:`_row_blocks`). With tensor-parallel workers every block is computed here,
-        before any work of rank 0 alone, so the ranks' collectives stay in step; a failure
+        (:meth:`_row_blocks`). With workers (tensor-parallel ranks, pipeline stages) every
+        block is computed here, before any work of rank 0 alone, so the ranks' collectives
+        and transfers stay in step; a failure
         among them stops the engine (the ranks could not agree on the next step's
         collectives any more). Without workers each block is computed when asked for (one
         at a time)."""
@@ -256,17 +257,13 @@ class ModelRunner:
             hidden = self._hidden(step, output)
             blocks = self._row_blocks(step)
             return hidden, lambda i: self._logits(hidden, blocks[i])
-        if self.pipeline is not None:
-            # (Stage 0 alone computes the logits: no collectives after the stages.)
-            try:
-                hidden = self.pipeline.hidden(self, step)
-            except Exception as exc:
-                raise self._stopped(exc) from exc
-            blocks = self._row_blocks(step)
-            return hidden, lambda i: self._logits(hidden, blocks[i])
-        self.workers.step(step)
+        message = step if self.pipeline is None else self.pipeline.split(step)
+        self.workers.step(message)
         try:
-            hidden = self._hidden(step, output)
+            if self.pipeline is None:
+                hidden = self._hidden(step, output)
+            else:
+                hidden = self.pipeline.hidden(self, message)
             computed = [
                 None if rows is None else self._logits(hidden, rows)
                 for rows in self._row_blocks(step)
@@ -290,14 +287,20 @@ class ModelRunner:
     def follow(self, step: Any) -> None:
         """A worker's part of a step. A tensor-parallel rank computes the forward pass and
         the logits of the row blocks rank 0 computes them for, in its order (each takes
-        part in collectives); rank 0 samples. A pipeline stage runs its layers on each
-        micro-batch (:func:`~pagedllm.distributed.pipeline.follow_stage`)."""
-        if self.stage[1] > 1:
-            from pagedllm.distributed.pipeline import follow_stage
+        part in collectives); rank 0 samples. With pipeline stages (``step`` a
+        ``PipelineStep``), a rank of a later stage runs its layers on each micro-batch;
+        a tensor-parallel rank of stage 0 runs the first stage as rank 0 does, then
+        computes the logits with it."""
+        from pagedllm.distributed.pipeline import PipelineStep, first_stage, follow_stage
 
-            follow_stage(self, step, *self.stage)
-            return
-        hidden = self._hidden(step, None)
+        if isinstance(step, PipelineStep):
+            if pipeline_parallel().rank > 0:
+                follow_stage(self, step)
+                return
+            hidden = first_stage(self, step)
+            step = step.step
+        else:
+            hidden = self._hidden(step, None)
         for rows in self._row_blocks(step):
             if rows is not None:
                 self._logits(hidden, rows)

@@ -195,7 +195,7 @@ def start_workers(config: Any) -> Any:
     else:
         group = WorkerGroup(config, size)
     try:
-        _join_watching(group, size, collective_backend(device.name), pipeline)
+        _join_watching(group, parallel, collective_backend(device.name))
     except BaseException:
         group.shutdown()
         raise
@@ -209,14 +209,20 @@ def start_workers(config: Any) -> Any:
     return group
 
 
-def _join_watching(group: Any, size: int, backend: str, pipeline: bool) -> None:
+def _join_watching(group: Any, parallel: Any, backend: str) -> None:
     """Join the group as rank 0 while watching the workers: one that dies before it
     joins (a failed import, a GPU it cannot use) ends the wait at once."""
     errors: list[BaseException] = []
 
     def join() -> None:
         try:
-            init_distributed(0, size, group.init_method, backend, pipeline=pipeline)
+            init_distributed(
+                0,
+                parallel.tensor_parallel_size,
+                group.init_method,
+                backend,
+                stages=parallel.pipeline_parallel_size,
+            )
         except BaseException as exc:
             errors.append(exc)
 
@@ -257,13 +263,14 @@ class WorkerRank:
         device = config.device_config.device
         if device.name == "cuda":
             torch.cuda.set_device(self.rank)
-        self.pipeline = config.parallel_config.pipeline_parallel_size > 1
+        parallel = config.parallel_config
+        self.pipeline = parallel.pipeline_parallel_size > 1
         init_distributed(
             self.rank,
-            self.size,
+            parallel.tensor_parallel_size,
             self.init_method,
             collective_backend(device.name),
-            pipeline=self.pipeline,
+            stages=parallel.pipeline_parallel_size,
         )
         pm = make_plugin_manager()
         self.loaded = load_model(config, pm)
@@ -277,7 +284,10 @@ class WorkerRank:
         """``payload``: :func:`~pagedllm.core.runner.profile_step`'s arguments but the
         model, the backend and the device."""
         from pagedllm.core.runner import profile_step
+        from pagedllm.distributed.parallel_state import pipeline_parallel
 
+        if pipeline_parallel().rank > 0:
+            return  # (rank 0 profiles stage 0 with its tensor-parallel ranks alone)
         device = self.config.device_config.torch_device
         profile_step(self.loaded.model, self.backend, device=device, **payload)
 
@@ -296,7 +306,6 @@ class WorkerRank:
         )  # fmt: skip
         self.runner.sampler = None  # (rank 0 samples)
         if self.pipeline:
-            self.runner.stage = (self.rank, self.size)
             self.runner.hidden_size = self.loaded.hf_config.hidden_size
             self.runner.hidden_dtype = self.loaded.dtype
         return "ready"

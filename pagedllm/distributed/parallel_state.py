@@ -52,6 +52,9 @@ class PipelineParallel:
 
 _state = TensorParallel()
 _pipeline = PipelineParallel()
+# The collectives' group of this stage's tensor-parallel ranks with pipeline parallelism
+# too (None: the whole world, every rank a tensor-parallel rank).
+_tp_group: Any = None
 
 
 def pipeline_parallel() -> PipelineParallel:
@@ -134,37 +137,53 @@ def init_distributed(
     init_method: str,
     backend: str,
     timeout_s: float = 600.0,
-    pipeline: bool = False,
+    stages: int = 1,
 ) -> None:
-    """Join the process group of ``size`` ranks at ``init_method`` (``tcp://host:port``)
-    as ``rank``, with ``backend`` (``gloo``, ``nccl``), and record the rank: a
-    tensor-parallel rank, or with ``pipeline`` a pipeline stage."""
-    if size > 1 and not dist.is_initialized():
+    """Join the process group of ``size`` tensor-parallel ranks times ``stages`` pipeline
+    stages at ``init_method`` (``tcp://host:port``) as ``rank``, with ``backend``
+    (``gloo``, ``nccl``), and record this process's place: stage ``rank // size``,
+    tensor-parallel rank ``rank % size`` within it. With both, each stage's ranks get a
+    group of their own for their collectives."""
+    global _tp_group
+    world = size * stages
+    if world > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend,
             init_method=init_method,
             rank=rank,
-            world_size=size,
+            world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    if pipeline:
-        set_pipeline_parallel(rank, size)
-    else:
-        set_tensor_parallel(rank, size)
+    stage = rank // size
+    if size > 1 and stages > 1:
+        # (Every rank makes every group, in the same order.)
+        for first in range(0, world, size):
+            group = dist.new_group(list(range(first, first + size)))
+            if first == stage * size:
+                _tp_group = group
+    set_tensor_parallel(rank % size, size)
+    set_pipeline_parallel(stage, stages)
+
+
+def stage_peer(stage: int) -> int:
+    """The global rank of this process's tensor-parallel rank in pipeline stage
+    ``stage`` (where this rank's hidden states go to or come from)."""
+    return stage * _state.size + _state.rank
 
 
 def destroy_distributed() -> None:
-    global _state, _pipeline
+    global _state, _pipeline, _tp_group
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TensorParallel()
     _pipeline = PipelineParallel()
+    _tp_group = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over the ranks (in place; ``x`` itself with one rank)."""
     if _state.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_tp_group)
     return x
 
 
@@ -173,7 +192,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _state.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
 
 

@@ -18,6 +18,11 @@ worker processes of :mod:`pagedllm.distributed.executor`. Each step:
 
 The stages overlap within a step: while stage 1 runs micro-batch ``i``, stage 0 runs
 micro-batch ``i + 1``. Each stage's KV cache holds its own layers only.
+
+With tensor parallelism too (``-tp T -pp N``), each stage is T ranks that split its
+layers as ``-tp T`` does (collectives within the stage's group); each rank sends its
+hidden states (the same on every rank of a stage) to its own rank in the next stage, and
+stage 0's ranks compute the logits together.
 """
 
 from __future__ import annotations
@@ -30,12 +35,15 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.core.runner import StepInput
+from pagedllm.distributed.parallel_state import pipeline_parallel, stage_peer
 
 
 @dataclasses.dataclass(slots=True)
 class PipelineStep:
-    """What the stages past 0 take for a step: its micro-batches, in order."""
+    """What the other ranks take for a step: the step (its logits rows, which stage 0's
+    tensor-parallel ranks compute together) and its micro-batches, in order."""
 
+    step: StepInput
     micro_batches: list[StepInput]
 
 
@@ -69,11 +77,10 @@ def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
 
 
 class PipelineStages:
-    """Stage 0's side of the pipeline: :meth:`hidden` runs a step through every stage.
-    ``group``: the workers (stages 1..N-1), whose ``step`` sends them a message."""
+    """Stage 0's side of the pipeline on rank 0: :meth:`split` makes a step's message to
+    the other ranks, :meth:`hidden` runs it through every stage."""
 
-    def __init__(self, group: Any, size: int) -> None:
-        self.group, self.size = group, size
+    def __init__(self, size: int) -> None:
         # Micro-batches per step: one per stage keeps every stage busy once the pipeline
         # has filled, without cutting the batch into more small pieces than that.
         self.micro_batches = size
@@ -81,25 +88,34 @@ class PipelineStages:
         self.num_steps = 0
         self.num_micro_batches = 0
 
-    def hidden(self, runner: Any, step: StepInput) -> torch.Tensor:
+    def split(self, step: StepInput) -> PipelineStep:
+        return PipelineStep(step, split_micro_batches(step, self.micro_batches))
+
+    def hidden(self, runner: Any, message: PipelineStep) -> torch.Tensor:
         """The step's final hidden states (each micro-batch through every stage)."""
-        batches = split_micro_batches(step, self.micro_batches)
-        self.group.step(PipelineStep(batches))
-        outputs = [_stage_input(runner, batch) for batch in batches]
-        # (Posted first: the last stage's sends never wait for this process.)
-        last = self.size - 1
-        receives = [dist.irecv(out, src=last, tag=i) for i, out in enumerate(outputs)]
-        sends = []
-        for i, batch in enumerate(batches):
-            hidden = runner._hidden(batch, None).contiguous()
-            sends.append((dist.isend(hidden, dst=1, tag=i), hidden))
-        for work in receives:
-            work.wait()
-        for work, _ in sends:
-            work.wait()
         self.num_steps += 1
-        self.num_micro_batches += len(batches)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        self.num_micro_batches += len(message.micro_batches)
+        return first_stage(runner, message)
+
+
+def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
+    """A rank of stage 0 (rank 0, and its tensor-parallel ranks): each micro-batch
+    through this stage's layers and on to stage 1, then the final hidden states of every
+    micro-batch back from the last stage, in step order."""
+    batches = message.micro_batches
+    outputs = [_stage_input(runner, batch) for batch in batches]
+    # (Posted first: the last stage's sends never wait for this process.)
+    last = stage_peer(pipeline_parallel().size - 1)
+    receives = [dist.irecv(out, src=last, tag=i) for i, out in enumerate(outputs)]
+    sends = []
+    for i, batch in enumerate(batches):
+        hidden = runner._hidden(batch, None).contiguous()
+        sends.append((dist.isend(hidden, dst=stage_peer(1), tag=i), hidden))
+    for work in receives:
+        work.wait()
+    for work, _ in sends:
+        work.wait()
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _stage_input(runner: Any, batch: StepInput) -> torch.Tensor:
@@ -108,15 +124,17 @@ def _stage_input(runner: Any, batch: StepInput) -> torch.Tensor:
     return torch.empty(shape, dtype=runner.hidden_dtype, device=runner.device)
 
 
-def follow_stage(runner: Any, step: PipelineStep, rank: int, size: int) -> None:
-    """Stage ``rank``'s part of a step (``rank`` > 0): each micro-batch's hidden states
-    from the previous stage through this stage's layers, on to the next stage (stage 0
-    after the last)."""
+def follow_stage(runner: Any, message: PipelineStep) -> None:
+    """A rank of a later stage's part of a step: each micro-batch's hidden states from
+    the previous stage (its rank of the same tensor-parallel rank) through this stage's
+    layers, on to the next stage (stage 0 after the last)."""
+    stage = pipeline_parallel()
+    source, target = stage_peer(stage.rank - 1), stage_peer((stage.rank + 1) % stage.size)
     sends = []
-    for i, batch in enumerate(step.micro_batches):
+    for i, batch in enumerate(message.micro_batches):
         incoming = _stage_input(runner, batch)
-        dist.recv(incoming, src=rank - 1, tag=i)
+        dist.recv(incoming, src=source, tag=i)
         hidden = runner._hidden(batch, None, incoming).contiguous()
-        sends.append((dist.isend(hidden, dst=(rank + 1) % size, tag=i), hidden))
+        sends.append((dist.isend(hidden, dst=target, tag=i), hidden))
     for work, _ in sends:
         work.wait()
