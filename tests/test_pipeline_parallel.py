@@ -17,14 +17,16 @@ from test_tensor_parallel import (
     assert_parity_with_one_rank,
 )
 from tiny_models import make_checkpoint, reference_greedy
+from torch import nn
 
 from pagedllm import LLM, EngineArgs
+from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.runner import StepInput
 from pagedllm.distributed.parallel_state import stage_layers
 from pagedllm.distributed.pipeline import split_micro_batches
-from pagedllm.plugins.models.common import PipelineMissing
+from pagedllm.plugins.models.common import DecoderStack, PipelineMissing
 
 
 def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
@@ -65,9 +67,16 @@ def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
         ("gemma2", 2, 1, {}),
         ("phi3", 2, 1, {}),
         ("mixtral", 2, 1, {}),
+        ("gpt2", 2, 1, {}),
+        ("opt", 2, 1, {"word_embed_proj_dim": 32}),
+        ("falcon", 2, 1, {}),
+        ("gpt_neox", 2, 1, {}),
     ],
-    ids=["llama", "llama-3-stages", "llama-tp2-pp2", "gemma3", "gemma2", "phi3", "mixtral"],
-)
+    ids=[
+        "llama", "llama-3-stages", "llama-tp2-pp2", "gemma3", "gemma2", "phi3", "mixtral",
+        "gpt2", "opt-projected", "falcon", "gpt_neox",
+    ],
+)  # fmt: skip
 def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, tmp_path):
     """-pp N (and -tp 2 -pp 2: two stages of two tensor-parallel ranks each): transformers'
     greedy tokens and -pp 1's logprobs within 1e-4, prompts chunked over a cached prefix
@@ -77,17 +86,18 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
 
     def check(engine: Any, reference: Any) -> None:
         assert len(engine.workers.procs) == stages * ranks - 1
-        # Stage 0 holds its layers, the embedding and the head, not the final norm; its
+        # Stage 0 holds its layers, the embedding and the head, not the final part; its
         # KV cache holds its layers only (and with -tp its share of their heads).
-        decoder = engine.loaded.model.model
-        config = reference.config
-        layers = config.num_hidden_layers
+        model = engine.loaded.model
+        decoder = next(m for m in model.modules() if isinstance(m, DecoderStack))
+        assert not decoder.last_stage
+        built = next(m for m in decoder.children() if isinstance(m, nn.ModuleList))
+        layers = reference.config.num_hidden_layers
         held = [i in stage_layers(layers, 0, stages) for i in range(layers)]
-        assert [not isinstance(layer, PipelineMissing) for layer in decoder.layers] == held
-        assert isinstance(decoder.norm, PipelineMissing)
+        assert [not isinstance(layer, PipelineMissing) for layer in built] == held
         assert [cache.dim() > 1 for cache in engine.runner.kv_caches] == held
-        attention = decoder.layers[0].self_attn
-        assert attention.num_heads == config.num_attention_heads // ranks
+        attention = next(m for m in model.modules() if isinstance(m, Attention))
+        assert attention.num_heads == reference.config.num_attention_heads // ranks
 
     parallel = {"pipeline_parallel_size": stages, "tensor_parallel_size": ranks}
     engine = assert_parity_with_one_rank(directory, parallel, check)
@@ -110,10 +120,9 @@ def test_what_pipeline_parallelism_cannot_do_is_refused(kwargs, message):
 
 
 def test_architectures_and_depths_that_cannot_be_staged_are_refused(tmp_path):
-    gpt2 = make_checkpoint(tmp_path / "gpt2", "gpt2")
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel does not support pipeline"):
-        LLM(str(gpt2), dtype="float32", pipeline_parallel_size=2)
     llama = make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError, match="TransformersForCausalLM does not support pipeline"):
+        LLM(str(llama), model_impl="transformers", pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="2 layers: too few for --pipeline-parallel-size 3"):
         LLM(str(llama), dtype="float32", pipeline_parallel_size=3)
 

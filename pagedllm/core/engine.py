@@ -238,6 +238,7 @@ class LLMEngine:
 
                 self.runner.pipeline = PipelineStages(pp)
                 self.runner.hidden_size = loaded.hf_config.hidden_size
+                self.runner.output_size = loaded.model.head_input_size
                 self.runner.hidden_dtype = loaded.dtype
         self.runner.pooler_configs = self.pooler_configs
         self.runner.lora = self.lora

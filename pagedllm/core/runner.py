@@ -150,10 +150,10 @@ class ModelRunner:
         # them each step's StepInput), set by the engine.
         self.workers: Any = None
         # Pipeline parallelism: on rank 0, the stages' driver (PipelineStages); on every
-        # rank, the hidden states' size and type between stages (set by the engine and
-        # the workers).
+        # rank, the size and type of the hidden states between stages and of the final
+        # ones (set by the engine and the workers).
         self.pipeline: Any = None
-        self.hidden_size = 0
+        self.hidden_size = self.output_size = 0
         self.hidden_dtype = torch.float32
 
     @torch.inference_mode()

@@ -307,6 +307,7 @@ class WorkerRank:
         self.runner.sampler = None  # (rank 0 samples)
         if self.pipeline:
             self.runner.hidden_size = self.loaded.hf_config.hidden_size
+            self.runner.output_size = self.loaded.model.head_input_size
             self.runner.hidden_dtype = self.loaded.dtype
         return "ready"
 

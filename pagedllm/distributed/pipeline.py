@@ -103,7 +103,7 @@ def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
     through this stage's layers and on to stage 1, then the final hidden states of every
     micro-batch back from the last stage, in step order."""
     batches = message.micro_batches
-    outputs = [_stage_input(runner, batch) for batch in batches]
+    outputs = [_stage_input(runner, batch, runner.output_size) for batch in batches]
     # (Posted first: the last stage's sends never wait for this process.)
     last = stage_peer(pipeline_parallel().size - 1)
     receives = [dist.irecv(out, src=last, tag=i) for i, out in enumerate(outputs)]
@@ -118,9 +118,10 @@ def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _stage_input(runner: Any, batch: StepInput) -> torch.Tensor:
-    """A buffer for a micro-batch's hidden states between stages."""
-    shape = (len(batch.token_ids), runner.hidden_size)
+def _stage_input(runner: Any, batch: StepInput, width: int) -> torch.Tensor:
+    """A buffer for a micro-batch's hidden states between stages (``width``: the
+    model's hidden size; the final hidden states' may differ)."""
+    shape = (len(batch.token_ids), width)
     return torch.empty(shape, dtype=runner.hidden_dtype, device=runner.device)
 
 
@@ -132,7 +133,7 @@ def follow_stage(runner: Any, message: PipelineStep) -> None:
     source, target = stage_peer(stage.rank - 1), stage_peer((stage.rank + 1) % stage.size)
     sends = []
     for i, batch in enumerate(message.micro_batches):
-        incoming = _stage_input(runner, batch)
+        incoming = _stage_input(runner, batch, runner.hidden_size)
         dist.recv(incoming, src=source, tag=i)
         hidden = runner._hidden(batch, None, incoming).contiguous()
         sends.append((dist.isend(hidden, dst=target, tag=i), hidden))

@@ -176,6 +176,50 @@ def decoder_layers(num_layers: int, make: Any) -> tuple[nn.ModuleList, tuple[nn.
     return layers, tuple(layers[i] for i in held)
 
 
+class DecoderStack(nn.Module):
+    """A decoder: an embedding, layers and a final part (norm, projection), of which a
+    pipeline stage holds its share: stage 0 the embedding, each stage its layers
+    (:func:`decoder_layers`), the last stage the final part; the others are
+    :class:`PipelineMissing`. A subclass builds its parts with :meth:`init_stage`,
+    :func:`stage_part` and :func:`decoder_layers` (setting ``stage_layers``), and says
+    how to :meth:`embed`, :meth:`run_layer` and :meth:`finish`."""
+
+    stage_layers: tuple[nn.Module, ...]
+    last_stage: bool = True
+
+    def init_stage(self) -> Any:
+        """This process's pipeline stage (``first``, ``last``), recorded."""
+        stage = pipeline_parallel()
+        self.last_stage = stage.last
+        return stage
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_layer(
+        self, layer: nn.Module, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Any,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This stage's output: the final hidden states on the last stage (every one
+        without pipeline parallelism), else its layers' output for the next stage.
+        ``intermediate``: the previous stage's output, in place of the token ids."""
+        hidden = self.embed(input_ids, positions) if intermediate is None else intermediate
+        for layer in self.stage_layers:
+            hidden = self.run_layer(layer, positions, hidden, metadata)
+        return self.finish(hidden) if self.last_stage else hidden
+
+
 def narrow_shard(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """Entries ``[start, start + length)`` along ``dim`` of a full checkpoint tensor (a
     view where it can be), zero-padded where the range runs past the tensor (the padding
@@ -316,6 +360,11 @@ class CausalLM(nn.Module, ModelArchitecture):
     names in :meth:`checkpoint_name` and tensors in :meth:`prepare_weights`.
     """
 
+    # Its decoder (a DecoderStack) is split over pipeline stages.
+    supports_pipeline_parallel = True
+    # The attribute holding the decoder (a DecoderStack, or a module whose forward takes
+    # the same arguments).
+    decoder_attr: ClassVar[str] = "model"
     # Whether the head is tied when the config does not say.
     tie_by_default: bool = False
     # Whether an untied head has a bias (Phi's has).
@@ -361,6 +410,8 @@ class CausalLM(nn.Module, ModelArchitecture):
         ranks the untied head is split by vocabulary rows (padded to a multiple of the
         ranks), and :meth:`compute_logits` gathers the full logits."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_by_default))
+        # (the width of the final hidden states, which the last pipeline stage sends)
+        self.head_input_size = input_size
         if not pipeline_parallel().first:
             self.lm_head = PipelineMissing()  # (stage 0 computes the logits)
             return
@@ -385,6 +436,16 @@ class CausalLM(nn.Module, ModelArchitecture):
             for param in (self.lm_head.weight, self.lm_head.bias):
                 if param is not None and hasattr(param, "tp_narrow"):
                     param.tp_pad = True  # (the vocabulary's padding rows)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        decoder = getattr(self, self.decoder_attr)
+        return decoder(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

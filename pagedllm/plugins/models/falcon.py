@@ -13,12 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.core.attention import AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import CausalLM, LayerNorm
+from pagedllm.plugins.models.common import (
+    CausalLM,
+    DecoderStack,
+    LayerNorm,
+    decoder_layers,
+    stage_part,
+)
 from pagedllm.plugins.models.gpt_neox import GroupedQKVAttention, NeoXMLP
 
 
@@ -61,30 +66,36 @@ class FalconDecoderLayer(nn.Module):
         return self.mlp(normed) + hidden
 
 
-class FalconModel(nn.Module):
+class FalconModel(DecoderStack):
     def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.word_embeddings = VocabEmbedding(
-            config.vocab_size, hidden, quant, "transformer.word_embeddings"
+        stage = self.init_stage()
+        self.word_embeddings = stage_part(
+            lambda: VocabEmbedding(config.vocab_size, hidden, quant, "transformer.word_embeddings"),
+            stage.first,
         )
-        self.h = nn.ModuleList(
-            FalconDecoderLayer(config, i, quant, f"transformer.h.{i}")
-            for i in range(config.num_hidden_layers)
+        self.h, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: FalconDecoderLayer(config, i, quant, f"transformer.h.{i}"),
         )
-        self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
+        self.ln_f = stage_part(lambda: LayerNorm(hidden, config.layer_norm_epsilon), stage.last)
         head_dim = hidden // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 
-    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        hidden = self.word_embeddings(input_ids)
-        for layer in self.h:
-            hidden = layer(positions, hidden, self.rotary_emb, metadata)
+    def embed(self, input_ids, positions) -> torch.Tensor:
+        return self.word_embeddings(input_ids)
+
+    def run_layer(self, layer, positions, hidden, metadata) -> torch.Tensor:
+        return layer(positions, hidden, self.rotary_emb, metadata)
+
+    def finish(self, hidden) -> torch.Tensor:
         return self.ln_f(hidden)
 
 
 class FalconForCausalLM(CausalLM):
     tie_by_default = True
+    decoder_attr = "transformer"
 
     def __init__(
         self,
@@ -108,6 +119,3 @@ class FalconForCausalLM(CausalLM):
         max_positions = max_positions or config.max_position_embeddings
         self.transformer = FalconModel(config, quant_config, max_positions)
         self.init_head(config, self.transformer.word_embeddings, config.hidden_size, quant_config)
-
-    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, positions, attn_metadata)

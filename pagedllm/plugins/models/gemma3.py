@@ -12,15 +12,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedllm.core.attention import Attention, AttentionMetadata
+from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.distributed.parallel_state import pipeline_parallel
 from pagedllm.plugins.models.common import (
     CausalLM,
+    DecoderStack,
     RMSNorm,
     decoder_layers,
     layer_sliding_windows,
@@ -92,12 +92,12 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderStack):
     layer_cls: type[nn.Module] = Gemma3DecoderLayer
 
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
-        stage = pipeline_parallel()  # (see LlamaModel)
+        stage = self.init_stage()
         self.embed_tokens = stage_part(
             lambda: VocabEmbedding(
                 config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
@@ -111,7 +111,6 @@ class Gemma3Model(nn.Module):
             config.num_hidden_layers,
             lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
-        self.last_stage = stage.last
         self.norm = stage_part(lambda: _norm(config.hidden_size, config), stage.last)
         self.rotary = self.rotary_tables(config, max_positions)
 
@@ -124,20 +123,19 @@ class Gemma3Model(nn.Module):
             }
         )
 
-    def forward(self, input_ids, positions, metadata, intermediate=None) -> torch.Tensor:
-        if intermediate is None:
-            hidden = self.embed_tokens(input_ids)
-            hidden = hidden * self.embed_scale.to(hidden.dtype)
-        else:
-            hidden = intermediate
-        for layer in self.stage_layers:
-            hidden = layer(positions, hidden, self.rotary[layer.layer_type], metadata)
-        return self.norm(hidden) if self.last_stage else hidden
+    def embed(self, input_ids, positions) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        return hidden * self.embed_scale.to(hidden.dtype)
+
+    def run_layer(self, layer, positions, hidden, metadata) -> torch.Tensor:
+        return layer(positions, hidden, self.rotary[layer.layer_type], metadata)
+
+    def finish(self, hidden) -> torch.Tensor:
+        return self.norm(hidden)
 
 
 class Gemma3ForCausalLM(CausalLM):
     supports_tensor_parallel = True
-    supports_pipeline_parallel = True
     tie_by_default = True
     model_cls: type[nn.Module] = Gemma3Model
 
@@ -164,11 +162,6 @@ class Gemma3ForCausalLM(CausalLM):
         self.model = self.model_cls(config, quant_config, max_positions, disable_sliding_window)
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-
-    def forward(
-        self, input_ids, positions, attn_metadata: AttentionMetadata, intermediate=None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden_states)

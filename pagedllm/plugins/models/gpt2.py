@@ -17,7 +17,13 @@ from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import Linear
-from pagedllm.plugins.models.common import CausalLM, TwoLayerMLP
+from pagedllm.plugins.models.common import (
+    CausalLM,
+    DecoderStack,
+    TwoLayerMLP,
+    decoder_layers,
+    stage_part,
+)
 
 _CONV1D_WEIGHTS = (
     ".attn.c_attn.weight",
@@ -86,7 +92,13 @@ class GPT2Block(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class GPT2Model(nn.Module):
+def _embedding(rows: int, config: Any) -> nn.Embedding:
+    embedding = nn.Embedding(rows, config.hidden_size)
+    embedding.requires_grad_(False)
+    return embedding
+
+
+class GPT2Model(DecoderStack):
     def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
         super().__init__()
         if getattr(config, "add_cross_attention", False):
@@ -98,27 +110,30 @@ class GPT2Model(nn.Module):
                 f"GPT-2 learns {config.max_position_embeddings} positions; "
                 f"a context of {max_positions} cannot be served"
             )
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.wte.requires_grad_(False)
-        self.wpe.requires_grad_(False)
-        self.h = nn.ModuleList(
-            GPT2Block(config, i, quant, f"transformer.h.{i}")
-            for i in range(config.num_hidden_layers)
+        stage = self.init_stage()
+        self.wte = stage_part(lambda: _embedding(config.vocab_size, config), stage.first)
+        self.wpe = stage_part(
+            lambda: _embedding(config.max_position_embeddings, config), stage.first
         )
-        self.ln_f = _layer_norm(config)
+        self.h, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: GPT2Block(config, i, quant, f"transformer.h.{i}"),
+        )
+        self.ln_f = stage_part(lambda: _layer_norm(config), stage.last)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
-            hidden = block(hidden, metadata)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids) + self.wpe(positions)
+
+    def run_layer(self, layer, positions, hidden, metadata: AttentionMetadata) -> torch.Tensor:
+        return layer(hidden, metadata)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ln_f(hidden)
 
 
 class GPT2LMHeadModel(CausalLM):
     tie_by_default = True
+    decoder_attr = "transformer"
 
     def __init__(
         self,
@@ -133,11 +148,6 @@ class GPT2LMHeadModel(CausalLM):
         max_positions = max_positions or config.max_position_embeddings
         self.transformer = GPT2Model(config, quant_config, max_positions)
         self.init_head(config, self.transformer.wte, config.hidden_size)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, attn_metadata)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.endswith(_MASK_BUFFERS):

@@ -20,7 +20,14 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.models.common import CausalLM, LayerNorm, TwoLayerMLP
+from pagedllm.plugins.models.common import (
+    CausalLM,
+    DecoderStack,
+    LayerNorm,
+    TwoLayerMLP,
+    decoder_layers,
+    stage_part,
+)
 
 
 class GroupedQKVAttention(nn.Module):
@@ -103,27 +110,38 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(normed) + hidden
 
 
-class GPTNeoXModel(nn.Module):
+class GPTNeoXModel(DecoderStack):
     def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.embed_in = VocabEmbedding(config.vocab_size, hidden, quant, "gpt_neox.embed_in")
-        self.layers = nn.ModuleList(
-            GPTNeoXLayer(config, i, quant, f"gpt_neox.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        stage = self.init_stage()
+        self.embed_in = stage_part(
+            lambda: VocabEmbedding(config.vocab_size, hidden, quant, "gpt_neox.embed_in"),
+            stage.first,
         )
-        self.final_layer_norm = LayerNorm(hidden, config.layer_norm_eps)
+        self.layers, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: GPTNeoXLayer(config, i, quant, f"gpt_neox.layers.{i}"),
+        )
+        self.final_layer_norm = stage_part(
+            lambda: LayerNorm(hidden, config.layer_norm_eps), stage.last
+        )
         head_dim = hidden // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 
-    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        hidden = self.embed_in(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary_emb, metadata)
+    def embed(self, input_ids, positions) -> torch.Tensor:
+        return self.embed_in(input_ids)
+
+    def run_layer(self, layer, positions, hidden, metadata) -> torch.Tensor:
+        return layer(positions, hidden, self.rotary_emb, metadata)
+
+    def finish(self, hidden) -> torch.Tensor:
         return self.final_layer_norm(hidden)
 
 
 class GPTNeoXForCausalLM(CausalLM):
+    decoder_attr = "gpt_neox"
+
     def __init__(
         self,
         config: Any,
@@ -137,9 +155,6 @@ class GPTNeoXForCausalLM(CausalLM):
         max_positions = max_positions or config.max_position_embeddings
         self.gpt_neox = GPTNeoXModel(config, quant_config, max_positions)
         self.init_head(config, self.gpt_neox.embed_in, config.hidden_size, quant_config)
-
-    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.gpt_neox(input_ids, positions, attn_metadata)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.endswith((".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")):

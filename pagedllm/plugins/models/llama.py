@@ -24,13 +24,14 @@ from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
-from pagedllm.distributed.parallel_state import pipeline_parallel, tp_size
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
     SILU_NAMES,
     CausalLM,
+    DecoderStack,
     RMSNorm,
     activation,
     decoder_layers,
@@ -222,16 +223,14 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     # The final norm's checkpoint name (Phi's is final_layernorm).
     norm_name: ClassVar[str] = "norm"
 
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
-        # (With pipeline parallelism: the stage's layers; stage 0 the embedding, the last
-        # stage the final norm.)
-        stage = pipeline_parallel()
+        stage = self.init_stage()
         self.embed_tokens = stage_part(
             lambda: VocabEmbedding(
                 config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
@@ -243,7 +242,6 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers,
             lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
-        self.last_stage = stage.last
         setattr(
             self, self.norm_name, stage_part(lambda: self.layer_cls.make_norm(config), stage.last)
         )
@@ -252,17 +250,19 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 
-    def forward(self, input_ids, positions, metadata, intermediate=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate
-        for layer in self.stage_layers:
-            hidden = layer(positions, hidden, self.rotary_emb, metadata)
-        return getattr(self, self.norm_name)(hidden) if self.last_stage else hidden
+    def embed(self, input_ids, positions) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_layer(self, layer, positions, hidden, metadata) -> torch.Tensor:
+        return layer(positions, hidden, self.rotary_emb, metadata)
+
+    def finish(self, hidden) -> torch.Tensor:
+        return getattr(self, self.norm_name)(hidden)
 
 
 class LlamaForCausalLM(CausalLM):
     model_cls: type[nn.Module] = LlamaModel
     supports_tensor_parallel = True
-    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -277,9 +277,6 @@ class LlamaForCausalLM(CausalLM):
         max_positions = max_positions or config.max_position_embeddings
         self.model = self.model_cls(config, quant_config, max_positions, disable_sliding_window)
         self.init_head(config, self.model.embed_tokens, config.hidden_size, quant_config)
-
-    def forward(self, input_ids, positions, attn_metadata, intermediate=None) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def checkpoint_name(self, name: str) -> str | None:
         if "rotary_emb.inv_freq" in name:

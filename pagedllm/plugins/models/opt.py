@@ -14,7 +14,13 @@ from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.linear import Linear
-from pagedllm.plugins.models.common import CausalLM, activation
+from pagedllm.plugins.models.common import (
+    CausalLM,
+    DecoderStack,
+    activation,
+    decoder_layers,
+    stage_part,
+)
 
 # OPT's learned position table has two extra rows in front (a fairseq padding relic):
 # absolute position p is row p + 2.
@@ -86,7 +92,7 @@ class OPTDecoderLayer(nn.Module):
         return hidden
 
 
-class OPTDecoder(nn.Module):
+class OPTDecoder(DecoderStack):
     def __init__(self, config: Any, quant: QuantizationConfig | None, max_positions: int) -> None:
         super().__init__()
         if max_positions > config.max_position_embeddings:
@@ -95,40 +101,55 @@ class OPTDecoder(nn.Module):
                 f"a context of {max_positions} cannot be served"
             )
         hidden, embed_dim = config.hidden_size, _word_embed_dim(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
-        self.embed_positions = nn.Embedding(
-            config.max_position_embeddings + _POSITION_OFFSET, hidden
+        stage = self.init_stage()
+        self.embed_tokens = stage_part(
+            lambda: _embedding(config.vocab_size, embed_dim), stage.first
         )
-        self.embed_tokens.requires_grad_(False)
-        self.embed_positions.requires_grad_(False)
+        self.embed_positions = stage_part(
+            lambda: _embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden),
+            stage.first,
+        )
         # Some sizes (opt-350m) embed words in a narrower space than the hidden size.
         self.project_in = self.project_out = None
         if embed_dim != hidden:
-            self.project_in = Linear(embed_dim, hidden, False, quant, "model.decoder.project_in")
-            self.project_out = Linear(hidden, embed_dim, False, quant, "model.decoder.project_out")
+            self.project_in = stage_part(
+                lambda: Linear(embed_dim, hidden, False, quant, "model.decoder.project_in"),
+                stage.first,
+            )
+            self.project_out = stage_part(
+                lambda: Linear(hidden, embed_dim, False, quant, "model.decoder.project_out"),
+                stage.last,
+            )
         # `_remove_final_layer_norm` exists for checkpoints fine-tuned before it was added.
         self.final_layer_norm = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
-            self.final_layer_norm = _layer_norm(config)
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, i, quant, f"model.decoder.layers.{i}")
-            for i in range(config.num_hidden_layers)
+            self.final_layer_norm = stage_part(lambda: _layer_norm(config), stage.last)
+        self.layers, self.stage_layers = decoder_layers(
+            config.num_hidden_layers,
+            lambda i: OPTDecoderLayer(config, i, quant, f"model.decoder.layers.{i}"),
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.project_in is not None:
             hidden = self.project_in(hidden)
-        hidden = hidden + self.embed_positions(positions + _POSITION_OFFSET)
-        for layer in self.layers:
-            hidden = layer(hidden, metadata)
+        return hidden + self.embed_positions(positions + _POSITION_OFFSET)
+
+    def run_layer(self, layer, positions, hidden, metadata: AttentionMetadata) -> torch.Tensor:
+        return layer(hidden, metadata)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
             hidden = self.project_out(hidden)
         return hidden
+
+
+def _embedding(rows: int, width: int) -> nn.Embedding:
+    embedding = nn.Embedding(rows, width)
+    embedding.requires_grad_(False)
+    return embedding
 
 
 class OPTModel(nn.Module):
@@ -138,8 +159,8 @@ class OPTModel(nn.Module):
         super().__init__()
         self.decoder = OPTDecoder(config, quant, max_positions)
 
-    def forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        return self.decoder(input_ids, positions, metadata)
+    def forward(self, input_ids, positions, metadata, intermediate=None) -> torch.Tensor:
+        return self.decoder(input_ids, positions, metadata, intermediate)
 
 
 class OPTForCausalLM(CausalLM):
@@ -158,11 +179,6 @@ class OPTForCausalLM(CausalLM):
         max_positions = max_positions or config.max_position_embeddings
         self.model = OPTModel(config, quant_config, max_positions)
         self.init_head(config, self.model.decoder.embed_tokens, _word_embed_dim(config))
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
 
     def checkpoint_name(self, name: str) -> str | None:
         # The facebook/opt-* checkpoints were saved from OPTModel: no "model." prefix.
