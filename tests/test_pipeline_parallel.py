@@ -26,7 +26,7 @@ from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.runner import StepInput
 from pagedllm.distributed.parallel_state import stage_layers
 from pagedllm.distributed.pipeline import split_micro_batches
-from pagedllm.plugins.models.common import DecoderStack, PipelineMissing
+from pagedllm.plugins.models.common import DecoderStack, HeldElsewhere
 
 
 def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():
@@ -94,7 +94,7 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
         built = next(m for m in decoder.children() if isinstance(m, nn.ModuleList))
         layers = reference.config.num_hidden_layers
         held = [i in stage_layers(layers, 0, stages) for i in range(layers)]
-        assert [not isinstance(layer, PipelineMissing) for layer in built] == held
+        assert [not isinstance(layer, HeldElsewhere) for layer in built] == held
         assert [cache.dim() > 1 for cache in engine.runner.kv_caches] == held
         attention = next(m for m in model.modules() if isinstance(m, Attention))
         assert attention.num_heads == reference.config.num_attention_heads // ranks

@@ -47,9 +47,15 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
         ("gemma3", {}),
         ("gemma2", {}),
         ("phi3", {}),
+        ("phi", {}),
+        ("stablelm", {}),
+        ("starcoder2", {}),
     ],
-    ids=["llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2", "phi3"],
-)
+    ids=[
+        "llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2", "phi3", "phi", "stablelm",
+        "starcoder2",
+    ],
+)  # fmt: skip
 def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     """-tp 2 (KV heads split, or the one KV head replicated): transformers' greedy tokens
     and -tp 1's logprobs within 1e-4, prompts chunked over a cached prefix (second pass)
@@ -238,7 +244,7 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from pagedllm import BeamSearchParams
-    from pagedllm.plugins.models.common import PipelineMissing
+    from pagedllm.plugins.models.common import HeldElsewhere
 
     directory = make_checkpoint(tmp_path / "llama", "llama")
     # The checkpoint's own KV-cache scales (every rank must store with them).
@@ -268,7 +274,7 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_pat
         single = LLM(str(directory), **kwargs)
         layers = single.llm_engine.loaded.model.model.layers
         assert layers[0].self_attn.num_heads == 4
-        assert not any(isinstance(layer, PipelineMissing) for layer in layers)
+        assert not any(isinstance(layer, HeldElsewhere) for layer in layers)
         assert layers[1].self_attn.attn.k_scale == pytest.approx(0.03)
         expected_tokens, expected_logprobs, expected_beams = run(single)
     finally:

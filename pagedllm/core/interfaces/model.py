@@ -39,7 +39,7 @@ class ModelArchitecture(ABC):
     - With ``supports_pipeline_parallel``, a model built after
       ``set_pipeline_parallel(rank, size)`` holds stage ``rank``'s decoder layers
       (``stage_layers``), stage 0 the embedding and the head, the last stage the final
-      norm; the parts it does not hold are ``PipelineMissing`` modules and their
+      norm; the parts it does not hold are ``HeldElsewhere`` modules and their
       checkpoint tensors are skipped. :meth:`forward` then takes ``intermediate``: the
       previous stage's hidden states in place of the token ids (None on stage 0), and
       returns this stage's output (final hidden states on the last stage).

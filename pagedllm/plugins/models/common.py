@@ -128,8 +128,9 @@ class TwoLayerMLP(nn.Module):
     ) -> None:
         super().__init__()
         fc_name, proj_name = self.names
-        fc = Linear(hidden, inner, bias, quant, f"{prefix}.{fc_name}")
-        proj = Linear(inner, hidden, bias, quant, f"{prefix}.{proj_name}")
+        # (Megatron-style over tensor-parallel ranks: one all-reduce, after proj.)
+        fc = Linear(hidden, inner, bias, quant, f"{prefix}.{fc_name}", parallel="column")
+        proj = Linear(inner, hidden, bias, quant, f"{prefix}.{proj_name}", parallel="row")
         setattr(self, fc_name, fc)
         setattr(self, proj_name, proj)
         # (A tuple: the layers are registered once, under their names above.)
@@ -141,30 +142,31 @@ class TwoLayerMLP(nn.Module):
         return proj(self.act(fc(x)))
 
 
-class PipelineMissing(nn.Module):
-    """A part of the model that another pipeline stage holds (a layer, the embedding,
-    the head, the final norm): no parameters, and its checkpoint tensors are skipped."""
+class HeldElsewhere(nn.Module):
+    """A part of the model that another rank holds (another pipeline stage's layers,
+    embedding, head or final norm; another tensor-parallel rank's per-head norms): no
+    parameters, and its checkpoint tensors are skipped."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("this part of the model is held by another pipeline stage")
 
 
 def held_elsewhere(module: nn.Module, name: str) -> bool:
-    """Whether parameter ``name`` of ``module`` belongs to a part another pipeline stage
-    holds (one of its enclosing modules is a :class:`PipelineMissing`)."""
+    """Whether parameter ``name`` of ``module`` belongs to a part another rank holds (one
+    of its enclosing modules is a :class:`HeldElsewhere`)."""
     owner: Any = module
     for part in name.split(".")[:-1]:
         owner = owner._modules.get(part) if isinstance(owner, nn.Module) else None
         if owner is None:
             return False
-        if isinstance(owner, PipelineMissing):
+        if isinstance(owner, HeldElsewhere):
             return True
     return False
 
 
-def stage_part(make: Any, held: bool) -> nn.Module:
-    """``make()`` where this pipeline stage holds the part, else a placeholder."""
-    return make() if held else PipelineMissing()
+def held_part(make: Any, held: bool) -> nn.Module:
+    """``make()`` where this rank holds the part, else a :class:`HeldElsewhere`."""
+    return make() if held else HeldElsewhere()
 
 
 def decoder_layers(num_layers: int, make: Any) -> tuple[nn.ModuleList, tuple[nn.Module, ...]]:
@@ -172,7 +174,7 @@ def decoder_layers(num_layers: int, make: Any) -> tuple[nn.ModuleList, tuple[nn.
     without pipeline parallelism) and placeholders for the others, and the held ones in
     order (what the stage runs)."""
     held = stage_layers(num_layers)
-    layers = nn.ModuleList(stage_part(lambda i=i: make(i), i in held) for i in range(num_layers))
+    layers = nn.ModuleList(held_part(lambda i=i: make(i), i in held) for i in range(num_layers))
     return layers, tuple(layers[i] for i in held)
 
 
@@ -180,8 +182,8 @@ class DecoderStack(nn.Module):
     """A decoder: an embedding, layers and a final part (norm, projection), of which a
     pipeline stage holds its share: stage 0 the embedding, each stage its layers
     (:func:`decoder_layers`), the last stage the final part; the others are
-    :class:`PipelineMissing`. A subclass builds its parts with :meth:`init_stage`,
-    :func:`stage_part` and :func:`decoder_layers` (setting ``stage_layers``), and says
+    :class:`HeldElsewhere`. A subclass builds its parts with :meth:`init_stage`,
+    :func:`held_part` and :func:`decoder_layers` (setting ``stage_layers``), and says
     how to :meth:`embed`, :meth:`run_layer` and :meth:`finish`."""
 
     stage_layers: tuple[nn.Module, ...]
@@ -413,7 +415,7 @@ class CausalLM(nn.Module, ModelArchitecture):
         # (the width of the final hidden states, which the last pipeline stage sends)
         self.head_input_size = input_size
         if not pipeline_parallel().first:
-            self.lm_head = PipelineMissing()  # (stage 0 computes the logits)
+            self.lm_head = HeldElsewhere()  # (stage 0 computes the logits)
             return
         if self.tie_word_embeddings:
             if self.head_bias:

@@ -22,7 +22,7 @@ from pagedllm.plugins.models.common import (
     DecoderStack,
     LayerNorm,
     decoder_layers,
-    stage_part,
+    held_part,
 )
 from pagedllm.plugins.models.gpt_neox import GroupedQKVAttention, NeoXMLP
 
@@ -71,7 +71,7 @@ class FalconModel(DecoderStack):
         super().__init__()
         hidden = config.hidden_size
         stage = self.init_stage()
-        self.word_embeddings = stage_part(
+        self.word_embeddings = held_part(
             lambda: VocabEmbedding(config.vocab_size, hidden, quant, "transformer.word_embeddings"),
             stage.first,
         )
@@ -79,7 +79,7 @@ class FalconModel(DecoderStack):
             config.num_hidden_layers,
             lambda i: FalconDecoderLayer(config, i, quant, f"transformer.h.{i}"),
         )
-        self.ln_f = stage_part(lambda: LayerNorm(hidden, config.layer_norm_epsilon), stage.last)
+        self.ln_f = held_part(lambda: LayerNorm(hidden, config.layer_norm_epsilon), stage.last)
         head_dim = hidden // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
 

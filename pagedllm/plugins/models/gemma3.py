@@ -23,8 +23,8 @@ from pagedllm.plugins.models.common import (
     DecoderStack,
     RMSNorm,
     decoder_layers,
+    held_part,
     layer_sliding_windows,
-    stage_part,
 )
 from pagedllm.plugins.models.llama import LlamaMLP, qkv_projections
 
@@ -98,7 +98,7 @@ class Gemma3Model(DecoderStack):
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
         stage = self.init_stage()
-        self.embed_tokens = stage_part(
+        self.embed_tokens = held_part(
             lambda: VocabEmbedding(
                 config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
             ),
@@ -111,7 +111,7 @@ class Gemma3Model(DecoderStack):
             config.num_hidden_layers,
             lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
-        self.norm = stage_part(lambda: _norm(config.hidden_size, config), stage.last)
+        self.norm = held_part(lambda: _norm(config.hidden_size, config), stage.last)
         self.rotary = self.rotary_tables(config, max_positions)
 
     def rotary_tables(self, config: Any, max_positions: int) -> nn.ModuleDict:

@@ -22,7 +22,7 @@ from pagedllm.plugins.models.common import (
     DecoderStack,
     TwoLayerMLP,
     decoder_layers,
-    stage_part,
+    held_part,
 )
 
 _CONV1D_WEIGHTS = (
@@ -111,15 +111,15 @@ class GPT2Model(DecoderStack):
                 f"a context of {max_positions} cannot be served"
             )
         stage = self.init_stage()
-        self.wte = stage_part(lambda: _embedding(config.vocab_size, config), stage.first)
-        self.wpe = stage_part(
+        self.wte = held_part(lambda: _embedding(config.vocab_size, config), stage.first)
+        self.wpe = held_part(
             lambda: _embedding(config.max_position_embeddings, config), stage.first
         )
         self.h, self.stage_layers = decoder_layers(
             config.num_hidden_layers,
             lambda i: GPT2Block(config, i, quant, f"transformer.h.{i}"),
         )
-        self.ln_f = stage_part(lambda: _layer_norm(config), stage.last)
+        self.ln_f = held_part(lambda: _layer_norm(config), stage.last)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids) + self.wpe(positions)

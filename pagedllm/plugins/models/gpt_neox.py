@@ -26,7 +26,7 @@ from pagedllm.plugins.models.common import (
     LayerNorm,
     TwoLayerMLP,
     decoder_layers,
-    stage_part,
+    held_part,
 )
 
 
@@ -115,7 +115,7 @@ class GPTNeoXModel(DecoderStack):
         super().__init__()
         hidden = config.hidden_size
         stage = self.init_stage()
-        self.embed_in = stage_part(
+        self.embed_in = held_part(
             lambda: VocabEmbedding(config.vocab_size, hidden, quant, "gpt_neox.embed_in"),
             stage.first,
         )
@@ -123,7 +123,7 @@ class GPTNeoXModel(DecoderStack):
             config.num_hidden_layers,
             lambda i: GPTNeoXLayer(config, i, quant, f"gpt_neox.layers.{i}"),
         )
-        self.final_layer_norm = stage_part(
+        self.final_layer_norm = held_part(
             lambda: LayerNorm(hidden, config.layer_norm_eps), stage.last
         )
         head_dim = hidden // config.num_attention_heads

@@ -35,9 +35,9 @@ from pagedllm.plugins.models.common import (
     RMSNorm,
     activation,
     decoder_layers,
+    held_part,
     kv_head_share,
     layer_sliding_windows,
-    stage_part,
 )
 
 
@@ -231,7 +231,7 @@ class LlamaModel(DecoderStack):
     def __init__(self, config: Any, quant, max_positions: int, disable_sliding_window: bool):
         super().__init__()
         stage = self.init_stage()
-        self.embed_tokens = stage_part(
+        self.embed_tokens = held_part(
             lambda: VocabEmbedding(
                 config.vocab_size, config.hidden_size, quant, "model.embed_tokens"
             ),
@@ -243,7 +243,7 @@ class LlamaModel(DecoderStack):
             lambda i: self.layer_cls(config, i, windows[i], quant, f"model.layers.{i}"),
         )
         setattr(
-            self, self.norm_name, stage_part(lambda: self.layer_cls.make_norm(config), stage.last)
+            self, self.norm_name, held_part(lambda: self.layer_cls.make_norm(config), stage.last)
         )
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads

@@ -19,7 +19,7 @@ from pagedllm.plugins.models.common import (
     DecoderStack,
     activation,
     decoder_layers,
-    stage_part,
+    held_part,
 )
 
 # OPT's learned position table has two extra rows in front (a fairseq padding relic):
@@ -102,28 +102,26 @@ class OPTDecoder(DecoderStack):
             )
         hidden, embed_dim = config.hidden_size, _word_embed_dim(config)
         stage = self.init_stage()
-        self.embed_tokens = stage_part(
-            lambda: _embedding(config.vocab_size, embed_dim), stage.first
-        )
-        self.embed_positions = stage_part(
+        self.embed_tokens = held_part(lambda: _embedding(config.vocab_size, embed_dim), stage.first)
+        self.embed_positions = held_part(
             lambda: _embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden),
             stage.first,
         )
         # Some sizes (opt-350m) embed words in a narrower space than the hidden size.
         self.project_in = self.project_out = None
         if embed_dim != hidden:
-            self.project_in = stage_part(
+            self.project_in = held_part(
                 lambda: Linear(embed_dim, hidden, False, quant, "model.decoder.project_in"),
                 stage.first,
             )
-            self.project_out = stage_part(
+            self.project_out = held_part(
                 lambda: Linear(hidden, embed_dim, False, quant, "model.decoder.project_out"),
                 stage.last,
             )
         # `_remove_final_layer_norm` exists for checkpoints fine-tuned before it was added.
         self.final_layer_norm = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
-            self.final_layer_norm = stage_part(lambda: _layer_norm(config), stage.last)
+            self.final_layer_norm = held_part(lambda: _layer_norm(config), stage.last)
         self.layers, self.stage_layers = decoder_layers(
             config.num_hidden_layers,
             lambda i: OPTDecoderLayer(config, i, quant, f"model.decoder.layers.{i}"),

@@ -61,4 +61,5 @@ class PhiModel(LlamaModel):
 
 class PhiForCausalLM(LlamaForCausalLM):
     model_cls = PhiModel
+    supports_tensor_parallel = True
     head_bias = True

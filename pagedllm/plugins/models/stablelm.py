@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.plugins.models.common import LayerNorm
+from pagedllm.distributed.parallel_state import tp_rank
+from pagedllm.plugins.models.common import LayerNorm, held_part, kv_head_share
 from pagedllm.plugins.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -23,15 +24,21 @@ from pagedllm.plugins.models.llama import (
 
 class PerHeadLayerNorm(nn.Module):
     """A LayerNorm without bias for each head of ``[T, heads, head_dim]``, each with its
-    own weight (``norms.{head}.weight``)."""
+    own weight (``norms.{head}.weight``): of ``heads = (first, count)`` of ``num_heads``,
+    a tensor-parallel rank's share (the others' norms are held elsewhere)."""
 
-    def __init__(self, head_dim: int, num_heads: int, eps: float) -> None:
+    def __init__(self, head_dim: int, num_heads: int, heads: tuple[int, int], eps: float):
         super().__init__()
-        self.norms = nn.ModuleList(LayerNorm(head_dim, eps, bias=False) for _ in range(num_heads))
+        first, count = heads
+        self.norms = nn.ModuleList(
+            held_part(lambda: LayerNorm(head_dim, eps, bias=False), first <= h < first + count)
+            for h in range(num_heads)
+        )
+        self.held = tuple(self.norms[first : first + count])
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.stack([norm.weight for norm in self.norms])
+        weight = torch.stack([norm.weight for norm in self.held])
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) * weight
 
 
@@ -45,9 +52,13 @@ class StableLmAttention(LlamaAttention):
         if not config.qk_layernorm:
             return None
         eps = config.layer_norm_eps
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return (
-            PerHeadLayerNorm(self.head_dim, self.num_heads, eps),
-            PerHeadLayerNorm(self.head_dim, self.num_kv_heads, eps),
+            PerHeadLayerNorm(
+                self.head_dim, heads, (tp_rank() * self.num_heads, self.num_heads), eps
+            ),
+            PerHeadLayerNorm(self.head_dim, kv_heads, kv_head_share(kv_heads), eps),
         )
 
 
@@ -70,3 +81,4 @@ class StableLmModel(LlamaModel):
 
 class StableLmForCausalLM(LlamaForCausalLM):
     model_cls = StableLmModel
+    supports_tensor_parallel = True

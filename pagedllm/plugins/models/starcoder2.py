@@ -47,4 +47,5 @@ class Starcoder2Model(LlamaModel):
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     model_cls = Starcoder2Model
+    supports_tensor_parallel = True
     tie_by_default = True
