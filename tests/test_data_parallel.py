@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import threading
 import time
 
 import httpx
@@ -194,3 +195,61 @@ def test_a_dead_replica_stops_the_server(servers):
         assert "data-parallel replica 1 exited" in server.log_text()
         _, alive = psutil.wait_procs(family[server.port], timeout=30)
         assert not alive, alive
+
+
+def test_a_group_aborted_or_dropped_at_once_leaves_no_load(model):
+    """A request group aborted (or its front end gone) in the same loop iteration as it
+    arrived, before its task ever ran, stops counting in the replica's load at once; a
+    group that ran to its end too."""
+    from multiprocessing.connection import Client, Listener
+
+    from pagedllm.core.async_engine import AsyncLLMEngine
+    from pagedllm.core.engine import NewRequest
+    from pagedllm.core.plugins import make_plugin_manager
+    from pagedllm.core.sampling import SamplingParams
+    from pagedllm.distributed.replica import Replica, _Peer
+
+    pm = make_plugin_manager()
+    config = EngineArgs(model=str(model), dtype="float32", disable_log_stats=True)
+    engine = AsyncLLMEngine(config.create_engine_config(pm), pm)
+    listener = Listener(("127.0.0.1", 0), authkey=b"k")
+    clients: list = []  # (the handshake needs both ends at once)
+    connecting = threading.Thread(
+        target=lambda: clients.append(Client(listener.address, authkey=b"k"))
+    )
+    connecting.start()
+    accepted = listener.accept()
+    connecting.join()
+    replica = Replica(engine, listener, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+    def group(ids: str) -> list[NewRequest]:
+        return [NewRequest(i, {"prompt_token_ids": [5, 6, 7]}, params) for i in ids]
+
+    async def run() -> list[int]:
+        replica.loop = asyncio.get_running_loop()
+        peer = _Peer(accepted)
+        replica.peers.append(peer)
+        loads = []
+        replica.loop.call_soon(replica._handle, peer, ("add", 1, group("ab")))
+        replica.loop.call_soon(replica._handle, peer, ("abort", 1))
+        await asyncio.sleep(0.2)
+        loads.append(sum(len(ids) for ids in replica._live.values()))
+        replica._handle(peer, ("add", 2, group("c")))
+        loads.append(sum(len(ids) for ids in replica._live.values()))
+        await peer.groups[2]
+        await asyncio.sleep(0)
+        loads.append(sum(len(ids) for ids in replica._live.values()))
+        replica.loop.call_soon(replica._handle, peer, ("add", 3, group("d")))
+        replica.loop.call_soon(replica._drop, peer)
+        await asyncio.sleep(0.2)
+        loads.append(sum(len(ids) for ids in replica._live.values()))
+        return loads
+
+    try:
+        assert asyncio.run(run()) == [0, 1, 0, 0]
+        assert engine.engine.kv_manager.usage == 0.0
+    finally:
+        clients[0].close()
+        listener.close()
+        engine.shutdown()

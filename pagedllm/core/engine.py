@@ -170,7 +170,13 @@ class LLMEngine:
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = self._load_draft(speculative)
-        bytes_per_block = spec.bytes_per_block(cache.block_size)
+        # (Every stage holds num_blocks blocks of its layers: sized for the deepest.)
+        deepest = spec
+        if pp > 1:
+            layers = loaded.hf_config.num_hidden_layers
+            largest = max((stage_layers(layers, r, pp) for r in range(pp)), key=len)
+            deepest = dataclasses.replace(spec, layers=largest)
+        bytes_per_block = deepest.bytes_per_block(cache.block_size)
         if draft is not None:
             bytes_per_block += draft[1].bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is None:

@@ -53,10 +53,16 @@ def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def rank_label(config: Any) -> str:
-    """How errors name a worker: a tensor-parallel rank or a pipeline stage."""
-    pipeline = config.parallel_config.pipeline_parallel_size > 1
-    return "pipeline stage" if pipeline else "tensor-parallel worker rank"
+def rank_name(config: Any, rank: int) -> str:
+    """How errors name worker ``rank``: a tensor-parallel rank, a pipeline stage, or a
+    tensor-parallel rank of a stage."""
+    parallel = config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pp == 1:
+        return f"tensor-parallel worker rank {rank}"
+    if tp == 1:
+        return f"pipeline stage {rank}"
+    return f"pipeline stage {rank // tp} (its tensor-parallel rank {rank % tp})"
 
 
 class WorkerGroup:
@@ -64,7 +70,7 @@ class WorkerGroup:
 
     def __init__(self, config: Any, size: int) -> None:
         self.size = size
-        self.label = rank_label(config)
+        self.config = config
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
@@ -94,12 +100,12 @@ class WorkerGroup:
             while not conn.poll(0.2):
                 self._raise_if_dead()
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"{self.label} {rank}: no {what!r} in time")
+                    raise EngineDeadError(f"{rank_name(self.config, rank)}: no {what!r} in time")
             kind, detail = pickle.loads(conn.recv_bytes())
             if kind == "error":
-                raise ConfigError(f"{self.label} {rank} failed: {detail}")
+                raise ConfigError(f"{rank_name(self.config, rank)} failed: {detail}")
             if kind != what:
-                raise EngineDeadError(f"{self.label} {rank} sent {kind!r}")
+                raise EngineDeadError(f"{rank_name(self.config, rank)} sent {kind!r}")
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker (pickled once)."""
@@ -109,7 +115,7 @@ class WorkerGroup:
             for conn in self.conns:
                 conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-            raise EngineDeadError(f"a {self.label.rsplit(' ', 1)[0]} is gone: {exc}") from exc
+            raise EngineDeadError(f"a worker process is gone: {exc}") from exc
 
     def step(self, step: Any) -> None:
         self.send("follow", step)
@@ -119,7 +125,7 @@ class WorkerGroup:
             if not proc.is_alive():
                 detail = self._last_error(rank)
                 raise EngineDeadError(
-                    f"{self.label} {rank} exited (code {proc.exitcode})"
+                    f"{rank_name(self.config, rank)} exited (code {proc.exitcode})"
                     + (f": {detail}" if detail else "")
                 )
 
@@ -142,7 +148,7 @@ class WorkerGroup:
             for rank in range(1, self.size):
                 detail = self._last_error(rank)
                 if detail is not None:
-                    return EngineDeadError(f"{self.label} {rank} failed: {detail}")
+                    return EngineDeadError(f"{rank_name(self.config, rank)} failed: {detail}")
             try:
                 self._raise_if_dead()
             except EngineDeadError as dead:

@@ -55,6 +55,8 @@ _pipeline = PipelineParallel()
 # The collectives' group of this stage's tensor-parallel ranks with pipeline parallelism
 # too (None: the whole world, every rank a tensor-parallel rank).
 _tp_group: Any = None
+# The group of the last pipeline stage's transfers back to stage 0.
+_return_group: Any = None
 
 
 def pipeline_parallel() -> PipelineParallel:
@@ -144,7 +146,7 @@ def init_distributed(
     (``gloo``, ``nccl``), and record this process's place: stage ``rank // size``,
     tensor-parallel rank ``rank % size`` within it. With both, each stage's ranks get a
     group of their own for their collectives."""
-    global _tp_group
+    global _tp_group, _return_group
     world = size * stages
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(
@@ -161,6 +163,12 @@ def init_distributed(
             group = dist.new_group(list(range(first, first + size)))
             if first == stage * size:
                 _tp_group = group
+    if stages > 1:
+        # The last stage's sends back to stage 0 in a group of their own: with two
+        # stages they join the same two ranks as the forward sends, in the other
+        # direction, and NCCL orders all of one group's transfers between two ranks on
+        # one stream (a send waiting for its receive would hold up the other direction).
+        _return_group = dist.new_group(list(range(world)))
     set_tensor_parallel(rank % size, size)
     set_pipeline_parallel(stage, stages)
 
@@ -171,13 +179,18 @@ def stage_peer(stage: int) -> int:
     return stage * _state.size + _state.rank
 
 
+def return_group() -> Any:
+    """The group the last pipeline stage sends the final hidden states to stage 0 in."""
+    return _return_group
+
+
 def destroy_distributed() -> None:
-    global _state, _pipeline, _tp_group
+    global _state, _pipeline, _tp_group, _return_group
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TensorParallel()
     _pipeline = PipelineParallel()
-    _tp_group = None
+    _tp_group = _return_group = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

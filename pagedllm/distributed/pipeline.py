@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.core.runner import StepInput
-from pagedllm.distributed.parallel_state import pipeline_parallel, stage_peer
+from pagedllm.distributed.parallel_state import pipeline_parallel, return_group, stage_peer
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,7 +106,8 @@ def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
     outputs = [_stage_input(runner, batch, runner.output_size) for batch in batches]
     # (Posted first: the last stage's sends never wait for this process.)
     last = stage_peer(pipeline_parallel().size - 1)
-    receives = [dist.irecv(out, src=last, tag=i) for i, out in enumerate(outputs)]
+    back = return_group()
+    receives = [dist.irecv(out, src=last, tag=i, group=back) for i, out in enumerate(outputs)]
     sends = []
     for i, batch in enumerate(batches):
         hidden = runner._hidden(batch, None).contiguous()
@@ -131,11 +132,12 @@ def follow_stage(runner: Any, message: PipelineStep) -> None:
     layers, on to the next stage (stage 0 after the last)."""
     stage = pipeline_parallel()
     source, target = stage_peer(stage.rank - 1), stage_peer((stage.rank + 1) % stage.size)
+    group = return_group() if stage.last else None
     sends = []
     for i, batch in enumerate(message.micro_batches):
         incoming = _stage_input(runner, batch, runner.hidden_size)
         dist.recv(incoming, src=source, tag=i)
         hidden = runner._hidden(batch, None, incoming).contiguous()
-        sends.append((dist.isend(hidden, dst=target, tag=i), hidden))
+        sends.append((dist.isend(hidden, dst=target, tag=i, group=group), hidden))
     for work, _ in sends:
         work.wait()

@@ -7,7 +7,8 @@ authkey shared through the parent). A front end sends ``("add", group, [NewReque
 ``("abort", group)`` and ``("call", id, op, argument)``; the replica answers with
 ``(load, acked, events)`` messages, where ``load`` is its unfinished requests (from every
 front end), ``acked`` the requests it has received from that front end so far, and the
-events ``("out", group, index, RequestOutput)``, ``("fail", group, *error)`` and
+events ``("out", group, index, RequestOutput)`` (the prompt's fields only in a request's
+first output), ``("fail", group, *error)`` and
 ``("reply", id, ok, value)``. A front end's estimate of a replica's load is then exact:
 what the replica reported plus what it sent since that the replica had not yet seen.
 
@@ -182,6 +183,7 @@ class _Peer:
     acked: int = 0
     outbox: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
     sent_load: int = -1
+    sent_acked: int = 0
     groups: dict[int, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
 
 
@@ -201,7 +203,7 @@ class Replica:
         engine.step_listeners.append(self.metrics.on_step)
         self.peers: list[_Peer] = []
         # Unfinished request ids of each running group: the load is their total.
-        self._live: dict[tuple[int, int], set[str]] = {}
+        self._live: dict[tuple[_Peer, int], set[str]] = {}
         self._flush_scheduled = False
         self._exit_code = 0
 
@@ -227,7 +229,7 @@ class Replica:
         for number in itertools.count():
             try:
                 conn = self.listener.accept()
-            except OSError:  # (closed at exit, or a client without the key)
+            except Exception:  # (closed at exit; a client without the key, or gone at once)
                 if self.stopping.is_set():
                     return
                 continue
@@ -271,8 +273,11 @@ class Replica:
         if kind == "add":
             _, group, requests = message
             peer.acked += len(requests)
-            self._live[(id(peer), group)] = {r.request_id for r in requests}
-            peer.groups[group] = self.loop.create_task(self._run(peer, group, requests))
+            self._live[(peer, group)] = {r.request_id for r in requests}
+            task = self.loop.create_task(self._run(peer, group, requests))
+            peer.groups[group] = task
+            # (Also when the group is cancelled before its task ever ran.)
+            task.add_done_callback(lambda _: self._group_done(peer, group))
             self._schedule_flush()
         elif kind == "abort":
             task = peer.groups.pop(message[1], None)
@@ -283,20 +288,30 @@ class Replica:
             self.loop.create_task(self._call(peer, call_id, op, argument))
 
     async def _run(self, peer: _Peer, group: int, requests: list[Any]) -> None:
-        unfinished = self._live[(id(peer), group)]
+        unfinished = self._live[(peer, group)]
+        prompted: set[str] = set()
         try:
             async for index, output in self.engine.generate_many(requests):
                 if output.finished:
                     unfinished.discard(output.request_id)
+                if output.request_id in prompted:
+                    # (The prompt went with the request's first output; the front end
+                    # puts it back: not pickled again for every streamed token.)
+                    output = dataclasses.replace(
+                        output, prompt=None, prompt_token_ids=[], prompt_logprobs=None
+                    )
+                prompted.add(output.request_id)
                 self._send(peer, ("out", group, index, output))
         except asyncio.CancelledError:
             pass  # (the front end aborted it; generate_many aborted the requests)
         except Exception as exc:
             self._send(peer, ("fail", group, *wire_error(exc)))
-        finally:
-            self._live.pop((id(peer), group), None)
-            peer.groups.pop(group, None)
-            self._schedule_flush()
+
+    def _group_done(self, peer: _Peer, group: int) -> None:
+        """A group's requests no longer count in the load (finished, failed, aborted)."""
+        self._live.pop((peer, group), None)
+        peer.groups.pop(group, None)
+        self._schedule_flush()
 
     async def _call(self, peer: _Peer, call_id: int, op: str, argument: Any) -> None:
         try:
@@ -339,7 +354,7 @@ class Replica:
         self._flush_scheduled = False
         load = sum(len(ids) for ids in self._live.values())
         for peer in list(self.peers):
-            if not peer.outbox and peer.sent_load == load:
+            if not peer.outbox and peer.sent_load == load and peer.sent_acked == peer.acked:
                 continue
             events, peer.outbox = peer.outbox, []
             try:
@@ -359,4 +374,4 @@ class Replica:
             except OSError:
                 self._drop(peer)
                 continue
-            peer.sent_load = load
+            peer.sent_load, peer.sent_acked = load, peer.acked

@@ -48,6 +48,8 @@ class _Group:
     replica: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException]
+    # Each request's prompt fields, from its first output (the replica sends them once).
+    prompts: dict[str, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
 
     def put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
         try:
@@ -166,6 +168,15 @@ class DataParallelClient:
             _, group_id, index, output = event
             group = self._groups.get(group_id)
             if group is not None:
+                prompt = group.prompts.get(output.request_id)
+                if prompt is None:
+                    group.prompts[output.request_id] = (
+                        output.prompt,
+                        output.prompt_token_ids,
+                        output.prompt_logprobs,
+                    )
+                else:
+                    output.prompt, output.prompt_token_ids, output.prompt_logprobs = prompt
                 group.put((index, output))
         elif kind == "fail":
             _, group_id, *error = event

@@ -86,11 +86,10 @@ class ReplicaGroup:
         deadline = time.monotonic() + timeout
         for index, (proc, conn) in enumerate(zip(self.procs, self.status, strict=True)):
             while not conn.poll(0.2):
-                if not proc.is_alive():
-                    raise EngineDeadError(
-                        f"data-parallel replica {index} exited (code {proc.exitcode}) while "
-                        "loading the model"
-                    )
+                # (Any replica: one that fails early is not left until the others load.)
+                for number, other in enumerate(self.procs):
+                    if not other.is_alive():
+                        self._raise_failed(number)
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"data-parallel replica {index}: not ready in time")
             try:
@@ -110,6 +109,23 @@ class ReplicaGroup:
             self.addresses.append(address)
             if self.facts is None:
                 self.facts = facts
+
+    def _raise_failed(self, index: int) -> None:
+        """Raise what replica ``index``, which exited, said (or its exit code)."""
+        conn, proc = self.status[index], self.procs[index]
+        try:
+            while conn.poll(0):
+                kind, *detail = conn.recv()
+                if kind == "error":
+                    error = error_from_wire(*detail)
+                    if isinstance(error, ConfigError):
+                        raise error
+                    raise EngineDeadError(f"data-parallel replica {index} failed to start: {error}")
+        except (EOFError, OSError):
+            pass
+        raise EngineDeadError(
+            f"data-parallel replica {index} exited (code {proc.exitcode}) while loading the model"
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every replica (each aborts its requests and stops its -tp ranks), killing
