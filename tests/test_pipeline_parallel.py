@@ -149,3 +149,39 @@ def test_gguf_weights_over_two_stages(tmp_path):
         assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_a_stage_killed_within_a_step_stops_the_engine(tmp_path):
+    """Stage 1 killed while the engine is generating (rank 0 in the middle of its
+    transfers): the engine raises EngineDeadError naming the stage, instead of waiting
+    for the transfers' timeout."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pagedllm import SamplingParams
+    from pagedllm.core.errors import EngineDeadError
+
+    directory = make_checkpoint(
+        tmp_path / "llama", "llama", hidden_size=256, intermediate_size=1024,
+        num_hidden_layers=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    llm = LLM(str(directory), dtype="float32", pipeline_parallel_size=2, disable_log_stats=True)
+    stage = llm.llm_engine.workers.procs[0]
+    killed: list[float] = []
+
+    def kill() -> None:
+        while llm.llm_engine.runner.pipeline.num_steps < 3:
+            time.sleep(0.01)
+        os.kill(stage.pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    threading.Thread(target=kill, daemon=True).start()
+    prompts = [{"prompt_token_ids": [5 + i % 500 for i in range(1500)]}] * 4
+    try:
+        with pytest.raises(EngineDeadError, match="pipeline stage 1"):
+            llm.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        assert killed and time.monotonic() - killed[0] < 30
+    finally:
+        llm.llm_engine.shutdown()
