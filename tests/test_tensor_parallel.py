@@ -50,10 +50,13 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
         ("phi", {}),
         ("stablelm", {}),
         ("starcoder2", {}),
+        ("mixtral", {}),
+        ("qwen2_moe", {}),
+        ("qwen3_moe", {}),
     ],
     ids=[
         "llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2", "phi3", "phi", "stablelm",
-        "starcoder2",
+        "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe",
     ],
 )  # fmt: skip
 def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):

@@ -29,6 +29,7 @@ from pagedllm.distributed import parallel_state
 from pagedllm.plugins.models import llama
 from pagedllm.plugins.models.classification import LlamaForSequenceClassification
 from pagedllm.plugins.models.common import copy_weights, kv_head_share
+from pagedllm.plugins.models.gpt2 import GPT2LMHeadModel
 from pagedllm.plugins.models.moe import MixtralForCausalLM
 from pagedllm.plugins.models.phi import PhiForCausalLM
 from pagedllm.plugins.models.phi3 import Phi3ForCausalLM
@@ -324,7 +325,7 @@ def test_check_tensor_parallel():
 def test_unsupported_architectures_are_named():
     config = _llama_config()
     # Subclasses of a supported architecture do not inherit the support.
-    for model_cls in (MixtralForCausalLM, LlamaForSequenceClassification):
+    for model_cls in (GPT2LMHeadModel, LlamaForSequenceClassification):
         assert not model_cls.supports_tensor_parallel
         model_cls.check_tensor_parallel(config, 1)
         with pytest.raises(ConfigError, match=f"{model_cls.__name__} does not support tensor"):
@@ -332,3 +333,4 @@ def test_unsupported_architectures_are_named():
     assert llama.Qwen3ForCausalLM.supports_tensor_parallel
     assert Phi3ForCausalLM.supports_tensor_parallel  # (set on the class itself)
     assert PhiForCausalLM.supports_tensor_parallel
+    assert MixtralForCausalLM.supports_tensor_parallel

@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 PARALLEL_STYLES = ("column", "row")
 
 
-def mark_rows(param: nn.Parameter, ranges: Sequence[tuple[int, int]]) -> None:
-    """Record that ``param`` holds the full tensor's rows ``[start, start + length)`` of
-    each of ``ranges``, concatenated: a rank's share of each part of a fused weight (Q, K
-    and V stacked in one ``qkv_proj``, say). ``copy_weights`` gathers them."""
+def mark_rows(param: nn.Parameter, ranges: Sequence[tuple[int, int]], dim: int = 0) -> None:
+    """Record that ``param`` holds the full tensor's rows ``[start, start + length)`` (along
+    ``dim``) of each of ``ranges``, concatenated: a rank's share of each part of a fused
+    weight (Q, K and V stacked in one ``qkv_proj``, say). ``copy_weights`` gathers them."""
     param.tp_rows = tuple(ranges)
+    param.tp_rows_dim = dim
 
 
 def mark_shard(param: nn.Parameter, dim: int, start: int, length: int, pad: bool = False) -> None:

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.layers.linear import mark_rows, mark_shard
 from pagedllm.core.layers.static import static_shapes
+from pagedllm.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from pagedllm.kernels.moe import moe_dense, moe_reference
 
 if TYPE_CHECKING:
@@ -42,10 +44,27 @@ class FusedMoE(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
+        # With tensor parallelism each rank holds every expert's share of the
+        # intermediate rows (gate and up column-parallel, down row-parallel): its
+        # partial outputs are summed over the ranks.
+        ranks = tp_size()
+        if inter % ranks:
+            raise ConfigError(
+                f"{prefix}: the experts' intermediate size {inter} does not divide over "
+                f"{ranks} tensor-parallel ranks"
+            )
+        self.full_inter, self.reduce = inter, ranks > 1
+        self.first = tp_rank() * (inter // ranks)
+        inter //= ranks
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.prefix = prefix
         self.act = act
         self.method = quant_config.get_moe_method(self, prefix) if quant_config else None
+        if self.method is not None and self.reduce:
+            raise ConfigError(
+                f"{prefix}: quantized experts ({quant_config.name}) cannot be split over "
+                "tensor-parallel ranks yet"
+            )
         if self.method is None:
             self.gate_up_proj = nn.Parameter(
                 torch.empty(num_experts, 2 * inter, hidden), requires_grad=False
@@ -53,6 +72,10 @@ class FusedMoE(nn.Module):
             self.down_proj = nn.Parameter(
                 torch.empty(num_experts, hidden, inter), requires_grad=False
             )
+            if self.reduce:
+                first, full = self.first, self.full_inter
+                mark_rows(self.gate_up_proj, [(first, inter), (full + first, inter)], dim=1)
+                mark_shard(self.down_proj, 2, first, inter)
         else:
             self.method.create_weights(self, num_experts, hidden, inter, torch.get_default_dtype())
         # Which (parameter, expert, part) load_expert filled.
@@ -61,11 +84,13 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, hidden]`` through each token's experts ``ids`` ``[T, top_k]``,
         their outputs summed with ``weights`` ``[T, top_k]``."""
-        if self.method is None:
-            if static_shapes():
-                return moe_dense(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
-            return moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
-        return self.method.apply(self, x, weights, ids)
+        if self.method is not None:
+            return self.method.apply(self, x, weights, ids)
+        if static_shapes():
+            out = moe_dense(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+        else:
+            out = moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
+        return all_reduce(out) if self.reduce else out
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """Copy one expert's ``part`` (``gate``, ``up``: ``[inter, hidden]``; ``down``:
@@ -76,6 +101,8 @@ class FusedMoE(nn.Module):
                 "supported"
             )
         name, half = _PARTS[part]
+        if self.reduce:  # (this rank's intermediate rows: gate/up rows, down columns)
+            tensor = tensor.narrow(0 if half is not None else 1, self.first, self.inter)
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"{self.prefix} has {self.num_experts} experts, not expert {expert}")
         target = getattr(self, name)[expert]

@@ -265,13 +265,15 @@ def copy_weights(
                 continue
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
         rows = getattr(param, "tp_rows", None)
-        if rows is not None and sum(length for _, length in rows) != tensor.shape[0]:
-            if max(start + length for start, length in rows) > tensor.shape[0]:
+        dim = getattr(param, "tp_rows_dim", 0)
+        if rows is not None and sum(length for _, length in rows) != tensor.shape[dim]:
+            if max(start + length for start, length in rows) > tensor.shape[dim]:
                 raise ConfigError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}: too few rows for this "
                     f"tensor-parallel rank's parts {list(rows)}"
                 )
-            tensor = torch.cat([tensor.narrow(0, start, length) for start, length in rows])
+            parts = [tensor.narrow(dim, start, length) for start, length in rows]
+            tensor = torch.cat(parts, dim=dim)
         narrow = getattr(param, "tp_narrow", None)
         if narrow is not None and tensor.dim() > narrow[0]:
             dim, start, length = narrow

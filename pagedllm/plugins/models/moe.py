@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.linear import Linear
 from pagedllm.core.layers.moe import FusedMoE
 from pagedllm.kernels.moe import select_experts
@@ -97,6 +98,19 @@ def take_expert_weights(
 
 
 class MoEForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, size: int) -> None:
+        """As the Llama family's, and the experts' (and a shared expert's) intermediate
+        sizes divide evenly (each rank holds its rows of every expert)."""
+        super().check_tensor_parallel(config, size)
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            inter = getattr(config, name, None)
+            if size > 1 and inter and inter % size:
+                raise ConfigError(
+                    f"{cls.__name__} cannot be split over --tensor-parallel-size {size}: its "
+                    f"{name} {inter} does not divide by {size}"
+                )
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = take_kv_scales(self, self.prepare_weights(weights), self.checkpoint_name)
         weights = take_expert_weights(self, weights, self.checkpoint_name)
@@ -131,6 +145,7 @@ class MixtralModel(LlamaModel):
 
 class MixtralForCausalLM(MoEForCausalLM):
     model_cls = MixtralModel
+    supports_tensor_parallel = True
 
     def checkpoint_name(self, name: str) -> str | None:
         # (Mixtral's checkpoints name the block block_sparse_moe; transformers, mlp.)
@@ -179,6 +194,7 @@ class Qwen2MoeModel(LlamaModel):
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
     model_cls = Qwen2MoeModel
+    supports_tensor_parallel = True
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
@@ -193,3 +209,4 @@ class Qwen3MoeModel(LlamaModel):
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     model_cls = Qwen3MoeModel
+    supports_tensor_parallel = True
