@@ -170,12 +170,12 @@ class LLMEngine:
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = self._load_draft(speculative)
-        # (Every stage holds num_blocks blocks of its layers: sized for the deepest.)
+        # (Every stage holds num_blocks blocks of its layers: sized for the deepest, the
+        # last, which stage_layers gives the remainder.)
         deepest = spec
         if pp > 1:
-            layers = loaded.hf_config.num_hidden_layers
-            largest = max((stage_layers(layers, r, pp) for r in range(pp)), key=len)
-            deepest = dataclasses.replace(spec, layers=largest)
+            last = stage_layers(loaded.hf_config.num_hidden_layers, pp - 1, pp)
+            deepest = dataclasses.replace(spec, layers=last)
         bytes_per_block = deepest.bytes_per_block(cache.block_size)
         if draft is not None:
             bytes_per_block += draft[1].bytes_per_block(cache.block_size)
@@ -243,9 +243,7 @@ class LLMEngine:
                 from pagedllm.distributed.pipeline import PipelineStages
 
                 self.runner.pipeline = PipelineStages(pp)
-                self.runner.hidden_size = loaded.hf_config.hidden_size
-                self.runner.output_size = loaded.model.head_input_size
-                self.runner.hidden_dtype = loaded.dtype
+                self.runner.set_stage_io(loaded)
         self.runner.pooler_configs = self.pooler_configs
         self.runner.lora = self.lora
         if use_graphs:

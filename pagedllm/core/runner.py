@@ -234,6 +234,13 @@ class ModelRunner:
             )
         return result
 
+    def set_stage_io(self, loaded: Any) -> None:
+        """A pipeline rank's hidden states between stages: the model's hidden size and
+        type, and the width of the final ones (the head's input)."""
+        self.hidden_size = loaded.hf_config.hidden_size
+        self.output_size = loaded.model.head_input_size
+        self.hidden_dtype = loaded.dtype
+
     def _row_blocks(self, step: StepInput) -> list[torch.Tensor | None]:
         """The rows whose logits a step computes, block by block, in the order every
         rank computes them: the sampled rows (None when none), each verification's, each
@@ -249,10 +256,9 @@ class ModelRunner:
         """The step's hidden states and ``logits_of(i)``, the logits of row block ``i``
         (:meth:`_row_blocks`). With workers (tensor-parallel ranks, pipeline stages) every
         block is computed here, before any work of rank 0 alone, so the ranks' collectives
-        and transfers stay in step; a failure
-        among them stops the engine (the ranks could not agree on the next step's
-        collectives any more). Without workers each block is computed when asked for (one
-        at a time)."""
+        and transfers stay in step; a failure among them stops the engine (the ranks could
+        not agree on the next step's collectives any more). Without workers each block is
+        computed when asked for (one at a time)."""
         if self.workers is None:
             hidden = self._hidden(step, output)
             blocks = self._row_blocks(step)

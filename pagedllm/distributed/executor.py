@@ -312,9 +312,7 @@ class WorkerRank:
         )  # fmt: skip
         self.runner.sampler = None  # (rank 0 samples)
         if self.pipeline:
-            self.runner.hidden_size = self.loaded.hf_config.hidden_size
-            self.runner.output_size = self.loaded.model.head_input_size
-            self.runner.hidden_dtype = self.loaded.dtype
+            self.runner.set_stage_io(self.loaded)
         return "ready"
 
     def follow(self, step: Any) -> None:

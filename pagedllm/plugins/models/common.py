@@ -148,7 +148,7 @@ class HeldElsewhere(nn.Module):
     parameters, and its checkpoint tensors are skipped."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("this part of the model is held by another pipeline stage")
+        raise RuntimeError("this part of the model is held by another rank")
 
 
 def held_elsewhere(module: nn.Module, name: str) -> bool:
@@ -376,18 +376,20 @@ class CausalLM(nn.Module, ModelArchitecture):
     # Whether the head is a Linear split by vocabulary rows over the tensor-parallel
     # ranks, whose logits compute_logits gathers (set by init_head).
     gather_head_logits: bool = False
+    # The config's sizes of the layers split by rows over the tensor-parallel ranks
+    # (each must divide by their number).
+    split_sizes: ClassVar[tuple[str, ...]] = ("intermediate_size",)
 
     @classmethod
     def check_tensor_parallel(cls, config: Any, size: int) -> None:
         """As ``ModelArchitecture``'s, and the attention heads, the KV heads (or ``size``
-        by them, when there are fewer) and the MLP's intermediate size divide evenly."""
+        by them, when there are fewer) and the ``split_sizes`` divide evenly."""
         super().check_tensor_parallel(config, size)
         if size == 1:
             return
         name = cls.__name__
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        inter = getattr(config, "intermediate_size", None)
         problems = []
         if heads % size:
             problems.append(f"its {heads} attention heads do not divide by {size}")
@@ -395,8 +397,10 @@ class CausalLM(nn.Module, ModelArchitecture):
             problems.append(f"its {kv_heads} KV heads do not divide by {size}")
         if kv_heads < size and size % kv_heads:
             problems.append(f"{size} is not a multiple of its {kv_heads} KV heads")
-        if inter is not None and inter % size:
-            problems.append(f"its intermediate size {inter} does not divide by {size}")
+        for field in cls.split_sizes:
+            value = getattr(config, field, None)
+            if value and value % size:
+                problems.append(f"its {field.replace('_', ' ')} {value} does not divide by {size}")
         if problems:
             raise ConfigError(
                 f"{name} cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.linear import Linear
 from pagedllm.core.layers.moe import FusedMoE
 from pagedllm.kernels.moe import select_experts
@@ -98,18 +97,8 @@ def take_expert_weights(
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    @classmethod
-    def check_tensor_parallel(cls, config: Any, size: int) -> None:
-        """As the Llama family's, and the experts' (and a shared expert's) intermediate
-        sizes divide evenly (each rank holds its rows of every expert)."""
-        super().check_tensor_parallel(config, size)
-        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-            inter = getattr(config, name, None)
-            if size > 1 and inter and inter % size:
-                raise ConfigError(
-                    f"{cls.__name__} cannot be split over --tensor-parallel-size {size}: its "
-                    f"{name} {inter} does not divide by {size}"
-                )
+    # (each rank holds its rows of every expert, and of a shared expert)
+    split_sizes = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = take_kv_scales(self, self.prepare_weights(weights), self.checkpoint_name)
