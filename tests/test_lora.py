@@ -148,6 +148,29 @@ def test_slots_and_cache_are_bounded(models):
     assert tokens == expected[: len(tokens)]
 
 
+def test_adapters_split_over_two_tensor_parallel_ranks(models):
+    """-tp 2: each rank holds its share of every adapter (B's rows of column-parallel
+    layers and of the head's vocabulary, A's columns of row-parallel ones, the
+    embedding's whole); the tokens of transformers + peft in mixed batches, with slots
+    refilled (rank 1 fills what rank 0 fills) and an id that names another adapter once
+    its first is removed (rank 1 reads it again)."""
+    base_dir, adapters, reference = models
+    llm = _llm(base_dir, max_loras=2, max_lora_rank=8, max_cpu_loras=2, tensor_parallel_size=2)
+    try:
+        (r0, m0), (r1, m1), (r2, m2) = adapters
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+        _check(llm, prompts, [r0, r1, r2, None], [m0, m1, m2, reference])
+        manager = llm.llm_engine.lora
+        assert manager.layers["model.layers.0.mlp.down_proj"].lora.a.shape[-1] == (
+            reference.config.intermediate_size // 2
+        )
+        assert manager.remove(r0.lora_int_id)
+        renamed = LoRARequest("renamed", r0.lora_int_id, r2.lora_path)
+        _check(llm, [PROMPTS[1], PROMPTS[0]], [renamed, r1], [m2, m1])
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_refusals(models, tmp_path):
     base_dir, adapters, _ = models
     request = adapters[1][0]

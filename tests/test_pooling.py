@@ -235,6 +235,33 @@ def test_bert_classifier_and_cross_encoder(bert_classifiers):
     _close(again[0].outputs.score, expected[0])
 
 
+def test_bert_over_two_tensor_parallel_ranks(minilm, minilm_llm, bert_classifiers):
+    """-tp 2: each rank holds half of every BERT layer's heads and intermediate rows (and
+    gets the step's token types): MiniLM's embeddings and a cross-encoder's scores of
+    sentence pairs equal one rank's."""
+    expected = [o.outputs.embedding for o in minilm_llm.embed(TEXTS, use_tqdm=False)]
+    directory, _ = bert_classifiers[1]
+    query, documents = TEXTS[0], TEXTS[1:]
+    single = LLM(str(directory), task="score", dtype="float32", disable_log_stats=True)
+    scores = [s.outputs.score for s in single.score(query, documents, use_tqdm=False)]
+    for model, task in ((minilm, "embed"), (directory, "score")):
+        llm = LLM(
+            str(model), task=task, dtype="float32", disable_log_stats=True,
+            tensor_parallel_size=2,
+        )  # fmt: skip
+        try:
+            attention = llm.llm_engine.loaded.model.encoder.layer[0].attention.self
+            assert attention.heads * 2 == llm.llm_engine.loaded.hf_config.num_attention_heads
+            if task == "embed":
+                outputs = llm.embed(TEXTS, use_tqdm=False)
+                _close([o.outputs.embedding for o in outputs], torch.tensor(expected))
+            else:
+                outputs = llm.score(query, documents, use_tqdm=False)
+                _close([o.outputs.score for o in outputs], torch.tensor(scores))
+        finally:
+            llm.llm_engine.shutdown()
+
+
 def test_bad_pooler_settings(minilm, tmp_path):
     with pytest.raises(ConfigError, match="pooling_type"):
         LLM(str(minilm), override_pooler_config={"pooling_type": "MAX"})

@@ -19,6 +19,7 @@ from openai_server import RemoteServer
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 
 from pagedllm import LLM, EngineArgs, SamplingParams
+from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.plugins import make_plugin_manager
 
@@ -53,10 +54,19 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
         ("mixtral", {}),
         ("qwen2_moe", {}),
         ("qwen3_moe", {}),
+        ("gpt2", {}),
+        ("gpt2", {"tie_word_embeddings": False}),
+        ("opt", {}),
+        ("opt", {"word_embed_proj_dim": 32}),
+        ("gpt_neox", {}),
+        ("falcon", {}),
+        ("falcon", {"num_kv_heads": 1}),
+        ("falcon_mqa", {}),
     ],
     ids=[
         "llama", "qwen3", "llama-one-kv-head", "gemma3", "gemma2", "phi3", "phi", "stablelm",
-        "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe",
+        "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2", "gpt2-untied", "opt",
+        "opt-projected", "gpt_neox", "falcon", "falcon-one-kv-head", "falcon_mqa",
     ],
 )  # fmt: skip
 def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
@@ -68,13 +78,62 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     def check(engine: Any, reference: Any) -> None:
         assert len(engine.workers.procs) == 1
         # Rank 0 holds half the attention heads.
-        attention = engine.loaded.model.model.layers[0].self_attn
+        model = engine.loaded.model
+        attention = next(m for m in model.modules() if isinstance(m, Attention))
         assert attention.num_heads == reference.config.num_attention_heads // 2
         # One group per process: a second engine waits for the first to shut down.
         with pytest.raises(ConfigError, match="already belongs to a tensor-parallel or pipeline"):
             LLM(str(directory), tensor_parallel_size=2, **SMALL_CACHE)
 
     assert_parity_with_one_rank(directory, {"tensor_parallel_size": 2}, check)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fused"), [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", False)]
+)
+def test_experts_split_by_expert_over_two_ranks(architecture, fused, tmp_path):
+    """--enable-expert-parallel: each rank holds two of the four experts whole (from one
+    tensor per expert, or from transformers' fused tensors), the attention and a shared
+    expert split by rows as without it; transformers' tokens and -tp 1's logprobs."""
+    directory = make_checkpoint(tmp_path / architecture, architecture)
+    if fused:
+        from safetensors.torch import save_file
+
+        state = load_reference(directory).state_dict()
+        (directory / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors")
+
+    def check(engine: Any, reference: Any) -> None:
+        from pagedllm.core.layers.moe import FusedMoE
+
+        model = engine.loaded.model
+        experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        config = reference.config
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        assert (experts.num_experts, experts.first_expert, experts.full_experts) == (2, 0, 4)
+        assert tuple(experts.gate_up_proj.shape) == (2, 2 * inter, config.hidden_size)
+        mlp = model.model.layers[0].mlp
+        if getattr(mlp, "shared_expert", None) is not None:
+            full = config.shared_expert_intermediate_size
+            assert mlp.shared_expert.down_proj.input_size == full // 2
+
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    assert_parity_with_one_rank(directory, parallel, check)
+
+
+def test_expert_parallelism_without_experts_to_split_says_so(tmp_path, caplog):
+    """Accepted, as vLLM does, where it changes nothing (one rank, a dense model), with a
+    warning that says why."""
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    for tp, message in ((1, "with one tensor-parallel rank"), (2, "has no mixture-of-experts")):
+        caplog.clear()
+        options = dict(tensor_parallel_size=tp, enable_expert_parallel=True, **SMALL_CACHE)
+        llm = LLM(str(directory), **options)
+        try:
+            assert len(_generate(llm, _prompts()[:1])[0].outputs[0].token_ids) == NEW_TOKENS
+        finally:
+            llm.llm_engine.shutdown()
+        assert message in caplog.text
 
 
 # Chunked prefill over a cached prefix in a cache small enough to preempt.
@@ -126,8 +185,11 @@ def assert_parity_with_one_rank(
             "external_launcher is not supported by pagedllm yet",
         ),
         ({"distributed_executor_backend": "uni"}, "uni runs one process"),
-        ({"enable_lora": True}, "--enable-lora is not supported with --tensor-parallel-size"),
         ({"tensor_parallel_size": 0}, "--tensor-parallel-size=0 is invalid"),
+        (
+            {"enable_expert_parallel": True, "data_parallel_size": 2},
+            "--enable-expert-parallel with --data-parallel-size above 1 is not supported",
+        ),
     ],
 )
 def test_what_tensor_parallelism_cannot_do_is_refused(kwargs, message):
@@ -156,10 +218,57 @@ def test_gguf_weights_split_packed(architecture, qtype, tmp_path):
         llm.llm_engine.shutdown()
 
 
-def test_an_architecture_without_sharding_is_refused(tmp_path):
-    directory = make_checkpoint(tmp_path / "gpt2", "gpt2")
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*tensor parallel"):
-        LLM(str(directory), dtype="float32", tensor_parallel_size=2)
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_pooling_over_two_ranks(parallel, tmp_path):
+    """A causal LM's embeddings and a sequence classifier's scores (its ``score`` layer
+    whole on every rank; stage 0 applies it to the last stage's hidden states) over two
+    ranks equal one rank's; a BERT encoder, which has no stages, is refused by name with
+    -pp (with -tp: test_pooling.py)."""
+    import transformers
+    from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
+
+    directory = tmp_path / "classifier"
+    tokenizer = make_tokenizer(directory)
+    config = transformers.Qwen2Config(
+        vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=3,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2ForSequenceClassification(config).save_pretrained(directory)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    llama = make_checkpoint(tmp_path / "llama", "llama")
+
+    def pooled(ranks: int) -> list[Any]:
+        # (one engine at a time: a process is a rank of one group)
+        options = {"dtype": "float32", "disable_log_stats": True, parallel: ranks}
+        classifier = LLM(str(directory), **options)
+        try:
+            probs = [o.outputs.probs for o in classifier.classify(prompts, use_tqdm=False)]
+            rewards = [o.outputs.data for o in classifier.reward(prompts, use_tqdm=False)]
+        finally:
+            classifier.llm_engine.shutdown()
+        embedder = LLM(str(llama), task="embed", **options)
+        try:
+            embedded = [o.outputs.embedding for o in embedder.embed(prompts, use_tqdm=False)]
+        finally:
+            embedder.llm_engine.shutdown()
+        return [torch.as_tensor(x) for x in (*probs, *rewards, *embedded)]
+
+    for one, two in zip(pooled(1), pooled(2), strict=True):
+        assert one.shape == two.shape and torch.allclose(one, two, atol=1e-5)
+    if parallel == "tensor_parallel_size":
+        return
+    bert = tmp_path / "bert"
+    make_tokenizer(bert)
+    transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=1, num_attention_heads=4,
+        )
+    ).save_pretrained(bert)  # fmt: skip
+    with pytest.raises(ConfigError, match="BertModel does not support pipeline parallel"):
+        LLM(str(bert), dtype="float32", pipeline_parallel_size=2)
 
 
 def _worker_pids(server: RemoteServer) -> list[int]:
@@ -287,6 +396,33 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_pat
         for a, b in zip(ours, theirs, strict=True):
             assert a.keys() == b.keys()
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
+    """Drafts (prompt lookup, or a draft model whole on rank 0: the target itself, so
+    its drafts are kept) verified by the model over two ranks: the greedy tokens of one
+    rank without speculation, in a cache small enough to preempt."""
+    from test_spec_decode import PROMPTS
+
+    directory = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = LLM(str(directory), **SMALL_CACHE).generate(prompts, params, use_tqdm=False)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    if method == "draft_model":
+        config = {"model": str(directory), "num_speculative_tokens": 3}
+    llm = LLM(str(directory), speculative_config=config, **{parallel: 2}, **SMALL_CACHE)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in expected
+        ]
+        stats = llm.llm_engine.scheduler.spec_stats
+        assert 0 < stats["accepted_tokens"] <= stats["draft_tokens"]
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_a_weight_too_small_for_its_shard_is_refused(tmp_path):

@@ -27,12 +27,14 @@ from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.distributed import parallel_state
 from pagedllm.plugins.models import llama
+from pagedllm.plugins.models.bert import BertModel
 from pagedllm.plugins.models.classification import LlamaForSequenceClassification
 from pagedllm.plugins.models.common import copy_weights, kv_head_share
 from pagedllm.plugins.models.gpt2 import GPT2LMHeadModel
 from pagedllm.plugins.models.moe import MixtralForCausalLM
 from pagedllm.plugins.models.phi import PhiForCausalLM
 from pagedllm.plugins.models.phi3 import Phi3ForCausalLM
+from pagedllm.plugins.models.transformers_backend import TransformersForCausalLM
 
 RANKS = 2
 BLOCK_SIZE = 16
@@ -322,10 +324,31 @@ def test_check_tensor_parallel():
         llama.LlamaForCausalLM.check_tensor_parallel(_llama_config(intermediate_size=130), 4)
 
 
+def test_expert_parallelism_splits_the_number_of_experts():
+    """With --enable-expert-parallel the experts divide over the ranks, not their rows."""
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=90, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4,
+    )  # fmt: skip
+    MixtralForCausalLM.check_tensor_parallel(config, 2, experts=True)
+    with pytest.raises(ConfigError, match="intermediate size 90 does not divide by 4"):
+        MixtralForCausalLM.check_tensor_parallel(config, 4)
+    config.num_local_experts = 6
+    with pytest.raises(ConfigError, match="num local experts 6 does not divide by 4"):
+        MixtralForCausalLM.check_tensor_parallel(config, 4, experts=True)
+    # (a dense model's check takes the keyword too, which changes nothing there)
+    llama.LlamaForCausalLM.check_tensor_parallel(_llama_config(), 2, experts=True)
+
+
 def test_unsupported_architectures_are_named():
     config = _llama_config()
-    # Subclasses of a supported architecture do not inherit the support.
-    for model_cls in (GPT2LMHeadModel, LlamaForSequenceClassification):
+
+    class Derived(llama.LlamaForCausalLM):
+        pass
+
+    # Subclasses of a supported architecture do not inherit the support (BERT encoders
+    # and the transformers backend are not split at all).
+    for model_cls in (BertModel, TransformersForCausalLM, Derived):
         assert not model_cls.supports_tensor_parallel
         model_cls.check_tensor_parallel(config, 1)
         with pytest.raises(ConfigError, match=f"{model_cls.__name__} does not support tensor"):
@@ -334,3 +357,5 @@ def test_unsupported_architectures_are_named():
     assert Phi3ForCausalLM.supports_tensor_parallel  # (set on the class itself)
     assert PhiForCausalLM.supports_tensor_parallel
     assert MixtralForCausalLM.supports_tensor_parallel
+    assert LlamaForSequenceClassification.supports_tensor_parallel
+    assert GPT2LMHeadModel.supports_tensor_parallel

@@ -296,7 +296,7 @@ ARCHITECTURES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 # Architectures whose one-dimensional parameters (norm weights, biases: ones and zeros as
 # transformers initialises them) are randomised too, so that loading them is checked.
 RANDOM_1D = frozenset(
-    {"gemma2", "phi", "stablelm", "gpt_neox", "falcon", "falcon_mqa", "starcoder2"}
+    {"gemma2", "phi", "stablelm", "gpt_neox", "falcon", "falcon_mqa", "starcoder2", "gpt2", "opt"}
     | {"mixtral", "qwen2_moe", "qwen3_moe"}
 )
 

@@ -158,6 +158,8 @@ class ParallelConfig:
     # "uni" (one process), "mp" (worker processes: tensor-parallel ranks or pipeline
     # stages) or "ray" (the same as Ray actors).
     distributed_executor_backend: str = "uni"
+    # MoE layers split by expert over the tensor-parallel ranks (not by rows).
+    enable_expert_parallel: bool = _flag("enable_expert_parallel")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -309,8 +311,9 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         )
     if ranks > 1:
         refused = {
-            "--enable-lora": args.enable_lora,
-            "--speculative-config": bool(args.speculative_config),
+            # (adapters split over tensor-parallel ranks; a pipeline stage would not know
+            # the layers of an adapter that another stage holds)
+            "--enable-lora": args.enable_lora and pp > 1,
             "--qlora-adapter-name-or-path": bool(args.qlora_adapter_name_or_path),
         }
         for option, given in refused.items():
@@ -323,11 +326,19 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
                 raise ConfigError(
                     f"{flag} needs {ranks} GPUs; {torch.cuda.device_count()} are visible"
                 )
+    if args.enable_expert_parallel and args.data_parallel_size > 1:
+        raise ConfigError(
+            "--enable-expert-parallel with --data-parallel-size above 1 is not supported: "
+            "the data-parallel replicas are separate engines, so the experts cannot be "
+            "spread over them; each replica splits its experts over its own "
+            "--tensor-parallel-size ranks with --enable-expert-parallel and one replica"
+        )
     return ParallelConfig(
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=backend,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.compilation import compile_model
-from pagedllm.core.config import scheduler_class
+from pagedllm.core.config import ParallelConfig, scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.kv_cache import KVCacheManager
@@ -58,6 +58,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm.engine")
 
 
+def _warn_if_no_experts_split(model: Any, tp: int) -> None:
+    """--enable-expert-parallel changes nothing without several ranks or experts: say so
+    (as vLLM, it is accepted)."""
+    from pagedllm.core.layers.moe import FusedMoE
+
+    if tp == 1:
+        logger.warning(
+            "--enable-expert-parallel with one tensor-parallel rank: every expert stays on "
+            "it (use --tensor-parallel-size N to split the experts over N ranks)"
+        )
+    elif not any(isinstance(module, FusedMoE) for module in model.modules()):
+        logger.warning(
+            "--enable-expert-parallel: %s has no mixture-of-experts layers, so there are "
+            "no experts to split; its layers are split by --tensor-parallel-size as usual",
+            type(model).__name__,
+        )
+
+
 @dataclasses.dataclass(slots=True)
 class NewRequest:
     """What :meth:`LLMEngine.add_requests` takes for one request."""
@@ -94,7 +112,10 @@ class LLMEngine:
                 pm.registry("models"),
             )
             architecture = pm.registry("models").load(name)
-            architecture.check_tensor_parallel(hf_config, tp)
+            if parallel.enable_expert_parallel:
+                architecture.check_tensor_parallel(hf_config, tp, experts=True)
+            else:  # (an architecture plugin's check may predate the keyword)
+                architecture.check_tensor_parallel(hf_config, tp)
             architecture.check_pipeline_parallel(hf_config, pp)
             self.workers = start_workers(config)
         try:
@@ -127,17 +148,14 @@ class LLMEngine:
             self.workers.wait("loaded")
             # (the ranks share the machine's cores)
             torch.set_num_threads(max(1, config.device_config.device.num_threads() // (tp * pp)))
+        if parallel.enable_expert_parallel:
+            _warn_if_no_experts_split(loaded.model, tp)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
-        if self.is_pooling and pp > 1:
-            raise ConfigError(
-                f"--task {self.task}: pooling is not supported with --pipeline-parallel-size "
-                "above 1 yet"
-            )
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         stage = stage_layers(loaded.hf_config.num_hidden_layers) if pp > 1 else None
         spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp, stage)
@@ -158,13 +176,10 @@ class LLMEngine:
         # sized from what is left.
         self.lora = None
         if config.lora_config is not None:
-            from pagedllm.lora.manager import LoRAManager
+            from pagedllm.lora.manager import make_lora_manager
 
-            dtype = loaded.dtype
-            if config.lora_config.lora_dtype != "auto":
-                dtype = getattr(torch, config.lora_config.lora_dtype)
-            self.lora = LoRAManager(
-                loaded.model, config.lora_config, dtype, config.device_config.torch_device
+            self.lora = make_lora_manager(
+                loaded.model, config.lora_config, loaded.dtype, config.device_config.torch_device
             )
         speculative = config.speculative_config
         draft = None
@@ -284,7 +299,11 @@ class LLMEngine:
 
     def _load_draft(self, spec: Any) -> tuple[Any, Any]:
         """Load ``spec.model`` as the draft model: ``(loaded model, its KV-cache spec)``
-        (its cache gets the target's block layout)."""
+        (its cache gets the target's block layout). With tensor-parallel ranks or
+        pipeline stages it is whole in this process (rank 0, which proposes), as vLLM's
+        ``draft_tensor_parallel_size`` 1."""
+        import torch
+
         config = self.config
         mc = config.model_config
         draft_config = dataclasses.replace(
@@ -292,9 +311,19 @@ class LLMEngine:
             model_config=dataclasses.replace(
                 mc, model=spec.model, tokenizer=spec.model, quantization=None, task="generate"
             ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                data_parallel_size=1,
+                distributed_executor_backend="uni",
+            ),
             speculative_config=None,
         )
-        draft = load_model(draft_config, self.pm)
+        threads = torch.get_num_threads()  # (this rank's share, which loading resets)
+        try:
+            draft = load_model(draft_config, self.pm)
+        finally:
+            torch.set_num_threads(threads)
         if draft.max_model_len < self.max_model_len:
             raise ConfigError(
                 f"--speculative-config: the draft model's context ({draft.max_model_len} "

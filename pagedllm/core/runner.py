@@ -116,6 +116,12 @@ class StepInput:
     spec_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     prompt_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # With --enable-lora: the adapter slots rank 0 filled for this step, and each
+    # request's slot (empty without adapters in the step; see LoRAManager.follow_step).
+    lora_fills: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    lora_slots: list[int] = dataclasses.field(default_factory=list)
+    # An encoder's token types (segment ids), one per token (empty: zeros).
+    token_type_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -202,6 +208,12 @@ class ModelRunner:
                     step.prompt_rows.append((offset, last - start))
                     prompt_rows.append((request, request.prompt_token_ids[start + 1 : last + 1]))
             offset += item.num_new_tokens
+        if getattr(self.model, "is_encoder", False):
+            step.token_type_ids = self._token_type_ids(output)
+        if self.lora is not None:
+            # (before the step goes to the other ranks, which fill the same slots)
+            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
+            step.lora_fills, step.lora_slots = self.lora.step_fills, self.lora.step_slots
         hidden, logits_of = self._compute(step, output)
 
         result = RunnerOutput()
@@ -346,8 +358,8 @@ class ModelRunner:
         intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's hidden states, computed eagerly (``output``: the scheduler's, on
-        rank 0, for adapters and token types; None on a worker, whose engine has neither,
-        and for a pipeline's micro-batch)."""
+        rank 0; None on a worker, which follows the adapters rank 0 chose, and for a
+        pipeline's micro-batch)."""
         metadata = self.attention_backend.build_metadata(
             step.query_lens,
             step.context_lens,
@@ -358,11 +370,13 @@ class ModelRunner:
         )
         input_ids = host_tensor(step.token_ids, torch.long, self.device)
         input_positions = host_tensor(step.positions, torch.long, self.device)
-        if self.lora is not None and output is not None:
-            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
-        if getattr(self.model, "is_encoder", False) and output is not None:
+        if self.lora is not None and output is None:
+            # A tensor-parallel rank above 0 (rank 0 set the step's adapters in execute).
+            self.lora.follow_step(step.lora_fills, step.lora_slots, step.query_lens)
+        if getattr(self.model, "is_encoder", False):
             # An encoder attends within each prompt, both ways, and reads token types.
-            self.model.token_type_ids = self._token_type_ids(output)
+            types = step.token_type_ids or [0] * len(step.token_ids)
+            self.model.token_type_ids = host_tensor(types, torch.long, self.device)
             self.model.step_ranges = list(
                 itertools.pairwise(itertools.accumulate(step.query_lens, initial=0))
             )
@@ -383,7 +397,7 @@ class ModelRunner:
         scores = self.model.pooling_head(rows, params.task)
         return activate(scores, params.task, config, params).cpu()
 
-    def _token_type_ids(self, output: SchedulerOutput) -> torch.Tensor:
+    def _token_type_ids(self, output: SchedulerOutput) -> list[int]:
         """The step's token types (segment ids), in the order of its tokens: each
         pooling request's own where it has them, else zeros."""
         types: list[int] = []
@@ -392,7 +406,7 @@ class ModelRunner:
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             given = params.token_type_ids if params is not None else None
             types.extend(given[start:end] if given else [0] * (end - start))
-        return torch.tensor(types, dtype=torch.long, device=self.device)
+        return types
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The vocabulary logits of ``rows`` of the step's hidden states (an adapter on

@@ -228,6 +228,7 @@ def _join_watching(group: Any, parallel: Any, backend: str) -> None:
                 group.init_method,
                 backend,
                 stages=parallel.pipeline_parallel_size,
+                experts=parallel.enable_expert_parallel,
             )
         except BaseException as exc:
             errors.append(exc)
@@ -258,6 +259,7 @@ class WorkerRank:
         self.loaded: Any = None
         self.backend: Any = None
         self.runner: Any = None
+        self.lora: Any = None  # (with --enable-lora: the adapters rank 0 runs each step)
 
     def load(self) -> str:
         from pagedllm.core.args.validate import attention_backend_name
@@ -277,10 +279,18 @@ class WorkerRank:
             self.init_method,
             collective_backend(device.name),
             stages=parallel.pipeline_parallel_size,
+            experts=parallel.enable_expert_parallel,
         )
         pm = make_plugin_manager()
         self.loaded = load_model(config, pm)
         compile_model(self.loaded.model, config.compilation_config.level)
+        if config.lora_config is not None:  # (its slots before the KV cache, as rank 0's)
+            from pagedllm.lora.manager import make_lora_manager
+
+            loaded, torch_device = self.loaded, config.device_config.torch_device
+            self.lora = make_lora_manager(
+                loaded.model, config.lora_config, loaded.dtype, torch_device
+            )
         cores = device.num_threads() if self.cores is None else self.cores
         torch.set_num_threads(max(1, cores // self.size))
         self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
@@ -311,6 +321,7 @@ class WorkerRank:
             self.config.device_config.torch_device, self.backend,
         )  # fmt: skip
         self.runner.sampler = None  # (rank 0 samples)
+        self.runner.lora = self.lora
         if self.pipeline:
             self.runner.set_stage_io(self.loaded)
         return "ready"

@@ -34,6 +34,9 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # --enable-expert-parallel: the ranks split the experts of MoE layers (each holds
+    # whole experts) instead of each expert's intermediate rows.
+    experts: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,12 +100,20 @@ def tp_size() -> int:
     return _state.size
 
 
-def set_tensor_parallel(rank: int, size: int) -> None:
-    """Record this process's rank (layers built from now on shard for it)."""
+def set_tensor_parallel(rank: int, size: int, experts: bool = False) -> None:
+    """Record this process's rank (layers built from now on shard for it); ``experts``:
+    MoE layers split by expert (:func:`expert_parallel`)."""
     global _state
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a group of {size}")
-    _state = TensorParallel(rank, size)
+    _state = TensorParallel(rank, size, experts)
+
+
+def expert_parallel() -> bool:
+    """Whether MoE layers built now split their experts over the tensor-parallel ranks
+    (each rank whole experts) rather than each expert's rows (``--enable-expert-parallel``
+    with several ranks)."""
+    return _state.experts and _state.size > 1
 
 
 @contextlib.contextmanager
@@ -140,12 +151,14 @@ def init_distributed(
     backend: str,
     timeout_s: float = 600.0,
     stages: int = 1,
+    experts: bool = False,
 ) -> None:
     """Join the process group of ``size`` tensor-parallel ranks times ``stages`` pipeline
     stages at ``init_method`` (``tcp://host:port``) as ``rank``, with ``backend``
     (``gloo``, ``nccl``), and record this process's place: stage ``rank // size``,
-    tensor-parallel rank ``rank % size`` within it. With both, each stage's ranks get a
-    group of their own for their collectives."""
+    tensor-parallel rank ``rank % size`` within it (``experts``: its MoE layers split by
+    expert). With both, each stage's ranks get a group of their own for their
+    collectives."""
     global _tp_group, _return_group
     world = size * stages
     if world > 1 and not dist.is_initialized():
@@ -169,7 +182,7 @@ def init_distributed(
         # direction, and NCCL orders all of one group's transfers between two ranks on
         # one stream (a send waiting for its receive would hold up the other direction).
         _return_group = dist.new_group(list(range(world)))
-    set_tensor_parallel(rank % size, size)
+    set_tensor_parallel(rank % size, size, experts)
     set_pipeline_parallel(stage, stages)
 
 

@@ -39,9 +39,13 @@ def moe_reference(
     """``x`` ``[T, hidden]`` through its experts: ``gate_up`` ``[E, 2 * inter, hidden]``
     (each expert's gate rows, then its up rows), ``down`` ``[E, hidden, inter]``,
     ``weights`` and ``ids`` ``[T, top_k]`` from :func:`select_experts`. Experts are taken
-    in order, each over the tokens that chose it."""
+    in order, each over the tokens that chose it. An id of ``E`` is an expert held
+    elsewhere (expert parallelism), skipped."""
     out = torch.zeros_like(x)
+    experts = gate_up.shape[0]
     for expert in ids.unique().tolist():
+        if expert == experts:
+            continue
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(act(gate) * up, down[expert])
@@ -64,7 +68,8 @@ def moe_dense(
     a decode step can be captured in a CUDA graph (the GPU reads every expert's weights
     for a batch of a few tokens anyway). Experts are added in the same order."""
     experts = gate_up.shape[0]
-    dense = torch.zeros((x.shape[0], experts), dtype=weights.dtype, device=x.device)
+    # (a column more for the id E, an expert held elsewhere, with weight 0)
+    dense = torch.zeros((x.shape[0], experts + 1), dtype=weights.dtype, device=x.device)
     dense.scatter_add_(1, ids, weights)
     out = torch.zeros_like(x)
     for expert in range(experts):

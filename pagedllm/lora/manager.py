@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.linear import Linear, rank_share
 from pagedllm.lora.ops import LoRABatch, add_lora, add_lora_embedding
 from pagedllm.lora.request import LoRARequest
 
@@ -72,11 +73,16 @@ class LoRASlots:
 
 
 class LoRAAdapter:
-    """A loaded adapter: ``weights`` maps a layer's prefix to ``(A, B, scale)``."""
+    """A loaded adapter: ``weights`` maps a layer's prefix to ``(A, B, scale)`` (the full
+    layer's matrices); ``serial`` tells this load from any other (tensor-parallel ranks
+    load an adapter again when rank 0 did)."""
+
+    _serials = itertools.count(1)
 
     def __init__(self, request: LoRARequest, weights: dict[str, tuple[Any, Any, float]]) -> None:
         self.request = request
         self.weights = weights
+        self.serial = next(self._serials)
 
     @classmethod
     def load(
@@ -177,17 +183,21 @@ class LoRAManager:
         self.layers: dict[str, Any] = {}
         self.sizes: dict[str, tuple[int, int]] = {}
         for module in model.modules():
+            # (With tensor parallelism a linear layer's slots hold this rank's share of
+            # each adapter: B's rows of a column-parallel layer, A's columns of a
+            # row-parallel one; an embedding's adapter applies to the whole lookup.)
             if isinstance(module, Linear) and module.prefix:
-                sizes = (module.input_size, module.output_size)
+                sizes = (module.full_input_size, module.full_output_size)
+                local = (module.input_size, module.output_size)
             elif isinstance(module, VocabEmbedding) and module.prefix:
-                sizes = (module.num_embeddings, module.embedding_dim)
+                sizes = local = (module.num_embeddings, module.embedding_dim)
             else:
                 continue
             if module.method is not None:
                 raise ConfigError(
                     f"--enable-lora: {module.prefix} is quantized; LoRA runs on unquantized weights"
                 )
-            module.lora = LoRASlots(*sizes, self.max_loras, self.max_rank, dtype, device)
+            module.lora = LoRASlots(*local, self.max_loras, self.max_rank, dtype, device)
             module.lora_manager = self
             self.layers[module.prefix] = module
             self.sizes[module.prefix] = sizes
@@ -200,6 +210,12 @@ class LoRAManager:
         # The adapters of the current step's tokens (None: no adapter in the step).
         self.batch: LoRABatch | None = None
         self.device = device
+        # The current step's slot fills ``(slot, serial, request)`` and each request's
+        # slot (-1: none; empty without adapters): what tensor-parallel ranks follow.
+        self.step_fills: list[tuple[int, int, LoRARequest]] = []
+        self.step_slots: list[int] = []
+        # A tensor-parallel rank above 0: the adapters rank 0 filled slots with, by serial.
+        self.followed: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
 
     # ---------------------------------------------------------------- adapters
 
@@ -242,6 +258,13 @@ class LoRAManager:
         else:
             victim = next(i for i in self.slots if self.slots[i] not in busy)
             slot = self.slots.pop(victim)
+        self._fill(slot, adapter)
+        self.step_fills.append((slot, adapter.serial, adapter.request))
+        self.slots[lora_id] = slot
+        return slot
+
+    def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy ``adapter`` into every layer's ``slot`` (this rank's share of it)."""
         for prefix, layer in self.layers.items():
             slots = layer.lora
             slots.a[slot].zero_()
@@ -250,12 +273,14 @@ class LoRAManager:
             weights = adapter.weights.get(prefix)
             if weights is not None:
                 a, b, scale = weights
+                if isinstance(layer, Linear):
+                    name = f"{prefix} of LoRA adapter {adapter.request.lora_name!r}"
+                    a = rank_share(layer.weight, a, name, dims=(1,))
+                    b = rank_share(layer.weight, b, name, dims=(0,))
                 rank = a.shape[0]
                 slots.a[slot, :rank].copy_(a)
                 slots.b[slot, :, :rank].copy_(b)
                 slots.scale[slot] = scale
-        self.slots[lora_id] = slot
-        return slot
 
     # -------------------------------------------------------------------- steps
 
@@ -275,23 +300,53 @@ class LoRAManager:
     def set_step(self, requests_and_lengths: list[tuple[Any, int]]) -> None:
         """The step's requests (in token order, with their token counts): each adapter
         gets a slot and the rows of its requests' tokens."""
-        rows: dict[int, list[int]] = {}
-        offset = 0
-        busy: set[int] = set()
-        adapters = []
-        for request, count in requests_and_lengths:
-            if request.lora_request is not None:
-                adapters.append((self.adapter(request.lora_request), offset, count))
-            offset += count
-        if len({a.request.lora_int_id for a, _, _ in adapters}) > self.max_loras:
+        self.step_fills = []
+        counts = [count for _, count in requests_and_lengths]
+        adapters = [
+            None if request.lora_request is None else self.adapter(request.lora_request)
+            for request, _ in requests_and_lengths
+        ]
+        if len({a.request.lora_int_id for a in adapters if a is not None}) > self.max_loras:
             raise RuntimeError("more adapters in one step than --max-loras")
-        for adapter, start, count in adapters:
-            slot = self._slot(adapter, busy)
-            busy.add(slot)
-            rows.setdefault(slot, []).extend(range(start, start + count))
-        if not rows:
+        busy: set[int] = set()
+        request_slots = []
+        for adapter in adapters:
+            slot = -1 if adapter is None else self._slot(adapter, busy)
+            if slot >= 0:
+                busy.add(slot)
+            request_slots.append(slot)
+        self.step_slots = request_slots if busy else []
+        self._set_batch(self.step_slots, counts)
+
+    def follow_step(
+        self, fills: list[tuple[int, int, LoRARequest]], request_slots: list[int], counts: list[int]
+    ) -> None:
+        """A tensor-parallel rank above 0: fill the slots rank 0 filled this step (with the
+        adapters it loaded, read again here: rank 0's ``serial`` tells a new load) and
+        run each request with the slot rank 0 gave it."""
+        for slot, serial, request in fills:
+            adapter = self.followed.get(serial)
+            if adapter is None:
+                adapter = LoRAAdapter.load(request, self.sizes, self.max_rank)
+                self.followed[serial] = adapter
+                while len(self.followed) > self.max_cpu:
+                    self.followed.popitem(last=False)
+            self.followed.move_to_end(serial)
+            self._fill(slot, adapter)
+        self._set_batch(request_slots, counts)
+
+    def _set_batch(self, request_slots: list[int], counts: list[int]) -> None:
+        """The step's :class:`LoRABatch` from each request's slot (-1: none; an empty
+        list: no adapter in the step) and token count."""
+        if not request_slots:
             self.batch = None
             return
+        rows: dict[int, list[int]] = {}
+        offset = 0
+        for slot, count in zip(request_slots, counts, strict=True):
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(offset, offset + count))
+            offset += count
         slots = torch.full((offset,), -1, dtype=torch.long, device=self.device)
         groups = []
         for slot, indices in rows.items():
@@ -299,3 +354,12 @@ class LoRAManager:
             slots[tensor] = slot
             groups.append((slot, tensor))
         self.batch = LoRABatch(slots, groups)
+
+
+def make_lora_manager(model: Any, config: Any, dtype: torch.dtype, device: Any) -> LoRAManager:
+    """The manager of ``model``'s adapters for the engine's ``--enable-lora`` settings
+    (``config``: its LoRAConfig), with slots in ``--lora-dtype`` (``auto``: the model's
+    ``dtype``)."""
+    if config.lora_dtype != "auto":
+        dtype = getattr(torch, config.lora_dtype)
+    return LoRAManager(model, config, dtype, device)

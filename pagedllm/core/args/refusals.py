@@ -48,7 +48,6 @@ UNSUPPORTED: dict[str, str] = {
     "data_parallel_rpc_port": _ONE_NODE_DATA_PARALLEL,
     "data_parallel_backend": "data-parallel replicas run as local processes (mp); Ray "
     "placement of replicas is not supported yet",
-    "enable_expert_parallel": "pagedllm does not shard MoE layers by expert yet" + _LEAVE_OUT,
     "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
     "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,
     "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,
@@ -67,8 +66,9 @@ UNSUPPORTED: dict[str, str] = {
     "enable_lora_bias": "LoRA adapters with biases are not supported",
     "lora_extra_vocab_size": "LoRA adapters that add tokens are not supported",
     "long_lora_scaling_factors": "LongLoRA adapters (their own RoPE scaling) are not supported",
-    "fully_sharded_loras": "LoRA runs without tensor parallelism in pagedllm, so its "
-    "adapters are not sharded" + _LEAVE_OUT,
+    "fully_sharded_loras": "with --tensor-parallel-size pagedllm splits each adapter as "
+    "vLLM does by default (B by a layer's output rows, A by a row-parallel layer's input "
+    "columns); fully sharded adapters are not supported" + _LEAVE_OUT,
     # PromptAdapterConfig
     "enable_prompt_adapter": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapters": _NO_PROMPT_ADAPTERS,
@@ -132,7 +132,7 @@ class DeprecatedArgs:
         group=_GROUP,
         bool_style="store_true",
         help="Used to run the model workers with Ray.",
-        removed="use --distributed-executor-backend ray (pagedllm runs on a single device)",
+        removed="use --distributed-executor-backend ray",
     )
     engine_use_ray: bool = arg(
         False,

@@ -144,8 +144,9 @@ class RuntimeArgs:
     enable_expert_parallel: bool = arg(
         False,
         group="ParallelConfig",
-        help="Shard MoE layers by expert instead of by tensor.",
-        unbuilt=UNSUPPORTED["enable_expert_parallel"],
+        help="Split the experts of MoE layers over the tensor-parallel ranks, each rank "
+        "holding whole experts, instead of splitting every expert's rows (the number of "
+        "experts must divide by --tensor-parallel-size).",
     )
     enable_multimodal_encoder_data_parallel: bool = arg(
         False,

@@ -64,10 +64,12 @@ class ModelArchitecture(ABC):
             cls.supports_tensor_parallel = False
 
     @classmethod
-    def check_tensor_parallel(cls, config: Any, size: int) -> None:
+    def check_tensor_parallel(cls, config: Any, size: int, *, experts: bool = False) -> None:
         """Raise ``ConfigError`` unless a model of Hugging Face ``config`` can be split
         over ``size`` tensor-parallel ranks (any model runs on one). Architectures that
-        support it extend this with their own divisibility conditions."""
+        support it extend this with their own divisibility conditions. ``experts``: with
+        ``--enable-expert-parallel`` its MoE layers split by expert, not by rows (the
+        engine passes it only then)."""
         if size > 1 and not cls.supports_tensor_parallel:
             raise ConfigError(
                 f"{cls.__name__} does not support tensor parallelism "
@@ -80,7 +82,7 @@ class ModelArchitecture(ABC):
         over ``size`` pipeline stages: it supports it and has a layer for each."""
         if size == 1:
             return
-        if not (cls.supports_pipeline_parallel and cls.supports_generation):
+        if not cls.supports_pipeline_parallel:
             raise ConfigError(
                 f"{cls.__name__} does not support pipeline parallelism "
                 f"(--pipeline-parallel-size {size}); use --pipeline-parallel-size 1"

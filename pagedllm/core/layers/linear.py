@@ -34,6 +34,30 @@ def mark_rows(param: nn.Parameter, ranges: Sequence[tuple[int, int]], dim: int =
     param.tp_rows_dim = dim
 
 
+def fused_rows(layer: Linear, parts: Sequence[tuple[int, int]], full: int) -> None:
+    """With several tensor-parallel ranks, ``layer`` (built with this rank's output size,
+    not split by ``parallel``) holds this rank's rows of each part of a fused weight (Q,
+    K and V stacked in one projection, say) of ``full`` rows: ``parts`` are ``(start,
+    length)`` of the full checkpoint tensor's output rows. Its bias holds the same rows;
+    a quantized weight the same rows of its method's stored layout
+    (``LinearMethod.shard_narrow``), or the layer is refused by name."""
+    layer.full_output_size = full
+    if tp_size() == 1:
+        return
+    ranges, dim = list(parts), 0
+    if layer.method is not None:
+        placed = [layer.method.shard_narrow(0, start, length) for start, length in parts]
+        if any(p is None for p in placed) or len({p[0] for p in placed}) != 1:
+            raise ConfigError(
+                f"{type(layer.method).__name__}: layer {layer.prefix!r} cannot be split over "
+                f"{tp_size()} tensor-parallel ranks in its stored layout"
+            )
+        dim, ranges = placed[0][0], [(start, length) for _, start, length in placed]
+    mark_rows(layer.weight, ranges, dim)
+    if layer.bias is not None:
+        mark_rows(layer.bias, parts)
+
+
 def mark_shard(param: nn.Parameter, dim: int, start: int, length: int, pad: bool = False) -> None:
     """Record that ``param`` holds ``length`` entries from ``start`` along ``dim`` of the
     checkpoint's full tensor: ``copy_weights`` narrows the full tensor to them. ``pad``:
@@ -41,6 +65,50 @@ def mark_shard(param: nn.Parameter, dim: int, start: int, length: int, pad: bool
     the rest zeros; elsewhere a tensor too short for the range is refused."""
     param.tp_narrow = (dim, start, length)
     param.tp_pad = pad
+
+
+def narrow_shard(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Entries ``[start, start + length)`` along ``dim`` of a full checkpoint tensor (a
+    view where it can be), zero-padded where the range runs past the tensor (the padding
+    rows of a vocabulary split over the ranks)."""
+    size = tensor.shape[dim]
+    if start + length <= size:
+        return tensor.narrow(dim, start, length)
+    start = min(start, size)
+    part = tensor.narrow(dim, start, size - start)
+    padding = list(tensor.shape)
+    padding[dim] = length - part.shape[dim]
+    return torch.cat([part, tensor.new_zeros(padding)], dim=dim)
+
+
+def rank_share(
+    param: nn.Parameter, tensor: torch.Tensor, name: str, dims: Sequence[int] = (0, 1, 2)
+) -> torch.Tensor:
+    """This rank's part of ``tensor``, a full tensor laid out as ``param``'s checkpoint
+    tensor: its rows of each part of a fused weight (``tp_rows``, :func:`mark_rows`),
+    then its entries along ``tp_narrow`` (:func:`mark_shard`; zero-padded only where
+    ``tp_pad``); only the marks along ``dims``. A tensor too small for them is a
+    ``ConfigError`` naming it (``name``)."""
+    rows = getattr(param, "tp_rows", None)
+    dim = getattr(param, "tp_rows_dim", 0)
+    if rows is not None and dim in dims and sum(length for _, length in rows) != tensor.shape[dim]:
+        if max(start + length for start, length in rows) > tensor.shape[dim]:
+            raise ConfigError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}: too few rows for this "
+                f"tensor-parallel rank's parts {list(rows)}"
+            )
+        parts = [tensor.narrow(dim, start, length) for start, length in rows]
+        tensor = torch.cat(parts, dim=dim)
+    narrow = getattr(param, "tp_narrow", None)
+    if narrow is not None and narrow[0] in dims and tensor.dim() > narrow[0]:
+        dim, start, length = narrow
+        if start + length > tensor.shape[dim] and not getattr(param, "tp_pad", False):
+            raise ConfigError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}: too small for this "
+                f"tensor-parallel rank's entries {start}..{start + length} along dim {dim}"
+            )
+        tensor = narrow_shard(tensor, *narrow)
+    return tensor
 
 
 class Linear(nn.Module):
@@ -79,6 +147,8 @@ class Linear(nn.Module):
         shard: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        # The full layer's sizes (a LoRA adapter's A and B are the full layer's).
+        self.full_input_size, self.full_output_size = input_size, output_size
         if parallel not in (None, *PARALLEL_STYLES):
             raise ValueError(f"parallel must be one of {PARALLEL_STYLES} or None, not {parallel!r}")
         if shard is not None and parallel != "column":
@@ -138,14 +208,16 @@ class Linear(nn.Module):
 
     def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a row-parallel layer on several ranks: the ranks' partial
-        products summed, plus the full bias (added once)."""
+        products (each with its LoRA deltas, from its columns of the adapters' A)
+        summed, plus the full bias (added once)."""
         if self.method is None:
-            y = all_reduce(F.linear(x, self.weight))
+            y = F.linear(x, self.weight)
         else:
-            y = all_reduce(self.method.apply(self, x, None))
+            y = self.method.apply(self, x, None)
+        y = all_reduce(self.add_lora(y, x))
         if self.bias is not None:
             y += self.bias
-        return self.add_lora(y, x)
+        return y
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y`` plus the step's LoRA deltas of this layer (none without adapters)."""

@@ -12,7 +12,7 @@ from torch import nn
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.linear import mark_rows, mark_shard
 from pagedllm.core.layers.static import static_shapes
-from pagedllm.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from pagedllm.distributed.parallel_state import all_reduce, expert_parallel, tp_rank, tp_size
 from pagedllm.kernels.moe import moe_dense, moe_reference
 
 if TYPE_CHECKING:
@@ -32,6 +32,11 @@ class FusedMoE(nn.Module):
     inter]``, transformers' names and layout; checkpoints with one tensor per expert fill
     them through :meth:`load_expert`. With a quantization config, the method its
     ``get_moe_method`` returns for this layer's ``prefix`` stores and computes them.
+
+    With several tensor-parallel ranks each holds its share of every expert's
+    intermediate rows, or with ``--enable-expert-parallel`` its share of the experts
+    (``num_experts`` is then the rank's, numbered from ``first_expert``); the ranks'
+    outputs are summed.
     """
 
     def __init__(
@@ -45,17 +50,30 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         # With tensor parallelism each rank holds every expert's share of the
-        # intermediate rows (gate and up column-parallel, down row-parallel): its
+        # intermediate rows (gate and up column-parallel, down row-parallel), or with
+        # --enable-expert-parallel its share of the experts, whole: either way its
         # partial outputs are summed over the ranks.
-        ranks = tp_size()
-        if inter % ranks:
+        ranks, rank = tp_size(), tp_rank()
+        self.full_experts, self.full_inter = num_experts, inter
+        self.reduce, self.by_expert = ranks > 1, expert_parallel()
+        # This rank's first expert and first intermediate row.
+        self.first_expert = self.first = 0
+        if self.by_expert:
+            if num_experts % ranks:
+                raise ConfigError(
+                    f"{prefix}: its {num_experts} experts do not divide over {ranks} "
+                    "tensor-parallel ranks (--enable-expert-parallel)"
+                )
+            num_experts //= ranks
+            self.first_expert = rank * num_experts
+        elif inter % ranks:
             raise ConfigError(
                 f"{prefix}: the experts' intermediate size {inter} does not divide over "
                 f"{ranks} tensor-parallel ranks"
             )
-        self.full_inter, self.reduce = inter, ranks > 1
-        self.first = tp_rank() * (inter // ranks)
-        inter //= ranks
+        else:
+            inter //= ranks
+            self.first = rank * inter
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.prefix = prefix
         self.act = act
@@ -72,7 +90,10 @@ class FusedMoE(nn.Module):
             self.down_proj = nn.Parameter(
                 torch.empty(num_experts, hidden, inter), requires_grad=False
             )
-            if self.reduce:
+            if self.by_expert:
+                mark_shard(self.gate_up_proj, 0, self.first_expert, num_experts)
+                mark_shard(self.down_proj, 0, self.first_expert, num_experts)
+            elif self.reduce:
                 first, full = self.first, self.full_inter
                 mark_rows(self.gate_up_proj, [(first, inter), (full + first, inter)], dim=1)
                 mark_shard(self.down_proj, 2, first, inter)
@@ -86,6 +107,13 @@ class FusedMoE(nn.Module):
         their outputs summed with ``weights`` ``[T, top_k]``."""
         if self.method is not None:
             return self.method.apply(self, x, weights, ids)
+        if self.by_expert:
+            # (this rank's experts by their local number; the others' as num_experts,
+            # which the kernels skip)
+            local = ids - self.first_expert
+            held = (local >= 0) & (local < self.num_experts)
+            ids = torch.where(held, local, self.num_experts)
+            weights = torch.where(held, weights, 0)
         if static_shapes():
             out = moe_dense(x, self.gate_up_proj, self.down_proj, weights, ids, self.act)
         else:
@@ -101,10 +129,14 @@ class FusedMoE(nn.Module):
                 "supported"
             )
         name, half = _PARTS[part]
-        if self.reduce:  # (this rank's intermediate rows: gate/up rows, down columns)
+        if not 0 <= expert < self.full_experts:
+            raise ValueError(f"{self.prefix} has {self.full_experts} experts, not expert {expert}")
+        if self.by_expert:  # (this rank's experts, by their local number)
+            expert -= self.first_expert
+            if not 0 <= expert < self.num_experts:
+                return
+        elif self.reduce:  # (this rank's intermediate rows: gate/up rows, down columns)
             tensor = tensor.narrow(0 if half is not None else 1, self.first, self.inter)
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"{self.prefix} has {self.num_experts} experts, not expert {expert}")
         target = getattr(self, name)[expert]
         if half is not None:
             target = target[half * self.inter : (half + 1) * self.inter]
@@ -131,4 +163,6 @@ class FusedMoE(nn.Module):
         }
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
+        held = f"{self.first_expert}..{self.first_expert + self.num_experts - 1} of "
+        experts = f"{held if self.by_expert else ''}{self.full_experts}"
+        return f"experts={experts}, hidden={self.hidden}, inter={self.inter}"

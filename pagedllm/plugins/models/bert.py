@@ -21,6 +21,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture
 from pagedllm.core.layers.linear import Linear
 from pagedllm.core.pooling import PoolerConfig
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.plugins.models.common import activation, copy_weights
 
 
@@ -46,11 +47,14 @@ class BertSelfAttention(nn.Module):
     def __init__(self, config: Any, quant: Any, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.heads = config.num_attention_heads
-        self.head_dim = hidden // self.heads
-        self.query = Linear(hidden, hidden, True, quant, f"{prefix}.query")
-        self.key = Linear(hidden, hidden, True, quant, f"{prefix}.key")
-        self.value = Linear(hidden, hidden, True, quant, f"{prefix}.value")
+        self.head_dim = hidden // config.num_attention_heads
+        # This rank's heads (all of them on one rank).
+        self.heads = config.num_attention_heads // tp_size()
+
+        def column(name: str) -> Linear:
+            return Linear(hidden, hidden, True, quant, f"{prefix}.{name}", parallel="column")
+
+        self.query, self.key, self.value = column("query"), column("key"), column("value")
 
     def forward(self, hidden: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -72,7 +76,9 @@ class BertOutput(nn.Module):
 
     def __init__(self, config: Any, in_size: int, quant: Any, prefix: str) -> None:
         super().__init__()
-        self.dense = Linear(in_size, config.hidden_size, True, quant, f"{prefix}.dense")
+        self.dense = Linear(
+            in_size, config.hidden_size, True, quant, f"{prefix}.dense", parallel="row"
+        )
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,12 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: Any, quant: Any, prefix: str) -> None:
         super().__init__()
         self.dense = Linear(
-            config.hidden_size, config.intermediate_size, True, quant, f"{prefix}.dense"
+            config.hidden_size,
+            config.intermediate_size,
+            True,
+            quant,
+            f"{prefix}.dense",
+            parallel="column",
         )
         self.act = activation(config.hidden_act)
 
@@ -131,6 +142,10 @@ class BertPooler(nn.Module):
 
 
 class _BertBase(nn.Module, ModelArchitecture):
+    """With tensor parallelism each rank holds its share of the attention heads and of
+    the intermediate rows (Megatron-style: an all-reduce after each sublayer's output
+    dense); the embeddings, the pooler and the task heads are whole on every rank."""
+
     supports_generation = False
     # The encoder's name prefix in checkpoints of the task models (and of pretraining
     # checkpoints loaded as the bare encoder).
@@ -166,6 +181,17 @@ class _BertBase(nn.Module, ModelArchitecture):
     has_pooler = False
     positions_after_padding = False
 
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, size: int, *, experts: bool = False) -> None:
+        """As ``ModelArchitecture``'s, and the heads and the intermediate size divide."""
+        super().check_tensor_parallel(config, size)
+        heads, inter = config.num_attention_heads, config.intermediate_size
+        if heads % size or inter % size:
+            raise ConfigError(
+                f"{cls.__name__} cannot be split over --tensor-parallel-size {size}: its "
+                f"{heads} attention heads and intermediate size {inter} must divide by it"
+            )
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any):
         types = self.token_type_ids
         if types is None or types.shape != input_ids.shape:
@@ -193,6 +219,8 @@ class BertModel(_BertBase):
     """Embeddings: the pooled final hidden states (CLS and normalized by default; a
     sentence-transformers model's own pooling where its files give one)."""
 
+    supports_tensor_parallel = True
+
     pooling_tasks = ("embed",)
     # (its pooler layer is in the checkpoint; embeddings do not use it)
     has_pooler = True
@@ -204,6 +232,8 @@ class BertModel(_BertBase):
 class BertForSequenceClassification(_BertBase):
     """A classifier (``classify``) or cross-encoder (``score``, one label): the CLS
     state through BERT's pooler (dense, tanh) and the ``classifier`` layer."""
+
+    supports_tensor_parallel = True
 
     pooling_tasks = ("classify", "score")
     has_pooler = True
@@ -223,6 +253,8 @@ class RobertaModel(BertModel):
     """RoBERTa / XLM-RoBERTa encoders (embedding models such as e5, bge-m3): BERT's
     layers with positions counted from the padding id + 1."""
 
+    supports_tensor_parallel = True
+
     prefix = "roberta"
     positions_after_padding = True
 
@@ -240,6 +272,8 @@ class RobertaClassificationHead(nn.Module):
 class RobertaForSequenceClassification(_BertBase):
     """RoBERTa / XLM-RoBERTa classifiers and cross-encoders (e.g. bge-reranker): the
     first token's state through the classification head (dense, tanh, out_proj)."""
+
+    supports_tensor_parallel = True
 
     pooling_tasks = ("classify", "score")
     prefix = "roberta"

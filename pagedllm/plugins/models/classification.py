@@ -6,7 +6,10 @@ decoder of the causal LM of the same family, with transformers' ``score`` layer
 transformers scores the last token of a prompt; so does the default pooler here
 (``LAST``), with a softmax for ``classify`` (a sigmoid for a single label under
 ``score``). ``reward`` returns every token's scores (``ALL``, no activation), as vLLM's
-reward models do."""
+reward models do.
+
+With tensor parallelism the decoder is split as the causal LM's; every rank holds the
+whole ``score`` layer (small), which rank 0 applies to the gathered hidden states."""
 
 from __future__ import annotations
 
@@ -49,16 +52,16 @@ class SequenceClassifierMixin:
 
 
 class LlamaForSequenceClassification(SequenceClassifierMixin, LlamaForCausalLM):
-    pass
+    supports_tensor_parallel = True
 
 
 class MistralForSequenceClassification(SequenceClassifierMixin, MistralForCausalLM):
-    pass
+    supports_tensor_parallel = True
 
 
 class Qwen2ForSequenceClassification(SequenceClassifierMixin, Qwen2ForCausalLM):
-    pass
+    supports_tensor_parallel = True
 
 
 class Qwen3ForSequenceClassification(SequenceClassifierMixin, Qwen3ForCausalLM):
-    pass
+    supports_tensor_parallel = True

@@ -12,7 +12,7 @@ from pagedllm.core.attention.layer import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture, QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding, padded_vocab_size
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.linear import Linear, rank_share
 from pagedllm.distributed.parallel_state import (
     all_gather,
     pipeline_parallel,
@@ -222,20 +222,6 @@ class DecoderStack(nn.Module):
         return self.finish(hidden) if self.last_stage else hidden
 
 
-def narrow_shard(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    """Entries ``[start, start + length)`` along ``dim`` of a full checkpoint tensor (a
-    view where it can be), zero-padded where the range runs past the tensor (the padding
-    rows of a vocabulary split over the ranks)."""
-    size = tensor.shape[dim]
-    if start + length <= size:
-        return tensor.narrow(dim, start, length)
-    start = min(start, size)
-    part = tensor.narrow(dim, start, size - start)
-    padding = list(tensor.shape)
-    padding[dim] = length - part.shape[dim]
-    return torch.cat([part, tensor.new_zeros(padding)], dim=dim)
-
-
 def copy_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -249,7 +235,7 @@ def copy_weights(
     names containing any of ``skip`` are ignored. An unknown name or a shape mismatch is
     an error naming the tensor. A parameter holding a tensor-parallel shard
     (``tp_narrow = (dim, start, length)``, see ``pagedllm.core.layers.linear.mark_shard``)
-    takes its slice of the full checkpoint tensor (:func:`narrow_shard`).
+    takes its slice of the full checkpoint tensor (:func:`rank_share`).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -264,25 +250,7 @@ def copy_weights(
             if held_elsewhere(module, target):
                 continue
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
-        rows = getattr(param, "tp_rows", None)
-        dim = getattr(param, "tp_rows_dim", 0)
-        if rows is not None and sum(length for _, length in rows) != tensor.shape[dim]:
-            if max(start + length for start, length in rows) > tensor.shape[dim]:
-                raise ConfigError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}: too few rows for this "
-                    f"tensor-parallel rank's parts {list(rows)}"
-                )
-            parts = [tensor.narrow(dim, start, length) for start, length in rows]
-            tensor = torch.cat(parts, dim=dim)
-        narrow = getattr(param, "tp_narrow", None)
-        if narrow is not None and tensor.dim() > narrow[0]:
-            dim, start, length = narrow
-            if start + length > tensor.shape[dim] and not getattr(param, "tp_pad", False):
-                raise ConfigError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}: too small for this "
-                    f"tensor-parallel rank's entries {start}..{start + length} along dim {dim}"
-                )
-            tensor = narrow_shard(tensor, *narrow)
+        tensor = rank_share(param, tensor, name)
         if tuple(param.shape) != tuple(tensor.shape):
             if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
                 tensor = tensor.reshape(param.shape)
@@ -379,17 +347,25 @@ class CausalLM(nn.Module, ModelArchitecture):
     # The config's sizes of the layers split by rows over the tensor-parallel ranks
     # (each must divide by their number).
     split_sizes: ClassVar[tuple[str, ...]] = ("intermediate_size",)
+    # A mixture of experts': the config's number of experts and their intermediate size
+    # (one of split_sizes, but not split with --enable-expert-parallel: the experts are).
+    expert_count: ClassVar[str | None] = None
+    expert_size: ClassVar[str | None] = None
 
     @classmethod
-    def check_tensor_parallel(cls, config: Any, size: int) -> None:
+    def check_tensor_parallel(cls, config: Any, size: int, *, experts: bool = False) -> None:
         """As ``ModelArchitecture``'s, and the attention heads, the KV heads (or ``size``
-        by them, when there are fewer) and the ``split_sizes`` divide evenly."""
+        by them, when there are fewer) and the ``split_sizes`` divide evenly (with
+        ``experts``, the number of experts rather than their intermediate size)."""
         super().check_tensor_parallel(config, size)
         if size == 1:
             return
+        split_sizes = cls.split_sizes
+        if experts and cls.expert_count is not None:
+            kept = [field for field in split_sizes if field != cls.expert_size]
+            split_sizes = (cls.expert_count, *kept)
         name = cls.__name__
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        heads, kv_heads = config.num_attention_heads, cls.num_kv_heads(config)
         problems = []
         if heads % size:
             problems.append(f"its {heads} attention heads do not divide by {size}")
@@ -397,7 +373,7 @@ class CausalLM(nn.Module, ModelArchitecture):
             problems.append(f"its {kv_heads} KV heads do not divide by {size}")
         if kv_heads < size and size % kv_heads:
             problems.append(f"{size} is not a multiple of its {kv_heads} KV heads")
-        for field in cls.split_sizes:
+        for field in split_sizes:
             value = getattr(config, field, None)
             if value and value % size:
                 problems.append(f"its {field.replace('_', ' ')} {value} does not divide by {size}")
@@ -405,6 +381,11 @@ class CausalLM(nn.Module, ModelArchitecture):
             raise ConfigError(
                 f"{name} cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)
             )
+
+    @classmethod
+    def num_kv_heads(cls, config: Any) -> int:
+        """The number of KV heads a model of Hugging Face ``config`` has."""
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     def init_head(
         self,
@@ -440,6 +421,7 @@ class CausalLM(nn.Module, ModelArchitecture):
                 "lm_head",
                 parallel="column",
             )
+            self.lm_head.full_output_size = config.vocab_size  # (an adapter's B rows)
             self.gather_head_logits = tp_size() > 1
             for param in (self.lm_head.weight, self.lm_head.bias):
                 if param is not None and hasattr(param, "tp_narrow"):

@@ -94,8 +94,14 @@ class FalconModel(DecoderStack):
 
 
 class FalconForCausalLM(CausalLM):
+    supports_tensor_parallel = True
+    split_sizes = ("ffn_hidden_size",)
     tie_by_default = True
     decoder_attr = "transformer"
+
+    @classmethod
+    def num_kv_heads(cls, config: Any) -> int:
+        return falcon_kv_heads(config)
 
     def __init__(
         self,

@@ -16,7 +16,9 @@ from torch import nn
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.embedding import VocabEmbedding
+from pagedllm.core.layers.linear import Linear, fused_rows
+from pagedllm.distributed.parallel_state import tp_rank, tp_size
 from pagedllm.plugins.models.common import (
     CausalLM,
     DecoderStack,
@@ -44,21 +46,25 @@ def _layer_norm(config: Any) -> nn.LayerNorm:
 class GPT2Attention(nn.Module):
     def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        if self.head_dim * self.num_heads != hidden:
-            raise ConfigError(
-                f"GPT-2 n_embd {hidden} is not divisible by {self.num_heads} attention heads"
-            )
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // heads
+        if self.head_dim * heads != hidden:
+            raise ConfigError(f"GPT-2 n_embd {hidden} is not divisible by {heads} attention heads")
+        # This rank's heads (all of them on one rank).
+        self.num_heads = heads // tp_size()
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= float(layer + 1)
         # Hugging Face's eager path then computes attention in float32; with a float32
         # model that changes nothing, with half precision it avoids overflow in q.k.
         self.upcast = bool(getattr(config, "reorder_and_upcast_attn", False))
-        self.c_attn = Linear(hidden, 3 * hidden, True, quant, f"{prefix}.c_attn")
-        self.c_proj = Linear(hidden, hidden, True, quant, f"{prefix}.c_proj")
+        # c_attn stacks Q, K and V; with several tensor-parallel ranks each rank holds
+        # its heads' rows of each, and c_proj the matching input columns.
+        local = self.num_heads * self.head_dim
+        self.c_attn = Linear(hidden, 3 * local, True, quant, f"{prefix}.c_attn")
+        start = tp_rank() * local
+        fused_rows(self.c_attn, [(part * hidden + start, local) for part in range(3)], 3 * hidden)
+        self.c_proj = Linear(hidden, hidden, True, quant, f"{prefix}.c_proj", parallel="row")
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_heads, layer)
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -111,7 +117,9 @@ class GPT2Model(DecoderStack):
                 f"a context of {max_positions} cannot be served"
             )
         stage = self.init_stage()
-        self.wte = held_part(lambda: _embedding(config.vocab_size, config), stage.first)
+        self.wte = held_part(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size), stage.first
+        )
         self.wpe = held_part(
             lambda: _embedding(config.max_position_embeddings, config), stage.first
         )
@@ -132,6 +140,8 @@ class GPT2Model(DecoderStack):
 
 
 class GPT2LMHeadModel(CausalLM):
+    supports_tensor_parallel = True
+    split_sizes = ("n_inner",)
     tie_by_default = True
     decoder_attr = "transformer"
 

@@ -18,8 +18,9 @@ from torch import nn
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.interfaces import QuantizationConfig
 from pagedllm.core.layers.embedding import VocabEmbedding
-from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.linear import Linear, fused_rows
 from pagedllm.core.layers.rotary import RotaryEmbedding
+from pagedllm.distributed.parallel_state import tp_rank, tp_size
 from pagedllm.plugins.models.common import (
     CausalLM,
     DecoderStack,
@@ -27,6 +28,7 @@ from pagedllm.plugins.models.common import (
     TwoLayerMLP,
     decoder_layers,
     held_part,
+    kv_head_share,
 )
 
 
@@ -49,13 +51,28 @@ class GroupedQKVAttention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = hidden // num_heads
-        qkv_size = (num_heads + 2 * num_kv_heads) * self.head_dim
-        self.query_key_value = Linear(hidden, qkv_size, bias, quant, f"{prefix}.query_key_value")
-        self.dense = Linear(hidden, hidden, bias, quant, f"{prefix}.dense")
-        scale = self.head_dim**-0.5
-        self.attn = Attention(num_heads, self.head_dim, scale, num_kv_heads, layer, window)
+        self.head_dim = d = hidden // num_heads
+        # This rank's heads (all of them on one rank): its share of the query heads and
+        # of the KV heads, or the one KV head its query heads share (replicated).
+        first_kv, self.num_kv_heads = kv_head_share(num_kv_heads)
+        self.num_heads = num_heads // tp_size()
+        self.query_key_value = Linear(
+            hidden, (self.num_heads + 2 * self.num_kv_heads) * d, bias, quant,
+            f"{prefix}.query_key_value",
+        )  # fmt: skip
+        # Each KV head's block of rows: its group of query heads, its key, its value.
+        # A rank holds, of each of its KV heads' blocks, its query heads' rows and the
+        # key's and value's.
+        group, first_q = num_heads // num_kv_heads, tp_rank() * self.num_heads
+        local_group = self.num_heads // self.num_kv_heads
+        rows = []
+        for kv in range(first_kv, first_kv + self.num_kv_heads):
+            block, q_in_block = kv * (group + 2) * d, max(first_q - kv * group, 0)
+            rows += [(block + q_in_block * d, local_group * d), (block + group * d, 2 * d)]
+        fused_rows(self.query_key_value, rows, (num_heads + 2 * num_kv_heads) * d)
+        self.dense = Linear(hidden, hidden, bias, quant, f"{prefix}.dense", parallel="row")
+        scale = d**-0.5
+        self.attn = Attention(self.num_heads, d, scale, self.num_kv_heads, layer, window)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q ``[T, heads, d]``, K and V ``[T, kv_heads, d]``, each dense."""
@@ -140,6 +157,7 @@ class GPTNeoXModel(DecoderStack):
 
 
 class GPTNeoXForCausalLM(CausalLM):
+    supports_tensor_parallel = True
     decoder_attr = "gpt_neox"
 
     def __init__(

@@ -97,8 +97,10 @@ def take_expert_weights(
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    # (each rank holds its rows of every expert, and of a shared expert)
+    # (each rank holds its rows of every expert, and of a shared expert; with
+    # --enable-expert-parallel its share of the experts instead)
     split_sizes = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    expert_count, expert_size = "num_experts", "moe_intermediate_size"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = take_kv_scales(self, self.prepare_weights(weights), self.checkpoint_name)
@@ -135,6 +137,7 @@ class MixtralModel(LlamaModel):
 class MixtralForCausalLM(MoEForCausalLM):
     model_cls = MixtralModel
     supports_tensor_parallel = True
+    expert_count, expert_size = "num_local_experts", "intermediate_size"
 
     def checkpoint_name(self, name: str) -> str | None:
         # (Mixtral's checkpoints name the block block_sparse_moe; transformers, mlp.)

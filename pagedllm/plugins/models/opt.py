@@ -13,7 +13,9 @@ from torch import nn
 from pagedllm.core.attention import Attention, AttentionMetadata
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import QuantizationConfig
+from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.plugins.models.common import (
     CausalLM,
     DecoderStack,
@@ -43,21 +45,24 @@ def _layer_norm(config: Any) -> nn.LayerNorm:
 class OPTAttention(nn.Module):
     def __init__(self, config: Any, layer: int, quant: QuantizationConfig | None, prefix: str):
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        if self.head_dim * self.num_heads != hidden:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // heads
+        if self.head_dim * heads != hidden:
             raise ConfigError(
-                f"OPT hidden_size {hidden} is not divisible by {self.num_heads} attention heads"
+                f"OPT hidden_size {hidden} is not divisible by {heads} attention heads"
             )
+        # This rank's heads (all of them on one rank).
+        self.num_heads = heads // tp_size()
         # Hugging Face scales q right after its projection, then attends unscaled; doing
         # the same keeps the rounding identical for head sizes whose scale is inexact.
         self.scaling = self.head_dim**-0.5
         bias = getattr(config, "enable_bias", True)
-        self.q_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.q_proj")
-        self.k_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.k_proj")
-        self.v_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.v_proj")
-        self.out_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.out_proj")
+
+        def column(name: str) -> Linear:
+            return Linear(hidden, hidden, bias, quant, f"{prefix}.{name}", parallel="column")
+
+        self.q_proj, self.k_proj, self.v_proj = column("q_proj"), column("k_proj"), column("v_proj")
+        self.out_proj = Linear(hidden, hidden, bias, quant, f"{prefix}.out_proj", parallel="row")
         self.attn = Attention(self.num_heads, self.head_dim, 1.0, self.num_heads, layer)
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -73,8 +78,9 @@ class OPTDecoderLayer(nn.Module):
         bias = getattr(config, "enable_bias", True)
         self.self_attn = OPTAttention(config, layer, quant, f"{prefix}.self_attn")
         self.self_attn_layer_norm = _layer_norm(config)
-        self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias, quant, f"{prefix}.fc1")
-        self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias, quant, f"{prefix}.fc2")
+        hidden, inner = config.hidden_size, config.ffn_dim
+        self.fc1 = Linear(hidden, inner, bias, quant, f"{prefix}.fc1", parallel="column")
+        self.fc2 = Linear(inner, hidden, bias, quant, f"{prefix}.fc2", parallel="row")
         self.activation_fn = activation(config.activation_function)
         self.final_layer_norm = _layer_norm(config)
 
@@ -102,7 +108,9 @@ class OPTDecoder(DecoderStack):
             )
         hidden, embed_dim = config.hidden_size, _word_embed_dim(config)
         stage = self.init_stage()
-        self.embed_tokens = held_part(lambda: _embedding(config.vocab_size, embed_dim), stage.first)
+        self.embed_tokens = held_part(
+            lambda: VocabEmbedding(config.vocab_size, embed_dim), stage.first
+        )
         self.embed_positions = held_part(
             lambda: _embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden),
             stage.first,
@@ -162,6 +170,8 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(CausalLM):
+    supports_tensor_parallel = True
+    split_sizes = ("ffn_dim",)
     tie_by_default = True
 
     def __init__(

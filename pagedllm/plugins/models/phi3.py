@@ -10,19 +10,11 @@ import torch
 from torch import nn
 
 from pagedllm.core.attention import Attention
-from pagedllm.core.layers.linear import Linear, mark_rows
+from pagedllm.core.layers.linear import Linear, fused_rows
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_rank, tp_size
 from pagedllm.plugins.models.common import activation, kv_head_share
 from pagedllm.plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-def fused_rows(layer: Linear, parts: list[tuple[int, int]]) -> None:
-    """With several tensor-parallel ranks, ``layer`` (built with this rank's output size)
-    holds this rank's rows of each part of a fused weight: ``parts`` are ``(start,
-    length)`` of this rank's share within the full checkpoint tensor."""
-    if tp_size() > 1:
-        mark_rows(layer.weight, parts)
 
 
 class Phi3Attention(nn.Module):
@@ -50,6 +42,7 @@ class Phi3Attention(nn.Module):
                 (full_q + kv_start, self.kv_size),
                 (full_q + full_kv + kv_start, self.kv_size),
             ],
+            full_q + 2 * full_kv,
         )
         self.o_proj = Linear(full_q, hidden, False, quant, f"{prefix}.o_proj", parallel="row")
         self.attn = Attention(
@@ -73,7 +66,7 @@ class Phi3MLP(nn.Module):
         local = inter // tp_size()
         self.gate_up_proj = Linear(hidden, 2 * local, False, quant, f"{prefix}.gate_up_proj")
         start = tp_rank() * local
-        fused_rows(self.gate_up_proj, [(start, local), (inter + start, local)])
+        fused_rows(self.gate_up_proj, [(start, local), (inter + start, local)], 2 * inter)
         self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj", parallel="row")
         self.act_fn = activation(config.hidden_act)
 
