@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import make_checkpoint
+from tiny_models import make_checkpoint, make_classifier
 from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
 
 from pagedllm import LLM, PoolingParams, SamplingParams
@@ -139,15 +139,7 @@ def test_a_decoder_as_an_embedding_model(tmp_path):
 @pytest.fixture(scope="module")
 def qwen2_classifier(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2cls")
-    tokenizer = make_tokenizer(directory)
-    config = transformers.Qwen2Config(
-        vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=3,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForSequenceClassification(config).eval()
-    model.save_pretrained(directory)
+    model = make_classifier(directory)
     return directory, model
 
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 from openai_server import RemoteServer
-from tiny_models import load_reference, make_checkpoint, reference_greedy
+from tiny_models import load_reference, make_checkpoint, make_classifier, reference_greedy
 
 from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.core.attention import Attention
@@ -228,14 +228,7 @@ def test_pooling_over_two_ranks(parallel, tmp_path):
     from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
 
     directory = tmp_path / "classifier"
-    tokenizer = make_tokenizer(directory)
-    config = transformers.Qwen2Config(
-        vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=3,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.Qwen2ForSequenceClassification(config).save_pretrained(directory)
+    make_classifier(directory)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     llama = make_checkpoint(tmp_path / "llama", "llama")
 

@@ -327,6 +327,21 @@ def make_checkpoint(directory: Path, name: str, seed: int = 0, **overrides: Any)
     return directory
 
 
+def make_classifier(directory: Path) -> Any:
+    """Save a tiny random Qwen2 sequence classifier (3 labels) and the test tokenizer
+    into ``directory``; return the transformers model."""
+    tokenizer = make_tokenizer(directory)
+    config = transformers.Qwen2Config(
+        vocab_size=TOKENIZER_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_labels=3,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForSequenceClassification(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
 def load_reference(directory: Path) -> Any:
     kwargs: dict[str, Any] = {}
     if getattr(transformers.AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None):
