@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,8 +20,15 @@ import httpx
 import psutil
 import pytest
 import torch
-from conftest import run_cli
-from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
+from conftest import clean_env, run_cli
+from openai_server import (
+    BASE_ARGS,
+    RemoteServer,
+    assert_openai_error,
+    free_port,
+    start_servers,
+    tiny_llama,
+)
 from tiny_models import load_reference, reference_greedy
 
 from pagedllm import LLM, EngineArgs
@@ -157,8 +166,16 @@ def test_refusals_name_the_flag(pm, model):
         _check_data_parallel(config, UsageContext.OPENAI_API_SERVER)
     commands = {
         ("bench", "throughput", "--model", str(model), "-dp", "2"): "--data-parallel-size 2",
-        ("serve", str(model), "--headless"): "--headless=True is not supported",
-        ("serve", str(model), "-dpa", "10.0.0.1"): "multi-node data parallelism",
+        ("serve", str(model), "--headless"): "--headless runs data-parallel replicas",
+        ("serve", str(model), "-dpa", "10.0.0.1"): (
+            "--data-parallel-address applies with --data-parallel-size above 1"
+        ),
+        ("serve", str(model), "-dp", "2", "-dpl", "1"): "set PAGEDLLM_DATA_PARALLEL_KEY",
+        ("serve", str(model), "-dp", "2", "-dpl", "3"): "--data-parallel-size-local=3",
+        ("serve", str(model), "-dp", "2", "-dpr", "1"): "--data-parallel-start-rank applies",
+        ("serve", str(model), "--headless", "-dp", "2", "-dpr", "1"): (
+            "--headless needs --data-parallel-address"
+        ),
         ("serve", str(model), "--api-server-count", "0"): "--api-server-count=0 is invalid",
         ("serve", str(model), "-asc", "2", "--enable-server-load-tracking"): (
             "--enable-server-load-tracking"
@@ -169,6 +186,94 @@ def test_refusals_name_the_flag(pm, model):
     for command, message in commands.items():
         result = results[command]
         assert result.returncode == 2 and message in result.stderr, (command, result.stderr)
+
+
+def test_replicas_on_two_nodes(model, tmp_path):
+    """A head node with replica 0 and a --headless node with replica 1 (both on this
+    machine, over loopback): the head serves once replica 1 has registered, requests
+    reach both (transformers' tokens), and the headless node stops with the head (0)."""
+    port = free_port()
+    env = clean_env(PAGEDLLM_DATA_PARALLEL_KEY="a shared secret", PAGEDLLM_HOST_IP="127.0.0.1")
+    nodes = ("-dp", "2", "-dpa", "127.0.0.1", "-dpp", str(port))
+    head = RemoteServer(model, *nodes, "-dpl", "1", log_path=tmp_path / "head.log", env=env)
+    command = [
+        sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
+        *BASE_ARGS, *nodes, "--headless", "-dpr", "1",
+    ]  # fmt: skip
+    with (tmp_path / "headless.log").open("wb") as log:
+        headless = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        start_servers(head)
+        reference = load_reference(model)
+        prompt = _prompts()[1]
+        completion = head.client().completions.create(
+            model=str(model), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            logprobs=1, extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        ids = [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+        assert ids == reference_greedy(reference, prompt, NEW_TOKENS)[0]
+        asyncio.run(_concurrent(head, str(model), 6))
+        done = [head.metric("pagedllm:request_success_total", engine=str(i)) for i in (0, 1)]
+        assert sum(done) == 7 and min(done) >= 1, done
+        assert "data-parallel replicas [1] registered" in head.log_text()
+        assert head.stop() == 0
+        assert headless.wait(60) == 0
+        assert "the head node stopped" in (tmp_path / "headless.log").read_text()
+    finally:
+        head.stop()
+        if headless.poll() is None:
+            headless.kill()
+
+
+def test_the_head_node_takes_only_the_replicas_it_lacks():
+    """Registrations at the head node: another key, data-parallel size, model or a
+    replica already taken are refused; the others are kept, and told to stop."""
+    import types
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    import transformers
+
+    from pagedllm.distributed.replica import EngineFacts, LoadedFacts
+    from pagedllm.distributed.replica_nodes import RemoteReplicas, fingerprint
+
+    def facts(layers: int) -> EngineFacts:
+        config = transformers.LlamaConfig(num_hidden_layers=layers)
+        return EngineFacts(None, 64, 512, "generate", {}, LoadedFacts({}, (2,), config))
+
+    port = free_port()
+    parallel = types.SimpleNamespace(
+        data_parallel_size=3, data_parallel_address="127.0.0.1", data_parallel_rpc_port=port
+    )
+    remote = RemoteReplicas(parallel, b"key", 1)
+    found: list[dict] = []
+    waiting = threading.Thread(
+        target=lambda: found.append(remote.wait(facts(2), time.monotonic() + 60, lambda: None))
+    )
+    waiting.start()
+    ours, theirs = fingerprint(facts(2)), fingerprint(facts(3))
+
+    def register(*message, key=b"key"):
+        conn = Client(("127.0.0.1", port), authkey=key)
+        conn.send(("register", *message))
+        return conn, conn.recv()
+
+    with pytest.raises(AuthenticationError):
+        register(3, {1: "a"}, ours, key=b"other")
+    for message, problem in [
+        ((2, {1: "a"}, ours), "its --data-parallel-size is 2, the head node's 3"),
+        ((3, {0: "a"}, ours), "its replica 0 is not one of the head node's others (1..2)"),
+        ((3, {1: "a"}, theirs), "serve another model"),
+    ]:
+        assert problem in register(*message)[1][1]
+    first, answer = register(3, {1: ("10.0.0.2", 5)}, ours)
+    assert answer == ("ok",)
+    assert "replica 1 is registered already" in register(3, {1: "b"}, ours)[1][1]
+    second, answer = register(3, {2: ("10.0.0.3", 6)}, ours)
+    waiting.join(30)
+    assert found == [{1: ("10.0.0.2", 5), 2: ("10.0.0.3", 6)}]
+    remote.stop()
+    assert first.recv() == ("stop",) and second.recv() == ("stop",)
 
 
 def test_a_dead_replica_stops_the_server(servers):

@@ -346,9 +346,9 @@ def test_unsupported_architectures_are_named():
     class Derived(llama.LlamaForCausalLM):
         pass
 
-    # Subclasses of a supported architecture do not inherit the support (BERT encoders
-    # and the transformers backend are not split at all).
-    for model_cls in (BertModel, TransformersForCausalLM, Derived):
+    # Subclasses of a supported architecture do not inherit the support (the
+    # transformers backend is not split at all).
+    for model_cls in (TransformersForCausalLM, Derived):
         assert not model_cls.supports_tensor_parallel
         model_cls.check_tensor_parallel(config, 1)
         with pytest.raises(ConfigError, match=f"{model_cls.__name__} does not support tensor"):
@@ -359,3 +359,4 @@ def test_unsupported_architectures_are_named():
     assert MixtralForCausalLM.supports_tensor_parallel
     assert LlamaForSequenceClassification.supports_tensor_parallel
     assert GPT2LMHeadModel.supports_tensor_parallel
+    assert BertModel.supports_tensor_parallel and not BertModel.supports_pipeline_parallel

@@ -160,6 +160,21 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"
     # MoE layers split by expert over the tensor-parallel ranks (not by rows).
     enable_expert_parallel: bool = _flag("enable_expert_parallel")
+    # Data-parallel replicas over several nodes: how many run on this one (None: all),
+    # and where the head node takes the others' registrations.
+    data_parallel_size_local: int | None = _flag("data_parallel_size_local")
+    data_parallel_address: str | None = _flag("data_parallel_address")
+    data_parallel_rpc_port: int | None = _flag("data_parallel_rpc_port")
+
+    @property
+    def local_replicas(self) -> int:
+        """The data-parallel replicas this node runs (on the head node, those from 0)."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether some data-parallel replicas run on other nodes."""
+        return self.local_replicas < self.data_parallel_size
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -339,6 +354,9 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=backend,
         enable_expert_parallel=args.enable_expert_parallel,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
     )
 
 
@@ -491,7 +509,20 @@ def _check_data_parallel(config: PagedLLMConfig, usage_context: UsageContext) ->
     parallel = config.parallel_config
     dp = parallel.data_parallel_size
     _require(dp >= 1, "--data-parallel-size", dp, "must be at least 1")
+    local = parallel.data_parallel_size_local
+    if local is not None:
+        _require(1 <= local <= dp, "--data-parallel-size-local", local, f"must be 1 to {dp}")
+    port = parallel.data_parallel_rpc_port
+    if port is not None:
+        _require(0 < port < 65536, "--data-parallel-rpc-port", port, "must be a TCP port")
     if dp == 1:
+        for flag, value in (
+            ("--data-parallel-size-local", local),
+            ("--data-parallel-address", parallel.data_parallel_address),
+            ("--data-parallel-rpc-port", port),
+        ):
+            if value is not None:
+                raise ConfigError(f"{flag} applies with --data-parallel-size above 1")
         return
     if usage_context != UsageContext.OPENAI_API_SERVER:
         raise ConfigError(
@@ -509,8 +540,14 @@ def _check_data_parallel(config: PagedLLMConfig, usage_context: UsageContext) ->
         import torch
 
         ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        if torch.cuda.device_count() < dp * ranks:
+        here = parallel.local_replicas
+        if torch.cuda.device_count() < here * ranks:
             raise ConfigError(
-                f"--data-parallel-size {dp} with {ranks} rank(s) per replica (-tp x -pp) "
-                f"needs {dp * ranks} GPUs; {torch.cuda.device_count()} are visible"
+                f"{here} data-parallel replicas on this node with {ranks} rank(s) per "
+                f"replica (-tp x -pp) need {here * ranks} GPUs; "
+                f"{torch.cuda.device_count()} are visible"
             )
+    if parallel.multi_node:
+        from pagedllm.distributed.replica_nodes import data_parallel_key
+
+        data_parallel_key()  # (required: refused by name when unset)

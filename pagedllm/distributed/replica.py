@@ -131,6 +131,10 @@ class ReplicaSpec:
     threads: int
     # CUDA_VISIBLE_DEVICES for the replica (its ranks' GPUs), None off cuda.
     visible_devices: str | None
+    # Where it listens for front ends, and the host it tells them (another node's front
+    # end reaches a replica of a --headless node at this node's address).
+    host: str = "127.0.0.1"
+    advertised_host: str | None = None
 
 
 # ------------------------------------------------------------------ the replica's side
@@ -158,9 +162,10 @@ def replica_main(spec: ReplicaSpec, status: Connection) -> None:
 
     try:
         engine = AsyncLLMEngine(spec.config, make_plugin_manager())
-        listener = Listener(("127.0.0.1", 0), authkey=spec.authkey)
+        listener = Listener((spec.host, 0), authkey=spec.authkey)
         replica = Replica(engine, listener, spec.index)
-        status.send(("ready", listener.address, EngineFacts.of(engine.engine)))
+        address = (spec.advertised_host or spec.host, listener.address[1])
+        status.send(("ready", address, EngineFacts.of(engine.engine)))
     except BaseException as exc:
         logger.exception("data-parallel replica %d failed to start", spec.index)
         try:

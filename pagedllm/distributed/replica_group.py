@@ -25,20 +25,39 @@ LOAD_TIMEOUT_S = 600.0
 
 
 class ReplicaGroup:
-    """The replica processes, started at once (they load their models together).
+    """The replica processes of this node, started at once (they load their models
+    together): replicas ``first`` to ``first + count - 1`` of the data-parallel size (by
+    default all of this node's, from 0), listening on ``host`` (told to front ends as
+    ``advertised_host``). On the head node of several (``--data-parallel-size-local``
+    below the size), :meth:`wait_ready` also waits for the other nodes' replicas to
+    register (:class:`~pagedllm.distributed.replica_nodes.RemoteReplicas`), and
+    ``addresses`` lists every replica's, in order.
 
     Not daemonic: a replica with ``-tp`` ranks starts their processes, which a daemonic
     process may not. They stop on :meth:`stop`, and on their own when this process is
     gone (their status pipe closes), so none outlives the server."""
 
-    def __init__(self, config: PagedLLMConfig) -> None:
+    def __init__(
+        self,
+        config: PagedLLMConfig,
+        first: int = 0,
+        count: int | None = None,
+        host: str = "127.0.0.1",
+        advertised_host: str | None = None,
+    ) -> None:
         import multiprocessing
+
+        from pagedllm.distributed.replica_nodes import RemoteReplicas, data_parallel_key
 
         parallel = config.parallel_config
         self.size = parallel.data_parallel_size
-        self.authkey = os.urandom(32)
+        self.first = first
+        self.count = parallel.local_replicas if count is None else count
+        # (replicas of several nodes share the key their front ends connect with)
+        multi_node = self.count < self.size
+        self.authkey = data_parallel_key() if multi_node else os.urandom(32)
         device = config.device_config.device
-        threads = max(1, device.num_threads() // self.size)
+        threads = max(1, device.num_threads() // self.count)
         gpus = _visible_gpus() if device.name == "cuda" else None
         ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         context = multiprocessing.get_context("spawn")
@@ -47,21 +66,27 @@ class ReplicaGroup:
         self.addresses: list[Any] = []
         self.facts: EngineFacts | None = None
         self._stopped = False
+        # The head node's registrations of the other nodes' replicas.
+        self.remote: RemoteReplicas | None = None
         try:
-            for index in range(self.size):
+            if multi_node and first == 0:
+                self.remote = RemoteReplicas(parallel, self.authkey, self.count)
+            for local in range(self.count):
                 spec = ReplicaSpec(
                     config,
-                    index,
+                    first + local,
                     self.size,
                     self.authkey,
                     threads,
-                    ",".join(gpus[index * ranks : (index + 1) * ranks]) if gpus else None,
+                    ",".join(gpus[local * ranks : (local + 1) * ranks]) if gpus else None,
+                    host,
+                    advertised_host,
                 )
                 parent, child = context.Pipe()
                 proc = context.Process(
                     target=replica_main,
                     args=(spec, child),
-                    name=f"pagedllm-dp-replica-{index}",
+                    name=f"pagedllm-dp-replica-{first + local}",
                     daemon=False,
                 )
                 proc.start()
@@ -74,22 +99,23 @@ class ReplicaGroup:
         # (Before multiprocessing's own exit handler, which would wait for them forever.)
         atexit.register(self.stop)
         logger.info(
-            "data parallelism: %d engine replicas (processes %s), %d threads each",
-            self.size,
+            "data parallelism: %d engine replicas (processes %s), %d threads each%s",
+            self.count,
             ", ".join(str(p.pid) for p in self.procs),
             threads,
+            f"; replicas {first}..{first + self.count - 1} of {self.size}" if multi_node else "",
         )
 
     def wait_ready(self, timeout: float = LOAD_TIMEOUT_S) -> None:
-        """Wait until every replica has loaded its model and listens; a replica that
+        """Wait until every replica of this node has loaded its model and listens (on the
+        head node of several, until the others' have registered too); a replica that
         fails or exits meanwhile raises (what it raised, when it said)."""
         deadline = time.monotonic() + timeout
-        for index, (proc, conn) in enumerate(zip(self.procs, self.status, strict=True)):
+        statuses = zip(self.procs, self.status, strict=True)
+        for index, (proc, conn) in enumerate(statuses, self.first):
             while not conn.poll(0.2):
                 # (Any replica: one that fails early is not left until the others load.)
-                for number, other in enumerate(self.procs):
-                    if not other.is_alive():
-                        self._raise_failed(number)
+                self._raise_if_one_exited()
                 if time.monotonic() > deadline:
                     raise EngineDeadError(f"data-parallel replica {index}: not ready in time")
             try:
@@ -109,10 +135,21 @@ class ReplicaGroup:
             self.addresses.append(address)
             if self.facts is None:
                 self.facts = facts
+        if self.remote is not None:
+            assert self.facts is not None
+            remote = self.remote.wait(self.facts, deadline, self._raise_if_one_exited)
+            self.addresses += [remote[index] for index in range(self.count, self.size)]
+
+    def _raise_if_one_exited(self) -> None:
+        for number, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._raise_failed(number)
 
     def _raise_failed(self, index: int) -> None:
-        """Raise what replica ``index``, which exited, said (or its exit code)."""
+        """Raise what this node's replica ``index`` (from 0), which exited, said (or its
+        exit code)."""
         conn, proc = self.status[index], self.procs[index]
+        index += self.first
         try:
             while conn.poll(0):
                 kind, *detail = conn.recv()
@@ -133,6 +170,8 @@ class ReplicaGroup:
         if self._stopped:
             return
         self._stopped = True
+        if self.remote is not None:
+            self.remote.stop()
         for conn in self.status:
             try:
                 conn.send(("stop",))

@@ -18,10 +18,6 @@ import dataclasses
 from pagedllm.core.argspec import arg
 
 _LEAVE_OUT = "; leave this flag out"
-_ONE_NODE_DATA_PARALLEL = (
-    "multi-node data parallelism is not supported yet: `pagedllm serve "
-    "--data-parallel-size N` runs every replica on this machine"
-)
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
 _NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
@@ -43,10 +39,8 @@ UNSUPPORTED: dict[str, str] = {
     # LoadConfig
     "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,
     # ParallelConfig
-    "data_parallel_size_local": _ONE_NODE_DATA_PARALLEL,
-    "data_parallel_address": _ONE_NODE_DATA_PARALLEL,
-    "data_parallel_rpc_port": _ONE_NODE_DATA_PARALLEL,
-    "data_parallel_backend": "data-parallel replicas run as local processes (mp); Ray "
+    "data_parallel_backend": "data-parallel replicas run as processes of each node (mp: "
+    "--data-parallel-size-local on the head node, the others with --headless); Ray "
     "placement of replicas is not supported yet",
     "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
     "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,

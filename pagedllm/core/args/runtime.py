@@ -108,22 +108,23 @@ class RuntimeArgs:
         None,
         group="ParallelConfig",
         aliases=("-dpl",),
-        help="Number of data-parallel replicas on this node.",
-        unbuilt=UNSUPPORTED["data_parallel_size_local"],
+        help="Number of the --data-parallel-size replicas that run on this node (all of "
+        "them by default; on a --headless node, the rest from --data-parallel-start-rank). "
+        "Fewer than all on the head node: the others register from --headless nodes.",
     )
     data_parallel_address: str | None = arg(
         None,
         group="ParallelConfig",
         aliases=("-dpa",),
-        help="Address of the data-parallel head node.",
-        unbuilt=UNSUPPORTED["data_parallel_address"],
+        help="Address of the data-parallel head node: where --headless nodes register "
+        "their replicas (and where the head listens for them; all interfaces if unset).",
     )
     data_parallel_rpc_port: int | None = arg(
         None,
         group="ParallelConfig",
         aliases=("-dpp",),
-        help="Port for data-parallel RPC.",
-        unbuilt=UNSUPPORTED["data_parallel_rpc_port"],
+        help="Port of the head node where --headless nodes register their replicas "
+        "(default 29550).",
     )
     data_parallel_backend: str = arg(
         "mp",

@@ -52,6 +52,15 @@ class ServeSubcommand(CLISubcommand):
         if frontend_args.lora_modules and not engine_args.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         log_config = apply_log_config(frontend_args.log_config_file)
+        if frontend_args.headless:
+            from pagedllm.distributed.replica_nodes import serve_headless
+
+            return serve_headless(engine_args, frontend_args, pm)
+        if frontend_args.data_parallel_start_rank:
+            raise ConfigError(
+                "--data-parallel-start-rank applies to --headless nodes (the head node runs "
+                "the replicas from 0)"
+            )
         if frontend_args.api_server_count > 1:
             from pagedllm.entrypoints.openai.front_ends import serve_front_ends
 

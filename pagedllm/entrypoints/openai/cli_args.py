@@ -9,11 +9,6 @@ import dataclasses
 
 from pagedllm.core.argspec import arg
 
-_ONE_NODE = (
-    "multi-node data parallelism is not supported yet: `pagedllm serve "
-    "--data-parallel-size N` runs every replica on this machine"
-)
-
 
 @dataclasses.dataclass
 class FrontendArgs:
@@ -226,15 +221,16 @@ class FrontendArgs:
         False,
         group="Frontend",
         bool_style="store_true",
-        help="Run the engine without an API server, as a secondary data-parallel node.",
-        unbuilt=_ONE_NODE,
+        help="Run data-parallel replicas without an API server, as a secondary node: they "
+        "register with the head node (--data-parallel-address, --data-parallel-rpc-port), "
+        "whose front end sends them requests.",
     )
     data_parallel_start_rank: int = arg(
         0,
         group="Frontend",
         aliases=("-dpr",),
-        help="First data-parallel rank on a secondary node.",
-        unbuilt=_ONE_NODE,
+        min=0,
+        help="Index of the first data-parallel replica of a --headless node.",
     )
     disable_log_requests: bool = arg(
         False,

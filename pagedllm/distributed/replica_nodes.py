@@ -1,0 +1,308 @@
+"""Data-parallel replicas on several nodes (vLLM's multi-node data parallelism).
+
+The head node runs ``pagedllm serve MODEL -dp N -dpl L [-dpa ADDRESS] [-dpp PORT]``: its
+API server, and replicas 0 to L - 1. Every other node runs ``pagedllm serve MODEL
+--headless -dp N -dpl K -dpr S -dpa HEAD -dpp PORT``: replicas S to S + K - 1 and no API
+server. A headless node's replicas listen on every interface; once they have loaded, the
+node registers them (their addresses) with the head node at ``HEAD:PORT``, and the head's
+front ends connect to them as to its own (:mod:`pagedllm.distributed.replica_client`):
+requests go to the least loaded replica of any node.
+
+The connections are authenticated with a secret every node is given,
+``PAGEDLLM_DATA_PARALLEL_KEY`` (the replicas take pickled messages: whoever holds the key
+may send them). The head node starts serving once every replica has registered; a node
+whose replicas differ from the head's (another model or context length) or that claims
+replicas already taken is refused. A headless node stops when the head node stops (or
+is gone), and the head stops serving when a replica of any node is gone, as with one
+node.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import ConfigError, EngineDeadError
+
+if TYPE_CHECKING:
+    from pagedllm.core.config import ParallelConfig
+    from pagedllm.core.engine_args import EngineArgs
+    from pagedllm.core.plugins import PluginManager
+    from pagedllm.distributed.replica import EngineFacts
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
+logger = logging.getLogger("pagedllm.replica")
+
+KEY_VARIABLE = "PAGEDLLM_DATA_PARALLEL_KEY"
+# --data-parallel-rpc-port's default (vLLM's).
+DEFAULT_RPC_PORT = 29550
+# How long a registration may take to arrive once connected.
+REGISTER_TIMEOUT_S = 30.0
+
+
+def data_parallel_key() -> bytes:
+    """The secret the nodes' replicas and front ends authenticate each other with."""
+    key = os.environ.get(KEY_VARIABLE, "")
+    if not key:
+        raise ConfigError(
+            f"data-parallel replicas on several nodes (--data-parallel-size-local below "
+            f"--data-parallel-size, or --headless) authenticate each other with a shared "
+            f"secret: set {KEY_VARIABLE} to the same value on every node"
+        )
+    return key.encode()
+
+
+def rpc_address(parallel: ParallelConfig, default_host: str) -> tuple[str, int]:
+    """The head node's registration address (``default_host`` without -dpa)."""
+    host = parallel.data_parallel_address or default_host
+    return host, parallel.data_parallel_rpc_port or DEFAULT_RPC_PORT
+
+
+def advertised_host(head: tuple[str, int]) -> str:
+    """The address the head node reaches this one at: ``PAGEDLLM_HOST_IP`` (or
+    ``VLLM_HOST_IP``) where set, else this node's address on the route to the head."""
+    for variable in ("PAGEDLLM_HOST_IP", "VLLM_HOST_IP"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(head)  # (a UDP "connect" sends nothing: it picks the route)
+        return probe.getsockname()[0]
+
+
+def fingerprint(facts: EngineFacts) -> tuple[Any, ...]:
+    """What must be the same for every replica: the task, the context, the vocabulary
+    and the model's configuration (not where it was read from)."""
+    config = facts.loaded.hf_config.to_dict()
+    config.pop("_name_or_path", None)
+    described = json.dumps(config, sort_keys=True, default=str)
+    return facts.task, facts.max_model_len, facts.vocab_size, described
+
+
+class RemoteReplicas:
+    """The head node's side: listens at ``-dpa:-dpp`` for the headless nodes, which
+    register replicas ``first`` to the data-parallel size - 1, and keeps their
+    connections (a stop goes to each)."""
+
+    def __init__(self, parallel: ParallelConfig, authkey: bytes, first: int) -> None:
+        self.size, self.first = parallel.data_parallel_size, first
+        host, port = rpc_address(parallel, "0.0.0.0")
+        try:
+            self.listener = Listener((host, port), authkey=authkey)
+        except OSError as exc:
+            raise ConfigError(
+                f"--data-parallel-address {host} --data-parallel-rpc-port {port}: "
+                f"{exc.strerror or exc}"
+            ) from None
+        self.nodes: list[Connection] = []
+        self._accepted: queue.Queue[Connection] = queue.Queue()
+        self._closed = False
+        threading.Thread(target=self._accept, name="pagedllm-dp-register", daemon=True).start()
+        logger.info(
+            "waiting for data-parallel replicas %d..%d to register at %s:%d",
+            first,
+            self.size - 1,
+            host,
+            port,
+        )
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self.listener.accept()
+            except Exception as exc:  # (a wrong key, a stray connection; closed)
+                if not self._closed:
+                    logger.warning("a registration was refused: %r", exc)
+            else:
+                self._accepted.put(conn)
+
+    def wait(self, facts: EngineFacts, deadline: float, check: Any) -> dict[int, Any]:
+        """Each remote replica's address, once all have registered (their replicas the
+        same as ``facts``' replica's); ``check()`` raises when this node's replicas fail
+        meanwhile."""
+        expected = fingerprint(facts)
+        addresses: dict[int, Any] = {}
+        while len(addresses) < self.size - self.first:
+            check()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.first, self.size)) - set(addresses))
+                raise EngineDeadError(
+                    f"data-parallel replicas {missing} did not register in time (start "
+                    "them with `pagedllm serve MODEL --headless ...` on the other nodes)"
+                )
+            try:
+                conn = self._accepted.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                if not conn.poll(REGISTER_TIMEOUT_S):
+                    raise EOFError
+                kind, size, replicas, theirs = conn.recv()
+                if kind != "register":
+                    raise ValueError(kind)
+            except (EOFError, OSError, ValueError):
+                conn.close()
+                continue
+            problem = self._problem(size, replicas, theirs, expected, addresses)
+            if problem is not None:
+                logger.error("a headless node was refused: %s", problem)
+                _send_and_close(conn, ("refused", problem))
+                continue
+            conn.send(("ok",))
+            self.nodes.append(conn)
+            addresses.update(replicas)
+            logger.info("data-parallel replicas %s registered", sorted(replicas))
+        return addresses
+
+    def _problem(
+        self,
+        size: int,
+        replicas: dict[int, Any],
+        theirs: tuple[Any, ...],
+        expected: tuple[Any, ...],
+        addresses: dict[int, Any],
+    ) -> str | None:
+        if size != self.size:
+            return f"its --data-parallel-size is {size}, the head node's {self.size}"
+        wanted = set(range(self.first, self.size))
+        for index in replicas:
+            if index not in wanted:
+                return (
+                    f"its replica {index} is not one of the head node's others "
+                    f"({self.first}..{self.size - 1})"
+                )
+            if index in addresses:
+                return f"replica {index} is registered already"
+        if theirs != expected:
+            return (
+                "its replicas serve another model than the head node's (configuration, "
+                "context length or task)"
+            )
+        return None
+
+    def stop(self) -> None:
+        """Tell the headless nodes to stop; stop listening."""
+        self._closed = True
+        for conn in self.nodes:
+            _send_and_close(conn, ("stop",))
+        self.listener.close()
+
+
+def _send_and_close(conn: Connection, message: tuple[Any, ...]) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass
+    conn.close()
+
+
+def serve_headless(engine_args: EngineArgs, options: FrontendArgs, pm: PluginManager) -> int:
+    """``pagedllm serve --headless``: this node's replicas, registered with the head node,
+    until the head node stops (0), or is gone or a replica exits (1)."""
+    from pagedllm.core.config import UsageContext
+    from pagedllm.distributed.replica_group import LOAD_TIMEOUT_S, ReplicaGroup
+
+    first, size = options.data_parallel_start_rank, engine_args.data_parallel_size
+    if size == 1:
+        raise ConfigError(
+            "--headless runs data-parallel replicas for a head node's API server: give "
+            "--data-parallel-size above 1"
+        )
+    if engine_args.data_parallel_size_local is None:  # (the replicas from the start rank)
+        engine_args.data_parallel_size_local = max(1, size - first)
+    count = engine_args.data_parallel_size_local
+    if first < 1 or first + count > size:
+        raise ConfigError(
+            f"--data-parallel-start-rank {first} with --data-parallel-size-local {count}: a "
+            f"--headless node runs some of replicas 1..{size - 1} (the head node runs "
+            "those from 0)"
+        )
+    if engine_args.data_parallel_address is None:
+        raise ConfigError("--headless needs --data-parallel-address: the head node's address")
+    if options.api_server_count > 1:
+        raise ConfigError("--api-server-count: a --headless node runs no API server")
+    config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    parallel = config.parallel_config
+    key = data_parallel_key()
+    head = rpc_address(parallel, "")
+    group = ReplicaGroup(config, first, count, "0.0.0.0", advertised_host(head))
+    stopped: list[int] = []
+    previous: dict[int, Any] = {}
+    try:
+        group.wait_ready()
+        assert group.facts is not None
+        replicas = dict(zip(range(first, first + count), group.addresses, strict=True))
+        conn = _register(head, key, (size, replicas, fingerprint(group.facts)), LOAD_TIMEOUT_S)
+        logger.info(
+            "data-parallel replicas %d..%d registered with the head node %s:%d",
+            first,
+            first + count - 1,
+            *head,
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda number, _frame: stopped.append(number))
+        return _until_done(conn, group, stopped)
+    finally:
+        group.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _register(
+    head: tuple[str, int], key: bytes, registration: tuple[Any, ...], timeout: float
+) -> Connection:
+    """Register with the head node (waiting for it to listen): the connection, kept."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = Client(head, authkey=key)
+            break
+        except AuthenticationError as exc:
+            raise ConfigError(
+                f"the head node at {head[0]}:{head[1]} refused this node: {exc} (is "
+                f"{KEY_VARIABLE} the same on every node?)"
+            ) from None
+        except OSError as exc:  # (not listening yet: it may still be loading)
+            if time.monotonic() > deadline:
+                raise EngineDeadError(
+                    f"the head node at {head[0]}:{head[1]} did not take the registration: {exc}"
+                ) from None
+            time.sleep(1.0)
+    conn.send(("register", *registration))
+    # (The head answers once its own replicas have loaded.)
+    if not conn.poll(max(REGISTER_TIMEOUT_S, deadline - time.monotonic())):
+        raise EngineDeadError(f"the head node at {head[0]}:{head[1]} did not answer")
+    answer = conn.recv()
+    if answer[0] != "ok":
+        conn.close()
+        raise ConfigError(f"the head node refused this node's replicas: {answer[1]}")
+    return conn
+
+
+def _until_done(conn: Connection, group: Any, stopped: list[int]) -> int:
+    sentinels = {proc.sentinel: group.first + i for i, proc in enumerate(group.procs)}
+    while not stopped:
+        ready = wait([conn, *sentinels], timeout=0.2)
+        if conn in ready:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                logger.critical("the head node is gone; stopping this node's replicas")
+                return 1
+            if message[0] == "stop":
+                logger.info("the head node stopped; stopping this node's replicas")
+                return 0
+        for sentinel in ready:
+            if sentinel in sentinels:
+                logger.critical("data-parallel replica %d exited", sentinels[sentinel])
+                return 1
+    logger.info("stopped by %s", signal.Signals(stopped[0]).name)
+    return 0
