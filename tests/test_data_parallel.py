@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -140,7 +141,7 @@ def test_concurrent_requests_reach_both_replicas(servers, model, name):
 def test_an_invalid_request_is_a_400_and_the_server_goes_on(servers, model, name):
     server = servers[name]
     with server.http() as http:
-        body = {"model": str(model), "prompt": "Hello", "max_tokens": 2}
+        body = {"model": str(model), "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
         # (refused by the replica's engine: this server's policy has no priorities)
         refused = http.post("/v1/completions", json={**body, "priority": 3})
         error = assert_openai_error(refused, 400, "priority")
@@ -227,7 +228,9 @@ def test_replicas_on_two_nodes(model, tmp_path):
 
 def test_the_head_node_takes_only_the_replicas_it_lacks():
     """Registrations at the head node: another key, data-parallel size, model or a
-    replica already taken are refused; the others are kept, and told to stop."""
+    replica already taken are refused, and so is a node once every replica has
+    registered; a connection that says nothing holds up no one; the nodes registered
+    are kept, and told to stop."""
     import types
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client
@@ -258,6 +261,7 @@ def test_the_head_node_takes_only_the_replicas_it_lacks():
         conn.send(("register", *message))
         return conn, conn.recv()
 
+    silent = socket.create_connection(("127.0.0.1", port))  # (a port scanner, say)
     with pytest.raises(AuthenticationError):
         register(3, {1: "a"}, ours, key=b"other")
     for message, problem in [
@@ -272,8 +276,10 @@ def test_the_head_node_takes_only_the_replicas_it_lacks():
     second, answer = register(3, {2: ("10.0.0.3", 6)}, ours)
     waiting.join(30)
     assert found == [{1: ("10.0.0.2", 5), 2: ("10.0.0.3", 6)}]
+    assert "registered already" in register(3, {2: "c"}, ours)[1][1]
     remote.stop()
     assert first.recv() == ("stop",) and second.recv() == ("stop",)
+    silent.close()
 
 
 def test_a_dead_replica_stops_the_server(servers):
@@ -325,7 +331,7 @@ def test_a_group_aborted_or_dropped_at_once_leaves_no_load(model):
     connecting.start()
     accepted = listener.accept()
     connecting.join()
-    replica = Replica(engine, listener, 0)
+    replica = Replica(engine, 0)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
     def group(ids: str) -> list[NewRequest]:

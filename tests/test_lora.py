@@ -148,22 +148,29 @@ def test_slots_and_cache_are_bounded(models):
     assert tokens == expected[: len(tokens)]
 
 
-def test_adapters_split_over_two_tensor_parallel_ranks(models):
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_adapters_over_two_ranks(models, parallel):
     """-tp 2: each rank holds its share of every adapter (B's rows of column-parallel
     layers and of the head's vocabulary, A's columns of row-parallel ones, the
-    embedding's whole); the tokens of transformers + peft in mixed batches, with slots
-    refilled (rank 1 fills what rank 0 fills) and an id that names another adapter once
-    its first is removed (rank 1 reads it again)."""
+    embedding's whole); -pp 2: each stage its layers' adapters (rank 0 checks adapters
+    against every stage's layers). The tokens of transformers + peft in mixed batches
+    (over micro-batches with -pp), with slots refilled (rank 0 sends the other rank the
+    adapters it fills them with) and an id that names another adapter once its first is
+    removed."""
     base_dir, adapters, reference = models
-    llm = _llm(base_dir, max_loras=2, max_lora_rank=8, max_cpu_loras=2, tensor_parallel_size=2)
+    llm = _llm(base_dir, max_loras=2, max_lora_rank=8, max_cpu_loras=2, **{parallel: 2})
     try:
         (r0, m0), (r1, m1), (r2, m2) = adapters
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
         _check(llm, prompts, [r0, r1, r2, None], [m0, m1, m2, reference])
         manager = llm.llm_engine.lora
-        assert manager.layers["model.layers.0.mlp.down_proj"].lora.a.shape[-1] == (
-            reference.config.intermediate_size // 2
-        )
+        first, last = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"
+        if parallel == "tensor_parallel_size":
+            inter = reference.config.intermediate_size
+            assert manager.layers[first].lora.a.shape[-1] == inter // 2
+        else:
+            assert first in manager.layers and last not in manager.layers
+            assert manager.sizes[last] == manager.sizes[first]
         assert manager.remove(r0.lora_int_id)
         renamed = LoRARequest("renamed", r0.lora_int_id, r2.lora_path)
         _check(llm, [PROMPTS[1], PROMPTS[0]], [renamed, r1], [m2, m1])

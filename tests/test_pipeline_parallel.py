@@ -109,7 +109,6 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
     ("kwargs", "message"),
     [
         ({"distributed_executor_backend": "uni"}, "uni runs one process"),
-        ({"enable_lora": True}, "--enable-lora is not supported with --pipeline-parallel-size"),
         ({"pipeline_parallel_size": 0}, "--pipeline-parallel-size=0 is invalid"),
     ],
 )

@@ -395,18 +395,20 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_pat
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
     """Drafts (prompt lookup, or a draft model whole on rank 0: the target itself, so
-    its drafts are kept) verified by the model over two ranks: the greedy tokens of one
-    rank without speculation, in a cache small enough to preempt."""
+    every draft is kept) verified by the model over two ranks: the greedy tokens of one
+    rank without speculation (prompt lookup in a cache small enough to preempt)."""
     from test_spec_decode import PROMPTS
 
     directory = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=1)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = LLM(str(directory), **SMALL_CACHE).generate(prompts, params, use_tqdm=False)
+    cache = dict(SMALL_CACHE)
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     if method == "draft_model":
         config = {"model": str(directory), "num_speculative_tokens": 3}
-    llm = LLM(str(directory), speculative_config=config, **{parallel: 2}, **SMALL_CACHE)
+        cache["num_gpu_blocks_override"] = 64  # (no preemption: every draft is kept)
+    expected = LLM(str(directory), **cache).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(directory), speculative_config=config, **{parallel: 2}, **cache)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [
@@ -414,6 +416,8 @@ def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
         ]
         stats = llm.llm_engine.scheduler.spec_stats
         assert 0 < stats["accepted_tokens"] <= stats["draft_tokens"]
+        if method == "draft_model":
+            assert stats["accepted_tokens"] == stats["draft_tokens"]
     finally:
         llm.llm_engine.shutdown()
 

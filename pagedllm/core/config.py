@@ -326,9 +326,6 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         )
     if ranks > 1:
         refused = {
-            # (adapters split over tensor-parallel ranks; a pipeline stage would not know
-            # the layers of an adapter that another stage holds)
-            "--enable-lora": args.enable_lora and pp > 1,
             "--qlora-adapter-name-or-path": bool(args.qlora_adapter_name_or_path),
         }
         for option, given in refused.items():

@@ -58,6 +58,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm.engine")
 
 
+def _check_expert_parallel(architecture: Any, hf_config: Any, tp: int) -> None:
+    """The architecture's tensor-parallel check with its experts split by expert; an
+    architecture plugin whose check predates the ``experts`` keyword is refused."""
+    import inspect
+
+    if "experts" not in inspect.signature(architecture.check_tensor_parallel).parameters:
+        raise ConfigError(
+            f"{architecture.__name__} does not support --enable-expert-parallel (its "
+            "check_tensor_parallel takes no experts keyword); leave the flag out"
+        )
+    architecture.check_tensor_parallel(hf_config, tp, experts=True)
+
+
 def _warn_if_no_experts_split(model: Any, tp: int) -> None:
     """--enable-expert-parallel changes nothing without several ranks or experts: say so
     (as vLLM, it is accepted)."""
@@ -113,8 +126,8 @@ class LLMEngine:
             )
             architecture = pm.registry("models").load(name)
             if parallel.enable_expert_parallel:
-                architecture.check_tensor_parallel(hf_config, tp, experts=True)
-            else:  # (an architecture plugin's check may predate the keyword)
+                _check_expert_parallel(architecture, hf_config, tp)
+            else:
                 architecture.check_tensor_parallel(hf_config, tp)
             architecture.check_pipeline_parallel(hf_config, pp)
             self.workers = start_workers(config)
@@ -144,8 +157,10 @@ class LLMEngine:
         loaded = load_model(config, pm)
         parallel = config.parallel_config
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        # (with --enable-lora: the layers each rank's adapters may target)
+        worker_layers: list[Any] = []
         if self.workers is not None:
-            self.workers.wait("loaded")
+            worker_layers = self.workers.wait("loaded")
             # (the ranks share the machine's cores)
             torch.set_num_threads(max(1, config.device_config.device.num_threads() // (tp * pp)))
         if parallel.enable_expert_parallel:
@@ -181,6 +196,8 @@ class LLMEngine:
             self.lora = make_lora_manager(
                 loaded.model, config.lora_config, loaded.dtype, config.device_config.torch_device
             )
+            for sizes in worker_layers:  # (the other pipeline stages' layers too)
+                self.lora.sizes.update(sizes or {})
         speculative = config.speculative_config
         draft = None
         if speculative is not None and speculative.method == "draft_model":

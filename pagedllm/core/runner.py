@@ -116,9 +116,10 @@ class StepInput:
     spec_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     prompt_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # With --enable-lora: the adapter slots rank 0 filled for this step, and each
-    # request's slot (empty without adapters in the step; see LoRAManager.follow_step).
-    lora_fills: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    # With --enable-lora: the adapter slots rank 0 filled for this step (with the
+    # adapters), and each request's slot (empty without adapters in the step; see
+    # LoRAManager.follow_step).
+    lora_fills: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     lora_slots: list[int] = dataclasses.field(default_factory=list)
     # An encoder's token types (segment ids), one per token (empty: zeros).
     token_type_ids: list[int] = dataclasses.field(default_factory=list)
@@ -282,6 +283,7 @@ class ModelRunner:
                 hidden = self._hidden(step, output)
             else:
                 hidden = self.pipeline.hidden(self, message)
+                self._whole_step_adapters(step)
             computed = [
                 None if rows is None else self._logits(hidden, rows)
                 for rows in self._row_blocks(step)
@@ -317,11 +319,18 @@ class ModelRunner:
                 return
             hidden = first_stage(self, step)
             step = step.step
+            self._whole_step_adapters(step)
         else:
             hidden = self._hidden(step, None)
         for rows in self._row_blocks(step):
             if rows is not None:
                 self._logits(hidden, rows)
+
+    def _whole_step_adapters(self, step: StepInput) -> None:
+        """After a pipeline's micro-batches: the step's adapters by row again (the
+        vocabulary head's adapter applies to rows of every micro-batch)."""
+        if self.lora is not None:
+            self.lora.follow_step([], step.lora_slots, step.query_lens)
 
     def _hidden(
         self,
@@ -371,8 +380,10 @@ class ModelRunner:
         input_ids = host_tensor(step.token_ids, torch.long, self.device)
         input_positions = host_tensor(step.positions, torch.long, self.device)
         if self.lora is not None and output is None:
-            # A tensor-parallel rank above 0 (rank 0 set the step's adapters in execute).
-            self.lora.follow_step(step.lora_fills, step.lora_slots, step.query_lens)
+            # A rank above 0, or a pipeline's micro-batch (rank 0 set the step's adapters
+            # and filled their slots in execute).
+            fills = step.lora_fills if self.workers is None else []
+            self.lora.follow_step(fills, step.lora_slots, step.query_lens)
         if getattr(self.model, "is_encoder", False):
             # An encoder attends within each prompt, both ways, and reads token types.
             types = step.token_type_ids or [0] * len(step.token_ids)

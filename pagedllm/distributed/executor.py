@@ -93,9 +93,11 @@ class WorkerGroup:
             self.shutdown()
             raise
 
-    def wait(self, what: str, timeout: float = LOAD_TIMEOUT_S) -> None:
-        """Wait for every worker to report ``what`` (``loaded``, ``ready``)."""
+    def wait(self, what: str, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
+        """Wait for every worker to report ``what`` (``loaded``, ``ready``); what each
+        said with it, by rank."""
         deadline = time.monotonic() + timeout
+        details = []
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll(0.2):
                 self._raise_if_dead()
@@ -106,6 +108,8 @@ class WorkerGroup:
                 raise ConfigError(f"{rank_name(self.config, rank)} failed: {detail}")
             if kind != what:
                 raise EngineDeadError(f"{rank_name(self.config, rank)} sent {kind!r}")
+            details.append(detail)
+        return details
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker (pickled once)."""
@@ -261,7 +265,10 @@ class WorkerRank:
         self.runner: Any = None
         self.lora: Any = None  # (with --enable-lora: the adapters rank 0 runs each step)
 
-    def load(self) -> str:
+    def load(self) -> tuple[str, Any]:
+        """Join the group and build this rank's part: ``("loaded", the (input, output)
+        sizes of its layers an adapter may target)`` (None without --enable-lora), which
+        rank 0 checks adapters against (a pipeline stage holds layers it does not)."""
         from pagedllm.core.args.validate import attention_backend_name
         from pagedllm.core.compilation import compile_model
         from pagedllm.core.model_setup import load_model
@@ -294,7 +301,7 @@ class WorkerRank:
         cores = device.num_threads() if self.cores is None else self.cores
         torch.set_num_threads(max(1, cores // self.size))
         self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
-        return "loaded"
+        return "loaded", None if self.lora is None else dict(self.lora.sizes)
 
     def profile(self, payload: dict[str, Any]) -> None:
         """``payload``: :func:`~pagedllm.core.runner.profile_step`'s arguments but the
@@ -340,7 +347,7 @@ def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Conne
     logging.basicConfig(level=logging.WARNING)
     worker = WorkerRank(config, rank, size, init_method)
     try:
-        _send(conn, (worker.load(), None))
+        _send(conn, worker.load())
         while True:
             try:
                 kind, payload = pickle.loads(conn.recv_bytes())

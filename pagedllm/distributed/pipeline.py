@@ -50,7 +50,8 @@ class PipelineStep:
 def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
     """``step``'s requests in at most ``count`` contiguous runs of about equal tokens,
     each a :class:`StepInput` of its own (no logits rows: stage 0 computes those on the
-    gathered hidden states). The KV blocks to copy go with the first."""
+    gathered hidden states). The KV blocks to copy and the adapter slots to fill go with
+    the first; each takes its requests' adapter slots."""
     lens = step.query_lens
     count = max(1, min(count, len(lens)))
     # tokens[j]: the tokens of the first j requests.
@@ -71,6 +72,8 @@ def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
             context_lens=step.context_lens[a:b],
             block_tables=step.block_tables[a:b],
             blocks_to_copy=step.blocks_to_copy if a == 0 else [],
+            lora_fills=step.lora_fills if a == 0 else [],
+            lora_slots=step.lora_slots[a:b],
         )
         for a, b in itertools.pairwise(cuts)
     ]

@@ -104,12 +104,15 @@ class RayWorkerGroup:
     def procs(self) -> list[Any]:
         return self.actors
 
-    def wait(self, what: str, timeout: float = 600.0) -> None:
+    def wait(self, what: str, timeout: float = 600.0) -> list[Any]:
+        """Wait for every actor's ``what`` (``loaded``, ``ready``); what each said with
+        it, by rank."""
         refs = self._pending.pop(what, [])
         try:
-            self.ray.get(refs, timeout=timeout)
+            answers = self.ray.get(refs, timeout=timeout)
         except Exception as exc:
             raise ConfigError(f"a Ray worker failed: {exc}") from exc
+        return [answer[1] if isinstance(answer, tuple) else None for answer in answers]
 
     def send(self, kind: str, payload: Any = None) -> None:
         """Call each actor's ``kind`` (``profile``, ``cache``, ``follow``)."""

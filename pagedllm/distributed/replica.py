@@ -29,7 +29,7 @@ import pickle
 import signal
 import sys
 import threading
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import (
@@ -39,6 +39,7 @@ from pagedllm.core.errors import (
     PagedLLMError,
     RequestFailedError,
 )
+from pagedllm.distributed.connections import AuthenticatedListener
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
@@ -71,10 +72,15 @@ class EngineFacts:
     task: str
     pooler_configs: dict[str, Any]
     loaded: LoadedFacts
+    # The engine settings its outputs depend on beyond the model (dtype, quantization,
+    # adapters), which the replicas of several nodes must share.
+    settings: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         loaded = engine.loaded
+        config = engine.config
+        lora = config.lora_config
         return cls(
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
@@ -83,6 +89,12 @@ class EngineFacts:
             pooler_configs=dict(engine.pooler_configs),
             loaded=LoadedFacts(
                 dict(loaded.generation_defaults), tuple(loaded.eos_token_ids), loaded.hf_config
+            ),
+            settings=(
+                str(loaded.dtype),
+                config.model_config.quantization,
+                config.cache_config.kv_cache_dtype,
+                None if lora is None else repr(lora),
             ),
         )
 
@@ -162,8 +174,10 @@ def replica_main(spec: ReplicaSpec, status: Connection) -> None:
 
     try:
         engine = AsyncLLMEngine(spec.config, make_plugin_manager())
-        listener = Listener((spec.host, 0), authkey=spec.authkey)
-        replica = Replica(engine, listener, spec.index)
+        replica = Replica(engine, spec.index)
+        listener = AuthenticatedListener(
+            (spec.host, 0), spec.authkey, replica.connected, f"pagedllm-replica-{spec.index}"
+        )
         address = (spec.advertised_host or spec.host, listener.address[1])
         status.send(("ready", address, EngineFacts.of(engine.engine)))
     except BaseException as exc:
@@ -197,13 +211,15 @@ class Replica:
     engine's ``generate_many`` (validation, guided-decoding compiles, aborts on cancel),
     its outputs batched into one message per loop iteration and front end."""
 
-    def __init__(self, engine: AsyncLLMEngine, listener: Listener, index: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, index: int) -> None:
         from pagedllm.entrypoints.openai.metrics import Metrics
         from pagedllm.entrypoints.openai.serving_setup import metrics_label
 
         self.engine = engine
-        self.listener = listener
         self.index = index
+        # Set once serve() runs its loop: front ends connecting before wait for it.
+        self._serving = threading.Event()
+        self._peer_numbers = itertools.count()
         self.metrics = Metrics(metrics_label(engine.config.model_config.served_model_name[0]))
         engine.step_listeners.append(self.metrics.on_step)
         self.peers: list[_Peer] = []
@@ -215,12 +231,9 @@ class Replica:
     async def serve(self, status: Connection) -> int:
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        for target, args in (
-            (self._accept, ()),
-            (self._watch_parent, (status,)),
-            (self._watch_engine, ()),
-        ):
+        for target, args in ((self._watch_parent, (status,)), (self._watch_engine, ())):
             threading.Thread(target=target, args=args, daemon=True).start()
+        self._serving.set()
         await self.stopping.wait()
         for peer in self.peers:
             for task in peer.groups.values():
@@ -230,20 +243,13 @@ class Replica:
 
     # ------------------------------------------------------------- threads
 
-    def _accept(self) -> None:
-        for number in itertools.count():
-            try:
-                conn = self.listener.accept()
-            except Exception:  # (closed at exit; a client without the key, or gone at once)
-                if self.stopping.is_set():
-                    return
-                continue
-            peer = _Peer(conn)
-            self.loop.call_soon_threadsafe(self.peers.append, peer)
-            threading.Thread(
-                target=self._read, args=(peer,), name=f"pagedllm-replica-peer-{number}",
-                daemon=True,
-            ).start()  # fmt: skip
+    def connected(self, conn: Connection) -> None:
+        """A front end's connection (its key checked), on its own thread: read it."""
+        self._serving.wait()
+        peer = _Peer(conn)
+        self.loop.call_soon_threadsafe(self.peers.append, peer)
+        threading.current_thread().name = f"pagedllm-replica-peer-{next(self._peer_numbers)}"
+        self._read(peer)
 
     def _read(self, peer: _Peer) -> None:
         while True:

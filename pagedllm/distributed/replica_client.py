@@ -22,10 +22,11 @@ import logging
 import pickle
 import threading
 from collections.abc import AsyncIterator, Sequence
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import EngineDeadError
+from pagedllm.distributed.connections import connect
 from pagedllm.distributed.replica import EngineFacts, error_from_wire
 from pagedllm.distributed.replica_group import ReplicaGroup
 
@@ -119,7 +120,7 @@ class DataParallelClient:
             )
         assert self._replicas is not None
         for index, address in enumerate(self._replicas.addresses):
-            conn = Client(address, authkey=self._replicas.authkey)
+            conn = connect(address, self._replicas.authkey)
             self._conns.append(conn)
             self._send_locks.append(threading.Lock())
             self._reported.append(0)

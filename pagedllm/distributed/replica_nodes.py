@@ -14,7 +14,8 @@ may send them). The head node starts serving once every replica has registered; 
 whose replicas differ from the head's (another model or context length) or that claims
 replicas already taken is refused. A headless node stops when the head node stops (or
 is gone), and the head stops serving when a replica of any node is gone, as with one
-node.
+node; the connections (:mod:`pagedllm.distributed.connections`) have TCP keep-alive, so
+a node that vanishes without closing them is noticed too.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import socket
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
+from pagedllm.distributed.connections import AuthenticatedListener, connect
 
 if TYPE_CHECKING:
     from pagedllm.core.config import ParallelConfig
@@ -73,18 +75,28 @@ def advertised_host(head: tuple[str, int]) -> str:
     for variable in ("PAGEDLLM_HOST_IP", "VLLM_HOST_IP"):
         if os.environ.get(variable):
             return os.environ[variable]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(head)  # (a UDP "connect" sends nothing: it picks the route)
-        return probe.getsockname()[0]
+    try:
+        family, _, _, _, address = socket.getaddrinfo(*head, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # (a UDP "connect" sends nothing: it picks the route)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ConfigError(
+            f"--data-parallel-address {head[0]}: cannot find this node's address on the "
+            f"route to it ({exc}); set PAGEDLLM_HOST_IP to the address the head node "
+            "reaches this node at"
+        ) from None
 
 
 def fingerprint(facts: EngineFacts) -> tuple[Any, ...]:
-    """What must be the same for every replica: the task, the context, the vocabulary
-    and the model's configuration (not where it was read from)."""
+    """What must be the same for every replica: the task, the context, the vocabulary,
+    the settings the outputs depend on (dtype, quantization, adapters) and the model's
+    configuration (not where it was read from, nor the transformers version)."""
     config = facts.loaded.hf_config.to_dict()
-    config.pop("_name_or_path", None)
+    for local in ("_name_or_path", "transformers_version"):
+        config.pop(local, None)
     described = json.dumps(config, sort_keys=True, default=str)
-    return facts.task, facts.max_model_len, facts.vocab_size, described
+    return facts.task, facts.max_model_len, facts.vocab_size, facts.settings, described
 
 
 class RemoteReplicas:
@@ -95,17 +107,20 @@ class RemoteReplicas:
     def __init__(self, parallel: ParallelConfig, authkey: bytes, first: int) -> None:
         self.size, self.first = parallel.data_parallel_size, first
         host, port = rpc_address(parallel, "0.0.0.0")
+        self.nodes: list[Connection] = []
+        self._arrived: queue.Queue[Connection] = queue.Queue()
+        # Set once every replica has registered: a node registering after is refused.
+        self._complete = False
+        self._lock = threading.Lock()
         try:
-            self.listener = Listener((host, port), authkey=authkey)
+            self.listener = AuthenticatedListener(
+                (host, port), authkey, self._arrive, "pagedllm-dp-register"
+            )
         except OSError as exc:
             raise ConfigError(
                 f"--data-parallel-address {host} --data-parallel-rpc-port {port}: "
                 f"{exc.strerror or exc}"
             ) from None
-        self.nodes: list[Connection] = []
-        self._accepted: queue.Queue[Connection] = queue.Queue()
-        self._closed = False
-        threading.Thread(target=self._accept, name="pagedllm-dp-register", daemon=True).start()
         logger.info(
             "waiting for data-parallel replicas %d..%d to register at %s:%d",
             first,
@@ -114,15 +129,12 @@ class RemoteReplicas:
             port,
         )
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn = self.listener.accept()
-            except Exception as exc:  # (a wrong key, a stray connection; closed)
-                if not self._closed:
-                    logger.warning("a registration was refused: %r", exc)
-            else:
-                self._accepted.put(conn)
+    def _arrive(self, conn: Connection) -> None:
+        with self._lock:
+            if not self._complete:
+                self._arrived.put(conn)
+                return
+        _send_and_close(conn, ("refused", "every replica has registered already"))
 
     def wait(self, facts: EngineFacts, deadline: float, check: Any) -> dict[int, Any]:
         """Each remote replica's address, once all have registered (their replicas the
@@ -139,16 +151,17 @@ class RemoteReplicas:
                     "them with `pagedllm serve MODEL --headless ...` on the other nodes)"
                 )
             try:
-                conn = self._accepted.get(timeout=0.2)
+                conn = self._arrived.get(timeout=0.2)
             except queue.Empty:
                 continue
             try:
                 if not conn.poll(REGISTER_TIMEOUT_S):
-                    raise EOFError
+                    raise EOFError("no registration")
                 kind, size, replicas, theirs = conn.recv()
-                if kind != "register":
-                    raise ValueError(kind)
-            except (EOFError, OSError, ValueError):
+                if kind != "register" or not isinstance(replicas, dict):
+                    raise ValueError(f"not a registration: {kind!r}")
+            except Exception as exc:  # (a peer with the key but not a headless node)
+                logger.warning("a registration was not understood: %r", exc)
                 conn.close()
                 continue
             problem = self._problem(size, replicas, theirs, expected, addresses)
@@ -160,6 +173,10 @@ class RemoteReplicas:
             self.nodes.append(conn)
             addresses.update(replicas)
             logger.info("data-parallel replicas %s registered", sorted(replicas))
+        with self._lock:
+            self._complete = True
+        while not self._arrived.empty():  # (any that arrived meanwhile)
+            self._arrive(self._arrived.get())
         return addresses
 
     def _problem(
@@ -183,17 +200,19 @@ class RemoteReplicas:
                 return f"replica {index} is registered already"
         if theirs != expected:
             return (
-                "its replicas serve another model than the head node's (configuration, "
-                "context length or task)"
+                "its replicas serve another model than the head node's, or with other "
+                "settings (model configuration, context length, task, dtype, quantization "
+                "or LoRA settings)"
             )
         return None
 
     def stop(self) -> None:
         """Tell the headless nodes to stop; stop listening."""
-        self._closed = True
+        with self._lock:
+            self._complete = True
+        self.listener.close()
         for conn in self.nodes:
             _send_and_close(conn, ("stop",))
-        self.listener.close()
 
 
 def _send_and_close(conn: Connection, message: tuple[Any, ...]) -> None:
@@ -263,7 +282,7 @@ def _register(
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = Client(head, authkey=key)
+            conn = connect(head, key)
             break
         except AuthenticationError as exc:
             raise ConfigError(
@@ -276,11 +295,17 @@ def _register(
                     f"the head node at {head[0]}:{head[1]} did not take the registration: {exc}"
                 ) from None
             time.sleep(1.0)
-    conn.send(("register", *registration))
-    # (The head answers once its own replicas have loaded.)
-    if not conn.poll(max(REGISTER_TIMEOUT_S, deadline - time.monotonic())):
-        raise EngineDeadError(f"the head node at {head[0]}:{head[1]} did not answer")
-    answer = conn.recv()
+    try:
+        conn.send(("register", *registration))
+        # (The head answers once its own replicas have loaded.)
+        if not conn.poll(max(REGISTER_TIMEOUT_S, deadline - time.monotonic())):
+            raise EOFError("no answer")
+        answer = conn.recv()
+    except (EOFError, OSError) as exc:
+        conn.close()
+        raise EngineDeadError(
+            f"the head node at {head[0]}:{head[1]} did not answer the registration ({exc})"
+        ) from None
     if answer[0] != "ok":
         conn.close()
         raise ConfigError(f"the head node refused this node's replicas: {answer[1]}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -74,20 +73,18 @@ class LoRASlots:
 
 class LoRAAdapter:
     """A loaded adapter: ``weights`` maps a layer's prefix to ``(A, B, scale)`` (the full
-    layer's matrices); ``serial`` tells this load from any other (tensor-parallel ranks
-    load an adapter again when rank 0 did)."""
-
-    _serials = itertools.count(1)
+    layer's matrices)."""
 
     def __init__(self, request: LoRARequest, weights: dict[str, tuple[Any, Any, float]]) -> None:
         self.request = request
         self.weights = weights
-        self.serial = next(self._serials)
 
     @classmethod
     def load(
         cls, request: LoRARequest, sizes: dict[str, tuple[int, int]], max_rank: int
     ) -> LoRAAdapter:
+        """Read and check an adapter against the model's layers ``sizes`` (by prefix;
+        with pipeline stages, every stage's)."""
         from pagedllm.core.model_files import resolve_model_path
 
         def fail(message: str) -> InvalidRequestError:
@@ -210,12 +207,12 @@ class LoRAManager:
         # The adapters of the current step's tokens (None: no adapter in the step).
         self.batch: LoRABatch | None = None
         self.device = device
-        # The current step's slot fills ``(slot, serial, request)`` and each request's
-        # slot (-1: none; empty without adapters): what tensor-parallel ranks follow.
-        self.step_fills: list[tuple[int, int, LoRARequest]] = []
+        # The current step's slot fills ``(slot, adapter)`` and each request's slot (-1:
+        # none; empty without adapters): what the other ranks follow (the adapters'
+        # weights go to them with the fills, so every rank runs the very tensors rank 0
+        # read and checked).
+        self.step_fills: list[tuple[int, LoRAAdapter]] = []
         self.step_slots: list[int] = []
-        # A tensor-parallel rank above 0: the adapters rank 0 filled slots with, by serial.
-        self.followed: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
 
     # ---------------------------------------------------------------- adapters
 
@@ -259,7 +256,7 @@ class LoRAManager:
             victim = next(i for i in self.slots if self.slots[i] not in busy)
             slot = self.slots.pop(victim)
         self._fill(slot, adapter)
-        self.step_fills.append((slot, adapter.serial, adapter.request))
+        self.step_fills.append((slot, adapter))
         self.slots[lora_id] = slot
         return slot
 
@@ -319,26 +316,20 @@ class LoRAManager:
         self._set_batch(self.step_slots, counts)
 
     def follow_step(
-        self, fills: list[tuple[int, int, LoRARequest]], request_slots: list[int], counts: list[int]
+        self, fills: list[tuple[int, LoRAAdapter]], request_slots: list[int], counts: list[int]
     ) -> None:
-        """A tensor-parallel rank above 0: fill the slots rank 0 filled this step (with the
-        adapters it loaded, read again here: rank 0's ``serial`` tells a new load) and
-        run each request with the slot rank 0 gave it."""
-        for slot, serial, request in fills:
-            adapter = self.followed.get(serial)
-            if adapter is None:
-                adapter = LoRAAdapter.load(request, self.sizes, self.max_rank)
-                self.followed[serial] = adapter
-                while len(self.followed) > self.max_cpu:
-                    self.followed.popitem(last=False)
-            self.followed.move_to_end(serial)
+        """A rank above 0 (a tensor-parallel rank, a pipeline stage): fill the slots rank
+        0 filled this step, with the adapters it sent, and run each request with the slot
+        rank 0 gave it. Rank 0 itself calls it without ``fills`` for a pipeline's
+        micro-batches (and for the whole step again before its logits)."""
+        for slot, adapter in fills:
             self._fill(slot, adapter)
         self._set_batch(request_slots, counts)
 
     def _set_batch(self, request_slots: list[int], counts: list[int]) -> None:
         """The step's :class:`LoRABatch` from each request's slot (-1: none; an empty
         list: no adapter in the step) and token count."""
-        if not request_slots:
+        if not request_slots or max(request_slots) < 0:  # (a micro-batch may have none)
             self.batch = None
             return
         rows: dict[int, list[int]] = {}
