@@ -136,6 +136,38 @@ def test_expert_parallelism_without_experts_to_split_says_so(tmp_path, caplog):
         assert message in caplog.text
 
 
+def test_the_transformers_backend_over_two_ranks(tmp_path):
+    """--model-impl transformers -tp 2: the linear layers the model's own plan names
+    split (Q/K/V and gate/up by rows, o and down by columns, Qwen3's Q/K norms whole);
+    transformers' tokens and one rank's logprobs."""
+    from pagedllm.core.layers.linear import Linear
+
+    directory = make_checkpoint(tmp_path / "qwen3", "qwen3")
+
+    def check(engine: Any, reference: Any) -> None:
+        model = engine.loaded.model
+        assert model.attn[0].num_heads == reference.config.num_attention_heads // 2
+        attention = model.hf.model.layers[0].self_attn
+        assert isinstance(attention.q_proj, Linear) and not attention.q_proj.reduce_output
+        assert isinstance(attention.o_proj, Linear) and attention.o_proj.reduce_output
+
+    parallel = {"tensor_parallel_size": 2, "model_impl": "transformers"}
+    assert_parity_with_one_rank(directory, parallel, check)
+
+
+def test_ranks_load_their_weights_in_turn(tmp_path):
+    """--max-parallel-loading-workers 1: rank 0 and rank 1 load their weights one after
+    the other (their loading times do not overlap), then serve as usual."""
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(str(directory), tensor_parallel_size=2, max_parallel_loading_workers=1, **SMALL_CACHE)
+    try:
+        (start0, end0), (start1, end1) = llm.llm_engine.rank_loading
+        assert end0 <= start1 or end1 <= start0, llm.llm_engine.rank_loading
+        assert len(_generate(llm, _prompts()[:1])[0].outputs[0].token_ids) == NEW_TOKENS
+    finally:
+        llm.llm_engine.shutdown()
+
+
 # Chunked prefill over a cached prefix in a cache small enough to preempt.
 SMALL_CACHE: dict[str, Any] = dict(
     dtype="float32",
@@ -186,6 +218,14 @@ def assert_parity_with_one_rank(
         ),
         ({"distributed_executor_backend": "uni"}, "uni runs one process"),
         ({"tensor_parallel_size": 0}, "--tensor-parallel-size=0 is invalid"),
+        (
+            {"max_parallel_loading_workers": 1, "distributed_executor_backend": "ray"},
+            "--max-parallel-loading-workers applies to the mp backend",
+        ),
+        (
+            {"max_parallel_loading_workers": 1, "tensor_parallel_size": 1},
+            "one process loads alone",
+        ),
         (
             {"enable_expert_parallel": True, "data_parallel_size": 2},
             "--enable-expert-parallel with --data-parallel-size above 1 is not supported",

@@ -349,15 +349,28 @@ def test_expert_parallelism_splits_the_number_of_experts():
         _check_expert_parallel(Older, config, 2)
 
 
+def test_the_transformers_backend_splits_what_the_models_plan_says():
+    """--model-impl transformers: a plan of linear layers by rows and columns splits
+    (norms left whole); a model without a plan, with a plan pagedllm does not follow, or
+    with fewer KV heads than ranks is refused by name."""
+    TransformersForCausalLM.check_tensor_parallel(transformers.Qwen3Config(), 2)
+    for config, message in [
+        (transformers.GPT2Config(), "gpt2 declares no tensor-parallel plan"),
+        (transformers.Phi3Config(), "splits layers as \\['colwise_gather_output'"),
+        (_llama_config(num_key_value_heads=1), "its KV heads 1 do not divide by 2"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            TransformersForCausalLM.check_tensor_parallel(config, 2)
+
+
 def test_unsupported_architectures_are_named():
     config = _llama_config()
 
     class Derived(llama.LlamaForCausalLM):
         pass
 
-    # Subclasses of a supported architecture do not inherit the support (the
-    # transformers backend is not split at all).
-    for model_cls in (TransformersForCausalLM, Derived):
+    # Subclasses of a supported architecture do not inherit the support.
+    for model_cls in (Derived,):
         assert not model_cls.supports_tensor_parallel
         model_cls.check_tensor_parallel(config, 1)
         with pytest.raises(ConfigError, match=f"{model_cls.__name__} does not support tensor"):

@@ -165,6 +165,8 @@ class ParallelConfig:
     data_parallel_size_local: int | None = _flag("data_parallel_size_local")
     data_parallel_address: str | None = _flag("data_parallel_address")
     data_parallel_rpc_port: int | None = _flag("data_parallel_rpc_port")
+    # How many ranks load their weights at once (None: all).
+    max_parallel_loading_workers: int | None = _flag("max_parallel_loading_workers")
 
     @property
     def local_replicas(self) -> int:
@@ -338,6 +340,21 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
                 raise ConfigError(
                     f"{flag} needs {ranks} GPUs; {torch.cuda.device_count()} are visible"
                 )
+    loading = args.max_parallel_loading_workers
+    if loading is not None:
+        _require(loading >= 1, "--max-parallel-loading-workers", loading, "must be at least 1")
+        if ranks == 1:
+            raise ConfigError(
+                "--max-parallel-loading-workers limits how many of the ranks of "
+                "--tensor-parallel-size or --pipeline-parallel-size above 1 load at once; "
+                "one process loads alone"
+            )
+        if backend != "mp":
+            raise ConfigError(
+                f"--max-parallel-loading-workers applies to the mp backend (worker "
+                f"processes); --distributed-executor-backend {backend} loads every rank "
+                "at once"
+            )
     if args.enable_expert_parallel and args.data_parallel_size > 1:
         raise ConfigError(
             "--enable-expert-parallel with --data-parallel-size above 1 is not supported: "
@@ -354,6 +371,7 @@ def _parallel_config(args: EngineArgs, device: Any) -> ParallelConfig:
         data_parallel_size_local=args.data_parallel_size_local,
         data_parallel_address=args.data_parallel_address,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
+        max_parallel_loading_workers=loading,
     )
 
 

@@ -154,13 +154,21 @@ class LLMEngine:
                 f"--kv-cache-dtype {cache.kv_cache_dtype}: the {backend_cls.name} attention "
                 f"backend of this device stores {', '.join(backend_cls.kv_cache_dtypes)} only"
             )
-        loaded = load_model(config, pm)
         parallel = config.parallel_config
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        # (with --enable-lora: the layers each rank's adapters may target)
-        worker_layers: list[Any] = []
-        if self.workers is not None:
-            worker_layers = self.workers.wait("loaded")
+        # What the other ranks reported once built (RankLoaded), and when each rank
+        # loaded its weights (rank 0 first).
+        ranks: list[Any] = []
+        self.rank_loading: list[tuple[float, float]] = []
+        if self.workers is None:
+            loaded = load_model(config, pm)
+        else:
+            from pagedllm.distributed.executor import loading_turn
+
+            with loading_turn(getattr(self.workers, "load_gate", None)) as loading:
+                loaded = load_model(config, pm)
+            ranks = self.workers.wait("loaded")
+            self.rank_loading = [(loading[0], loading[1])] + [r.loading for r in ranks]
             # (the ranks share the machine's cores)
             torch.set_num_threads(max(1, config.device_config.device.num_threads() // (tp * pp)))
         if parallel.enable_expert_parallel:
@@ -196,8 +204,8 @@ class LLMEngine:
             self.lora = make_lora_manager(
                 loaded.model, config.lora_config, loaded.dtype, config.device_config.torch_device
             )
-            for sizes in worker_layers:  # (the other pipeline stages' layers too)
-                self.lora.sizes.update(sizes or {})
+            for rank in ranks:  # (the other pipeline stages' layers too)
+                self.lora.sizes.update(rank.lora_layers or {})
         speculative = config.speculative_config
         draft = None
         if speculative is not None and speculative.method == "draft_model":

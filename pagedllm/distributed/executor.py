@@ -16,6 +16,7 @@ the engine (a server answers 503 on ``/health`` and exits) rather than hanging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -24,6 +25,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -73,6 +75,9 @@ class WorkerGroup:
         self.config = config
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
+        # --max-parallel-loading-workers: how many ranks (rank 0 too) load at once.
+        limit = config.parallel_config.max_parallel_loading_workers
+        self.load_gate = context.Semaphore(limit) if limit else None
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._closed = False
@@ -81,7 +86,7 @@ class WorkerGroup:
                 parent, child = context.Pipe()
                 proc = context.Process(
                     target=worker_main,
-                    args=(config, rank, size, self.init_method, child),
+                    args=(config, rank, size, self.init_method, child, self.load_gate),
                     name=f"pagedllm-worker-{rank}",
                     daemon=True,
                 )
@@ -247,6 +252,31 @@ def _join_watching(group: Any, parallel: Any, backend: str) -> None:
         raise errors[0]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankLoaded:
+    """What a rank above 0 reports once built: the (input, output) sizes of the layers an
+    adapter may target (None without --enable-lora), which rank 0 checks adapters
+    against (a pipeline stage holds layers it does not), and when it loaded its weights
+    (wall-clock start and end)."""
+
+    lora_layers: dict[str, tuple[int, int]] | None
+    loading: tuple[float, float]
+
+
+@contextlib.contextmanager
+def loading_turn(gate: Any) -> Iterator[list[float]]:
+    """Within: this rank loads its weights, once ``gate`` (a semaphore shared by the
+    ranks, --max-parallel-loading-workers; None: no limit) lets it; yields the
+    ``[start, end]`` wall-clock times, filled on the way out."""
+    times: list[float] = []
+    with gate if gate is not None else contextlib.nullcontext():
+        times.append(time.time())
+        try:
+            yield times
+        finally:
+            times.append(time.time())
+
+
 class WorkerRank:
     """One rank above 0 (a tensor-parallel rank or a pipeline stage), as the ``mp`` worker
     processes and the Ray actors both run it: :meth:`load` joins the group and builds this
@@ -256,19 +286,26 @@ class WorkerRank:
     thread count)."""
 
     def __init__(
-        self, config: Any, rank: int, size: int, init_method: str, cores: int | None = None
+        self,
+        config: Any,
+        rank: int,
+        size: int,
+        init_method: str,
+        cores: int | None = None,
+        load_gate: Any = None,
     ) -> None:
         self.config, self.rank, self.size, self.init_method = config, rank, size, init_method
         self.cores = cores
+        # (--max-parallel-loading-workers: a semaphore the loading ranks share)
+        self.load_gate = load_gate
         self.loaded: Any = None
         self.backend: Any = None
         self.runner: Any = None
         self.lora: Any = None  # (with --enable-lora: the adapters rank 0 runs each step)
 
     def load(self) -> tuple[str, Any]:
-        """Join the group and build this rank's part: ``("loaded", the (input, output)
-        sizes of its layers an adapter may target)`` (None without --enable-lora), which
-        rank 0 checks adapters against (a pipeline stage holds layers it does not)."""
+        """Join the group and build this rank's part: ``("loaded", facts)``, the facts a
+        :class:`RankLoaded`."""
         from pagedllm.core.args.validate import attention_backend_name
         from pagedllm.core.compilation import compile_model
         from pagedllm.core.model_setup import load_model
@@ -289,7 +326,8 @@ class WorkerRank:
             experts=parallel.enable_expert_parallel,
         )
         pm = make_plugin_manager()
-        self.loaded = load_model(config, pm)
+        with loading_turn(self.load_gate) as loading:
+            self.loaded = load_model(config, pm)
         compile_model(self.loaded.model, config.compilation_config.level)
         if config.lora_config is not None:  # (its slots before the KV cache, as rank 0's)
             from pagedllm.lora.manager import make_lora_manager
@@ -301,7 +339,8 @@ class WorkerRank:
         cores = device.num_threads() if self.cores is None else self.cores
         torch.set_num_threads(max(1, cores // self.size))
         self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
-        return "loaded", None if self.lora is None else dict(self.lora.sizes)
+        lora_layers = None if self.lora is None else dict(self.lora.sizes)
+        return "loaded", RankLoaded(lora_layers, (loading[0], loading[1]))
 
     def profile(self, payload: dict[str, Any]) -> None:
         """``payload``: :func:`~pagedllm.core.runner.profile_step`'s arguments but the
@@ -340,12 +379,14 @@ class WorkerRank:
         destroy_distributed()
 
 
-def worker_main(config: Any, rank: int, size: int, init_method: str, conn: Connection) -> None:
+def worker_main(
+    config: Any, rank: int, size: int, init_method: str, conn: Connection, load_gate: Any = None
+) -> None:
     """A worker process: a :class:`WorkerRank` doing what rank 0's
     messages say (``load`` first, then ``profile``, ``cache``, ``follow``; a method's
     answer goes back) until ``stop`` or until rank 0 is gone."""
     logging.basicConfig(level=logging.WARNING)
-    worker = WorkerRank(config, rank, size, init_method)
+    worker = WorkerRank(config, rank, size, init_method, load_gate=load_gate)
     try:
         _send(conn, worker.load())
         while True:

@@ -43,7 +43,6 @@ UNSUPPORTED: dict[str, str] = {
     "--data-parallel-size-local on the head node, the others with --headless); Ray "
     "placement of replicas is not supported yet",
     "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
-    "max_parallel_loading_workers": "pagedllm loads weights in a single worker" + _LEAVE_OUT,
     "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,
     "disable_custom_all_reduce": "pagedllm has no custom all-reduce to disable (its ranks "
     "all-reduce with torch.distributed)" + _LEAVE_OUT,

@@ -158,8 +158,9 @@ class RuntimeArgs:
     max_parallel_loading_workers: int | None = arg(
         None,
         group="ParallelConfig",
-        help="Load the model in batches with at most this many workers, to limit RAM use.",
-        unbuilt=UNSUPPORTED["max_parallel_loading_workers"],
+        help="Load the model's weights in at most this many ranks (processes) at once, to "
+        "limit the RAM used while loading with --tensor-parallel-size or "
+        "--pipeline-parallel-size (mp backend).",
     )
     ray_workers_use_nsight: bool = arg(
         False,

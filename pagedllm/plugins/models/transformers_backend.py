@@ -16,6 +16,15 @@ decoder-only models); attention logit soft-capping (Gemma 2) is the attention la
 Attention sinks and quantization methods are refused by name. The vocabulary head's
 output is scaled as the model's own forward scales it where its config says so
 (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``).
+
+With tensor parallelism the model's own plan (its config's ``base_model_tp_plan``, which
+transformers' models declare) says which linear layers split by output rows
+(``colwise``) and which by input columns (``rowwise``): those become pagedllm's
+:class:`~pagedllm.core.layers.linear.Linear` layers split so (one all-reduce after each
+row-parallel one), each rank then holding its share of the attention heads (transformers'
+attention reshapes by the head size) and of the MLP rows; everything else (embeddings,
+norms, the head) is whole on every rank. A model without a plan, or whose plan splits
+anything otherwise (packed or MoE experts, gathered outputs), is refused by name.
 """
 
 from __future__ import annotations
@@ -31,9 +40,14 @@ from torch import nn
 from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture
+from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.plugins.models.common import layer_sliding_windows
 
 IMPLEMENTATION = "pagedllm"
+# transformers' tensor-parallel styles of linear layers, as pagedllm's Linear splits them,
+# and those that leave a module whole (on every rank; a vocabulary-parallel embedding too).
+_SPLIT_STYLES = {"colwise": "column", "rowwise": "row"}
+_WHOLE_STYLES = frozenset({"replicate", "replicated_with_grad_allreduce", "embedding_rowwise"})
 # The step being computed: its attention metadata and the model's attention layers.
 _STEP: contextvars.ContextVar[tuple[Any, nn.ModuleList]] = contextvars.ContextVar("step")
 
@@ -84,10 +98,48 @@ def register_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, _no_mask)
 
 
+def _tp_plan(config: Any) -> dict[str, str]:
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
 class TransformersForCausalLM(nn.Module, ModelArchitecture):
     """A transformers ``AutoModelForCausalLM`` built from the config, with pagedllm's
     attention. Its parameters keep transformers' names (under ``hf.``), which are the
     checkpoint's."""
+
+    supports_tensor_parallel = True
+
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, size: int, *, experts: bool = False) -> None:
+        """Its config's plan splits only linear layers, by rows or columns, and the
+        heads, the KV heads and the intermediate size divide by ``size``."""
+        super().check_tensor_parallel(config, size)
+        if size == 1:
+            return
+        name = f"--model-impl transformers with --tensor-parallel-size {size}"
+        plan = _tp_plan(config)
+        if not plan:
+            raise ConfigError(
+                f"{name}: {config.model_type} declares no tensor-parallel plan "
+                "(base_model_tp_plan); use its native implementation or one rank"
+            )
+        odd = sorted(
+            {s for s in plan.values() if s not in _SPLIT_STYLES and s not in _WHOLE_STYLES}
+        )
+        if odd:
+            raise ConfigError(
+                f"{name}: its plan splits layers as {odd}, which pagedllm does not (it "
+                f"splits linear layers {sorted(_SPLIT_STYLES)})"
+            )
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        sizes = {"attention heads": heads, "KV heads": kv_heads}
+        sizes["intermediate size"] = getattr(config, "intermediate_size", None) or 0
+        problems = [
+            f"its {what} {n} do not divide by {size}" for what, n in sizes.items() if n % size
+        ]
+        if problems:
+            raise ConfigError(f"{name}: " + "; ".join(problems))
 
     def __init__(
         self,
@@ -137,6 +189,9 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if tp_size() > 1:
+            self._split_by_plan(config)
+            heads, kv_heads = heads // tp_size(), kv_heads // tp_size()
         windows = layer_sliding_windows(config, disable_sliding_window)
         # (The soft-cap is what the model passes at each call; set here too, so that the
         # engine refuses an attention backend that cannot compute it before the start.)
@@ -148,6 +203,37 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         ignored = getattr(self.hf, "_keys_to_ignore_on_load_unexpected", None) or []
         self._ignored = [re.compile(pattern) for pattern in ignored]
+
+    def _split_by_plan(self, config: Any) -> None:
+        """Replace the linear layers the config's plan splits with pagedllm's, split so
+        over the tensor-parallel ranks (their parameters keep the names)."""
+        from pagedllm.core.layers.linear import Linear
+
+        base = self.hf.base_model
+        prefix = self.hf.base_model_prefix
+        rules = [
+            (re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$"), style)
+            for pattern, style in _tp_plan(config).items()
+        ]
+        for name, module in list(base.named_modules()):
+            style = next((style for rule, style in rules if rule.match(name)), None)
+            if style is None or style in _WHOLE_STYLES:
+                continue
+            if type(module) is not nn.Linear:
+                raise ConfigError(
+                    f"--model-impl transformers: {name} ({type(module).__name__}) is split "
+                    f"{style!r} by the model's plan; pagedllm splits linear layers only"
+                )
+            parent, _, attr = name.rpartition(".")
+            layer = Linear(
+                module.in_features,
+                module.out_features,
+                module.bias is not None,
+                None,
+                f"{prefix}.{name}" if prefix else name,
+                parallel=_SPLIT_STYLES[style],
+            )
+            setattr(base.get_submodule(parent) if parent else base, attr, layer)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
