@@ -6,6 +6,7 @@ refusals."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,32 @@ def test_slots_and_cache_are_bounded(models):
     assert tokens == expected[: len(tokens)]
 
 
+def test_an_admitted_request_keeps_its_adapter(models, tmp_path):
+    """One slot and one cached adapter for three requests with three adapters admitted
+    at once, whose files are then deleted: no adapter a request waits for is evicted, so
+    each request runs the adapter read when it came (transformers + peft's tokens)."""
+    base_dir, adapters, _ = models
+    engine = _llm(base_dir, max_loras=1, max_lora_rank=8, max_cpu_loras=1).llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    copies = []
+    for i, (request, _) in enumerate(adapters):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(request.lora_path, copy)
+        copies.append(LoRARequest(f"copy{i}", 10 + i, str(copy)))
+        engine.add_request(
+            f"r{i}", {"prompt_token_ids": PROMPTS[i % 2]}, params, lora_request=copies[-1]
+        )
+    for copy in copies:
+        shutil.rmtree(copy.lora_path)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.outputs[0].token_ids
+    for i, (_, model) in enumerate(adapters):
+        assert tokens[f"r{i}"] == reference_greedy(model, PROMPTS[i % 2], NEW_TOKENS)[0]
+
+
 @pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_adapters_over_two_ranks(models, parallel):
     """-tp 2: each rank holds its share of every adapter (B's rows of column-parallel
@@ -171,6 +198,7 @@ def test_adapters_over_two_ranks(models, parallel):
         else:
             assert first in manager.layers and last not in manager.layers
             assert manager.sizes[last] == manager.sizes[first]
+        manager.adapter(r0)  # (loaded again if the cache let it go)
         assert manager.remove(r0.lora_int_id)
         renamed = LoRARequest("renamed", r0.lora_int_id, r2.lora_path)
         _check(llm, [PROMPTS[1], PROMPTS[0]], [renamed, r1], [m2, m1])

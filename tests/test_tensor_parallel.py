@@ -462,6 +462,37 @@ def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_sharded_state_of_two_ranks(parallel, tmp_path):
+    """LLM.save_sharded_state over two ranks: each writes its own part (rank 0's and rank
+    1's files), which loads (--load-format sharded_state) with the same sizes and gives
+    the same tokens; with other sizes it is refused, naming them."""
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    state = tmp_path / "state"
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in _generate(llm, _prompts())]
+
+    llm = LLM(str(directory), **{parallel: 2}, **SMALL_CACHE)
+    try:
+        expected = tokens(llm)
+        llm.save_sharded_state(str(state))
+    finally:
+        llm.llm_engine.shutdown()
+    assert sorted(f.name for f in state.glob("model-rank-*")) == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+    ]
+    options = {"load_format": "sharded_state", **SMALL_CACHE}
+    again = LLM(str(state), **{parallel: 2}, **options)
+    try:
+        assert tokens(again) == expected
+    finally:
+        again.llm_engine.shutdown()
+    with pytest.raises(ConfigError, match="loads with the --tensor-parallel-size and"):
+        LLM(str(state), **options)
+
+
 def test_a_weight_too_small_for_its_shard_is_refused(tmp_path):
     """Only the vocabulary's padding rows are zero-filled; any other tensor too short for
     a rank's range is an error naming it."""

@@ -286,6 +286,8 @@ class LLMEngine:
                 self.runner.set_stage_io(loaded)
         self.runner.pooler_configs = self.pooler_configs
         self.runner.lora = self.lora
+        if self.lora is not None:
+            self.lora.in_use = self._adapters_in_use
         if use_graphs:
             self.runner.graphs = device.decode_graphs(self.runner, config)
         if draft is not None:
@@ -573,6 +575,14 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return text, token_ids
+
+    def _adapters_in_use(self) -> set[int]:
+        """The adapter ids of the unfinished requests (the LoRA manager keeps them)."""
+        return {
+            request.lora_request.lora_int_id
+            for request in self.scheduler.requests.values()
+            if request.lora_request is not None
+        }
 
     def _lora_salt(self, lora_request: Any) -> str | None:
         """The prefix-cache salt of an adapter (its id); validates the request."""

@@ -375,6 +375,21 @@ class WorkerRank:
     def follow(self, step: Any) -> None:
         self.runner.follow(step)
 
+    def save_sharded_state(self, payload: tuple[str, str | None, int | None]) -> tuple[str, Any]:
+        """This rank's part of ``LLM.save_sharded_state``: ``("saved", None)``, or with
+        the error (rank 0 raises it; this rank goes on serving)."""
+        from pathlib import Path
+
+        from pagedllm.core.plugins import make_plugin_manager
+        from pagedllm.plugins.loaders.sharded_state import save_rank_state
+
+        output, pattern, max_size = payload
+        try:
+            save_rank_state(self.config, make_plugin_manager(), Path(output), pattern, max_size)
+        except Exception as exc:
+            return "saved", f"{rank_name(self.config, self.rank)}: {exc!r}"
+        return "saved", None
+
     def stop(self) -> None:
         destroy_distributed()
 
@@ -398,7 +413,7 @@ def worker_main(
                 return
             answer = getattr(worker, kind)(payload)
             if answer is not None:
-                _send(conn, (answer, None))
+                _send(conn, answer if isinstance(answer, tuple) else (answer, None))
     except BaseException as exc:  # reported to rank 0, then this process exits
         try:
             _send(conn, ("error", f"{exc!r}\n{traceback.format_exc()}"))

@@ -117,8 +117,9 @@ class RayWorkerGroup:
     def send(self, kind: str, payload: Any = None) -> None:
         """Call each actor's ``kind`` (``profile``, ``cache``, ``follow``)."""
         refs = [getattr(a, kind).remote(payload) for a in self.actors]
-        if kind == "cache":
-            self._pending["ready"] = refs
+        answer = {"cache": "ready", "save_sharded_state": "saved"}.get(kind)
+        if answer is not None:
+            self._pending[answer] = refs
         else:
             self._last = refs
 

@@ -383,18 +383,29 @@ class LLM:
         ``max_size`` bytes each (one file when None) in the directory ``path``, with the
         model directory's config and tokenizer files copied beside them. The parameters
         are read from the checkpoint afresh (the running ones may be repacked), so this
-        needs the memory of a second copy of the weights while it runs."""
-        from pagedllm.plugins.loaders.sharded_state import save_sharded_state
-
-        tp = self.llm_engine.config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            raise ConfigError(
-                f"save_sharded_state saves one process's whole model; this engine runs "
-                f"--tensor-parallel-size {tp} (build it with 1 to save)"
-            )
-        save_sharded_state(
-            self.llm_engine.config, self.plugin_manager, path, pattern=pattern, max_size=max_size
+        needs the memory of a second copy of the weights while it runs. With
+        tensor-parallel ranks or pipeline stages, each rank writes its own part
+        (``{rank}``), which loads with the same parallel sizes."""
+        from pagedllm.plugins.loaders.sharded_state import (
+            check_output,
+            copy_model_files,
+            save_rank_state,
         )
+
+        engine = self.llm_engine
+        config, workers = engine.config, engine.workers
+        parallel = config.parallel_config
+        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        output = check_output(config, self.plugin_manager, path, pattern, max_size, ranks)
+        if workers is not None:  # (each rank writes its own part, at the same time)
+            workers.send("save_sharded_state", (str(output), pattern, max_size))
+        try:
+            save_rank_state(config, self.plugin_manager, output, pattern, max_size)
+        finally:
+            failures = [] if workers is None else [f for f in workers.wait("saved") if f]
+        if failures:
+            raise ConfigError(f"save_sharded_state: another rank failed: {failures[0]}")
+        copy_model_files(config, output)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -206,6 +206,9 @@ class LoRAManager:
         self.free_slots = list(range(self.max_loras))
         # The adapters of the current step's tokens (None: no adapter in the step).
         self.batch: LoRABatch | None = None
+        # The ids of the adapters the engine's unfinished requests run with (set by the
+        # engine), which stay loaded.
+        self.in_use: Any = set
         self.device = device
         # The current step's slot fills ``(slot, adapter)`` and each request's slot (-1:
         # none; empty without adapters): what the other ranks follow (the adapters'
@@ -218,7 +221,9 @@ class LoRAManager:
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The loaded adapter of ``request`` (loading it, evicting the least recently used
-        beyond --max-cpu-loras)."""
+        beyond --max-cpu-loras that no slot holds and no unfinished request needs: an
+        admitted request runs the adapter read when it came, even if its files have
+        changed or gone since)."""
         loaded = self.cpu.get(request.lora_int_id)
         if loaded is not None and loaded.request.lora_path != request.lora_path:
             raise InvalidRequestError(
@@ -229,13 +234,20 @@ class LoRAManager:
         if loaded is None:
             loaded = LoRAAdapter.load(request, self.sizes, self.max_rank)
             self.cpu[request.lora_int_id] = loaded
-            # The least recently used adapter beyond --max-cpu-loras goes (not one in a
-            # slot: the cache may exceed the limit until slots free up).
-            idle = [i for i in self.cpu if i not in self.slots and i != request.lora_int_id]
-            for victim in idle[: max(0, len(self.cpu) - self.max_cpu)]:
-                del self.cpu[victim]
+            self._trim(request.lora_int_id)
         self.cpu.move_to_end(request.lora_int_id)
         return loaded
+
+    def _trim(self, keep: int | None = None) -> None:
+        """The least recently used adapters beyond --max-cpu-loras go, but not one in a
+        slot, one an unfinished request needs, or ``keep``: the cache may exceed the
+        limit until they are done (then the next step trims it)."""
+        if len(self.cpu) <= self.max_cpu:
+            return
+        needed = self.in_use()
+        idle = [i for i in self.cpu if i not in self.slots and i not in needed and i != keep]
+        for victim in idle[: len(self.cpu) - self.max_cpu]:
+            del self.cpu[victim]
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter (its slot too); False when it was not loaded."""
@@ -314,6 +326,7 @@ class LoRAManager:
             request_slots.append(slot)
         self.step_slots = request_slots if busy else []
         self._set_batch(self.step_slots, counts)
+        self._trim()
 
     def follow_step(
         self, fills: list[tuple[int, LoRAAdapter]], request_slots: list[int], counts: list[int]

@@ -6,7 +6,12 @@ The files hold the model's own parameters by their own names and in their own la
 (after the model renamed and rearranged the checkpoint's tensors, before any
 quantization method or the model repacked them), so loading copies each into the
 parameter of that name, with no conversion, and then the usual processing runs.
-pagedllm runs one rank (rank 0).
+
+With tensor parallelism (and pipeline stages) each rank saves and loads its own part:
+``{rank}`` is the process's global rank (stage x --tensor-parallel-size + its
+tensor-parallel rank; the tensor-parallel rank without stages, as vLLM's), its files
+hold its shards as they are, and a state loads with the parallel sizes it was saved
+with.
 
 Save them from a running model with ``LLM.save_sharded_state(path)``, or::
 
@@ -37,8 +42,6 @@ if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager
 
 DEFAULT_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
-# The only rank until tensor parallelism exists.
-RANK = 0
 # Files of a model directory that hold weights, not copied beside the saved shards.
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors", ".npy", ".ckpt"}
 # An fp8 KV cache's scales, which the checkpoint gives and attention layers keep as
@@ -46,9 +49,17 @@ _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors", 
 _KV_SCALE = re.compile(r"(.+)\.(checkpoint_[kv]_scale)")
 
 
-def _file_name(pattern: str, part: int | str) -> str:
+def this_rank() -> int:
+    """This process's rank among the model's (the ``{rank}`` of its files)."""
+    from pagedllm.distributed.parallel_state import pipeline_parallel, tp_rank, tp_size
+
+    return pipeline_parallel().rank * tp_size() + tp_rank()
+
+
+def _file_name(pattern: str, part: int | str, rank: int | str | None = None) -> str:
+    rank = this_rank() if rank is None else rank
     try:
-        name = pattern.format(rank=RANK, part=part)
+        name = pattern.format(rank=rank, part=part)
     except (KeyError, IndexError, ValueError) as exc:
         raise ConfigError(
             f"sharded_state pattern {pattern!r}: only {{rank}} and {{part}} may be filled "
@@ -113,7 +124,14 @@ class ShardedStateLoader(FileLoader):
                 else:
                     yield name, tensor
 
-        check_all_loaded(model, copy_weights(model, parameters()))
+        try:
+            # (this rank's own shards, as they are: no tensor-parallel narrowing)
+            check_all_loaded(model, copy_weights(model, parameters(), shards=False))
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc} (a sharded state loads with the --tensor-parallel-size and "
+                "--pipeline-parallel-size it was saved with)"
+            ) from None
 
 
 def model_state(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,10 +189,68 @@ def save_sharded_state(
     """Build the model of ``config`` afresh (its weights loaded, not processed), write
     its state to ``path`` as ``pattern`` files of at most ``max_size`` bytes (one file
     when None), and copy the model directory's other files (config, tokenizer,
-    generation config; not its weights) beside them. The files written."""
-    from pagedllm.core.loading import get_model_loader
-    from pagedllm.core.model_files import resolve_model_path
+    generation config; not its weights) beside them. The files written. (With several
+    ranks, ``LLM.save_sharded_state`` runs these steps over them.)"""
+    output = check_output(config, pm, path, pattern, max_size)
+    files = save_rank_state(config, pm, output, pattern, max_size)
+    copy_model_files(config, output)
+    return files
+
+
+def copy_model_files(config: PagedLLMConfig, output: Path) -> None:
+    """The model directory's files but its weights (config, tokenizer, generation
+    config), copied into ``output``."""
+    for file in sorted(_model_directory(config).iterdir()):
+        if (
+            file.is_file()
+            and file.suffix not in _WEIGHT_SUFFIXES
+            and not file.name.endswith(".index.json")
+        ):
+            shutil.copy2(file, output / file.name)
+
+
+def save_rank_state(
+    config: PagedLLMConfig,
+    pm: PluginManager,
+    output: Path,
+    pattern: str | None = None,
+    max_size: int | None = None,
+) -> list[Path]:
+    """This rank's part of a sharded state: the model (its shard, its stage) built
+    afresh, its state written as ``pattern`` files of this rank."""
+    import torch
+
     from pagedllm.core.model_setup import build_model
+
+    threads = torch.get_num_threads()  # (building sets the device's; this rank has a share)
+    try:
+        built = build_model(config, pm)
+    finally:
+        torch.set_num_threads(threads)
+    return write_shards(model_state(built.model), output, pattern or DEFAULT_PATTERN, max_size)
+
+
+def _model_directory(config: PagedLLMConfig) -> Path:
+    from pagedllm.core.model_files import resolve_model_path
+
+    mc = config.model_config
+    source = resolve_model_path(
+        mc.model, revision=mc.revision, download_dir=config.load_config.download_dir
+    )
+    return source if source.is_dir() else source.parent
+
+
+def check_output(
+    config: PagedLLMConfig,
+    pm: PluginManager,
+    path: str | os.PathLike,
+    pattern: str | None,
+    max_size: int | None,
+    ranks: int = 1,
+) -> Path:
+    """The output directory of a sharded state (made), checked: not the model's, no
+    shard files of any of the ``ranks`` there already."""
+    from pagedllm.core.loading import get_model_loader
 
     mc = config.model_config
     pattern = pattern or DEFAULT_PATTERN
@@ -185,10 +261,7 @@ def save_sharded_state(
             f"save_sharded_state: {mc.model!r} carries its config inside its weights file "
             "(GGUF), which a sharded state cannot; save a safetensors or PyTorch checkpoint"
         )
-    source = resolve_model_path(
-        mc.model, revision=mc.revision, download_dir=config.load_config.download_dir
-    )
-    source = source if source.is_dir() else source.parent
+    source = _model_directory(config)
     output = Path(path)
     if output.exists() and output.resolve() == source.resolve():
         raise ConfigError(
@@ -196,22 +269,15 @@ def save_sharded_state(
             "files would sit beside the checkpoint's own safetensors"
         )
     output.mkdir(parents=True, exist_ok=True)
-    stale = sorted(f.name for f in output.glob(_file_name(pattern, "*")))
+    stale = sorted(
+        f.name for rank in range(ranks) for f in output.glob(_file_name(pattern, "*", rank))
+    )
     if stale:
         raise ConfigError(
             f"save_sharded_state: {output} already holds shard files {stale[:4]}; remove "
             "them or choose another directory"
         )
-    built = build_model(config, pm)
-    files = write_shards(model_state(built.model), output, pattern, max_size)
-    for file in sorted(source.iterdir()):
-        if (
-            file.is_file()
-            and file.suffix not in _WEIGHT_SUFFIXES
-            and not file.name.endswith(".index.json")
-        ):
-            shutil.copy2(file, output / file.name)
-    return files
+    return output
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -228,6 +228,7 @@ def copy_weights(
     *,
     rename: Any = None,
     skip: tuple[str, ...] = (),
+    shards: bool = True,
 ) -> set[str]:
     """Copy ``(name, tensor)`` pairs into same-named parameters.
 
@@ -235,7 +236,8 @@ def copy_weights(
     names containing any of ``skip`` are ignored. An unknown name or a shape mismatch is
     an error naming the tensor. A parameter holding a tensor-parallel shard
     (``tp_narrow = (dim, start, length)``, see ``pagedllm.core.layers.linear.mark_shard``)
-    takes its slice of the full checkpoint tensor (:func:`rank_share`).
+    takes its slice of the full checkpoint tensor (:func:`rank_share`), unless ``shards``
+    is False (the tensors are this rank's own already: a sharded state).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -250,7 +252,8 @@ def copy_weights(
             if held_elsewhere(module, target):
                 continue
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
-        tensor = rank_share(param, tensor, name)
+        if shards:
+            tensor = rank_share(param, tensor, name)
         if tuple(param.shape) != tuple(tensor.shape):
             if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
                 tensor = tensor.reshape(param.shape)
