@@ -6,6 +6,7 @@ command installs it, and this file installs it when it is missing (no network ne
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import subprocess
@@ -83,6 +84,17 @@ def make_distribution(
     for module, source in modules.items():
         (site / f"{module}.py").write_text(textwrap.dedent(source))
     return site
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines_left_running():
+    """After each test module, the engines its tests left running (an engine freezes
+    the garbage collector's objects until it shuts down) are collected: their KV caches,
+    committed memory, would otherwise add up over the session until the kernel refuses
+    a fork (a Ray instance's processes, say) for want of memory."""
+    yield
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.fixture
