@@ -20,6 +20,9 @@ from tiny_models import make_checkpoint
 
 BASE_ARGS = ("--dtype", "float32", "--num-gpu-blocks-override", "128", "--disable-log-stats")
 START_TIMEOUT = 180.0
+# A request's time limit in the clients below: generous, for a slow, shared 2-core machine
+# (a cold guided-decoding compile and a few hundred tokens took over a minute in CI).
+REQUEST_TIMEOUT = 300.0
 
 
 def free_port() -> int:
@@ -114,20 +117,20 @@ class RemoteServer:
         headers = dict(kwargs.pop("headers", {}))
         if self.api_key is not None:
             headers.setdefault("Authorization", f"Bearer {self.api_key}")
-        kwargs.setdefault("timeout", 60)
+        kwargs.setdefault("timeout", REQUEST_TIMEOUT)
         return httpx.Client(base_url=self.url, verify=self.verify, headers=headers, **kwargs)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
         kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("timeout", 60)
+        kwargs.setdefault("timeout", REQUEST_TIMEOUT)
         kwargs.setdefault("base_url", self.url + "/v1")
         return openai.OpenAI(http_client=httpx.Client(verify=self.verify), **kwargs)
 
     def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
         kwargs.setdefault("max_retries", 0)
-        kwargs.setdefault("timeout", 60)
+        kwargs.setdefault("timeout", REQUEST_TIMEOUT)
         kwargs.setdefault("base_url", self.url + "/v1")
         return openai.AsyncOpenAI(http_client=httpx.AsyncClient(verify=self.verify), **kwargs)
 

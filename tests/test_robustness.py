@@ -21,7 +21,13 @@ import psutil
 import pytest
 from conftest import clean_env
 from fault_plugin import FAIL_OUTPUT, FAIL_STEP, KILL_LOOP, install
-from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
+from openai_server import (
+    REQUEST_TIMEOUT,
+    RemoteServer,
+    assert_openai_error,
+    start_servers,
+    tiny_llama,
+)
 
 MODEL = "tiny"
 API_KEY = "sk-robust"
@@ -551,7 +557,7 @@ def test_schemathesis_finds_no_server_error(server: RemoteServer) -> None:
         )
         @given(case=operation.as_strategy())
         def check(case) -> None:
-            response = case.call(base_url=server.url, timeout=60)
+            response = case.call(base_url=server.url, timeout=REQUEST_TIMEOUT)
             statuses.add(response.status_code)
             if response.status_code >= 500:
                 failures.append(

@@ -21,7 +21,13 @@ import httpx
 import openai
 import pytest
 from conftest import clean_env
-from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
+from openai_server import (
+    REQUEST_TIMEOUT,
+    RemoteServer,
+    assert_openai_error,
+    start_servers,
+    tiny_llama,
+)
 
 API_KEY = "sk-plain-key"
 ENV_API_KEY = "sk-env-key"
@@ -209,7 +215,9 @@ def tls(servers) -> RemoteServer:
 
 def open_http(server: RemoteServer, **kwargs) -> httpx.Client:
     """A client that sends no API key."""
-    return httpx.Client(base_url=server.url, verify=server.verify, timeout=30, **kwargs)
+    return httpx.Client(
+        base_url=server.url, verify=server.verify, timeout=REQUEST_TIMEOUT, **kwargs
+    )
 
 
 def wait_for_log(path: Path, needle: str, timeout: float = 5.0) -> str:
