@@ -40,7 +40,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class RemoteServer:
-    """``pagedllm serve MODEL --host 127.0.0.1 --port FREE ...`` with its output in a file.
+    """``pagedllm serve MODEL --host 127.0.0.1 --port FREE ...`` with its output in a file
+    (no ``MODEL`` where it is ``None``: ``--config`` names it; ``base_args`` follow the port).
 
     ``start()`` returns at once so that several servers can load at the same time;
     ``wait_ready()`` blocks until ``/health`` answers 200.
@@ -48,9 +49,10 @@ class RemoteServer:
 
     def __init__(
         self,
-        model: Path,
+        model: Path | None,
         *args: str,
         log_path: Path,
+        base_args: tuple[str, ...] = BASE_ARGS,
         env: dict[str, str] | None = None,
         tls_ca: Path | None = None,
         api_key: str | None = None,
@@ -67,12 +69,12 @@ class RemoteServer:
             "-m",
             "pagedllm.entrypoints.cli.main",
             "serve",
-            str(model),
+            *([] if model is None else [str(model)]),
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            *BASE_ARGS,
+            *base_args,
             *args,
         ]
         self.env = env if env is not None else clean_env()

@@ -1,8 +1,11 @@
 """An ``argparse`` parser with the conveniences of vLLM's command line.
 
 - ``--help=GROUP``, ``--help=arg-name``, ``--help=keyword`` and ``--help=listgroup``;
-- ``--config FILE.yaml`` reads options from YAML (options on the command line win);
+- ``--config FILE.yaml`` reads options from YAML (options on the command line win), also
+  from the ``vllm:`` section of a deployment file that has other tools' sections;
 - ``--some_option`` is the same as ``--some-option``;
+- an on/off option also takes a value: ``--enable-chunked-prefill false``,
+  ``--enforce-eager=1`` (``true``/``false``/``1``/``0``, any case);
 - JSON options can be given key by key: ``--rope-scaling.rope_type dynamic``.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +22,14 @@ from typing import Any, NoReturn
 import yaml
 
 HELP_PREFIX = "--help="
+
+# The section of a deployment file (the template of vLLM's deployment guide) that holds
+# the server's options, beside other tools' sections (``docker:``).
+CONFIG_SECTION = "vllm"
+
+_SWITCH_VALUES = {"true": True, "1": True, "false": False, "0": False}
+
+logger = logging.getLogger("pagedllm.config")
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
@@ -40,6 +52,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                 self.exit(0)
         own = self._normalise_underscores(own)
         own = self._expand_config_file(own)
+        own = self._switch_values(own)
         own = self._merge_dotted_json(own)
         return super().parse_known_args(own + rest, namespace)
 
@@ -115,6 +128,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         if not isinstance(data, dict):
             self.error(f"argument --config: {path!r} must hold a mapping of option: value")
         actions = self._option_actions()
+        data = self._config_section(path, data, actions)
         positional = {a.dest: a for a in self._actions if not a.option_strings}
         out: list[str] = []
         for key, value in data.items():
@@ -131,6 +145,74 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                 self.error(f"argument --config: {path!r} has an unknown option {key!r}")
             out.extend(_yaml_value_args(option, action, value))
         return out
+
+    def _switch_values(self, args: list[str]) -> list[str]:
+        """Rewrite ``--switch VALUE`` and ``--switch=VALUE`` (an on/off option given a
+        value, as vLLM's older command line and its own messages write it) as the option
+        alone: ``--switch``, ``--no-switch``, or for an option with no ``--no-`` form
+        (off by default), nothing, and no earlier ``--switch`` either.
+
+        A following word that is not a switch value is left alone (a positional model).
+        """
+        actions = self._option_actions()
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            token = args[i]
+            name, eq, text = token.partition("=")
+            action = actions.get(name) if token.startswith("--") else None
+            if not isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+                out.append(token)
+                i += 1
+                continue
+            if eq:
+                i += 1
+            elif i + 1 < len(args) and args[i + 1].lower() in _SWITCH_VALUES:
+                text = args[i + 1]
+                i += 2
+            else:
+                out.append(token)
+                i += 1
+                continue
+            on = _SWITCH_VALUES.get(text.lower())
+            if on is None:
+                self.error(f"argument {name}: expected true or false (or 1 or 0), got {text!r}")
+            if name.startswith("--no-"):
+                on = not on
+            positive = action.option_strings[0]
+            if on:
+                out.append(positive)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                out.append("--no-" + positive[2:])
+            else:
+                # Off is the default of an option with no --no- form.
+                out = [t for t in out if t not in action.option_strings]
+        return out
+
+    def _config_section(
+        self, path: str, data: dict[Any, Any], actions: dict[str, argparse.Action]
+    ) -> dict[Any, Any]:
+        """The options of a config file: the file itself, or its ``vllm:`` section where
+        it has one beside other tools' sections (as the deployment template does)."""
+        section = data.get(CONFIG_SECTION)
+        if not isinstance(section, dict) or "--" + CONFIG_SECTION in actions:
+            return data
+        others = [str(key) for key in data if key != CONFIG_SECTION]
+        misplaced = [k for k in others if "--" + k.replace("_", "-") in actions]
+        if misplaced:
+            self.error(
+                f"argument --config: {path!r} has options both in its {CONFIG_SECTION!r} "
+                f"section and outside it ({', '.join(misplaced)}); put them in the section"
+            )
+        if others:
+            logger.info(
+                "--config %s: reading the options under %r; the other sections (%s) are "
+                "for other tools",
+                path,
+                CONFIG_SECTION,
+                ", ".join(others),
+            )
+        return section
 
     def _merge_dotted_json(self, args: list[str]) -> list[str]:
         if not self.json_dests:
@@ -238,12 +320,9 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
 
 
 def _yaml_value_args(option: str, action: argparse.Action, value: Any) -> list[str]:
-    if isinstance(action, argparse.BooleanOptionalAction):
-        if value is None:
-            return []
-        return [option if value else "--no-" + option[2:]]
-    if isinstance(action, argparse._StoreTrueAction):
-        return [option] if value else []
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction):
+        # (``--option=VALUE`` is checked and rewritten with the command line's values.)
+        return [] if value is None else [f"{option}={value}"]
     if value is None:
         return []
     if isinstance(value, dict):

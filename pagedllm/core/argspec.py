@@ -61,6 +61,7 @@ __all__ = [
     "invalid_values",
     "is_default",
     "json_dict",
+    "json_or_key_values",
     "non_default_fields",
     "option_name",
     "optional_int",
@@ -100,6 +101,24 @@ def json_dict(text: str) -> dict[str, Any]:
     return value
 
 
+def json_or_key_values(text: str) -> dict[str, Any]:
+    """A JSON object, or the older ``image=16,video=2`` form (integer values)."""
+    if text.lstrip().startswith("{") or "=" not in text:
+        return json_dict(text)
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a JSON object or KEY=INTEGER items separated by commas, got {text!r}"
+            ) from None
+        if not key.strip():
+            raise argparse.ArgumentTypeError(f"an item of {text!r} has no key")
+    return out
+
+
 def optional_str(text: str) -> str | None:
     """``None``/``none`` on the command line means no value."""
     return None if text in ("None", "none", "") else text
@@ -107,6 +126,51 @@ def optional_str(text: str) -> str | None:
 
 def optional_int(text: str) -> int | None:
     return None if text in ("None", "none") else int(text)
+
+
+def _none_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``None`` on the command line unsets an optional value, as in vLLM (and in its YAML
+    files: ``quantization: None``)."""
+
+    def parse_or_none(text: str) -> Any:
+        return None if text in ("None", "none") else parse(text)
+
+    parse_or_none.__name__ = getattr(parse, "__name__", "value")
+    return parse_or_none
+
+
+def _items_of(parse: Callable[[str], Any], choices: list[Any]) -> Callable[[str], list[Any]]:
+    """One command-line value of a list option with choices: one item, or several
+    separated by commas (``--collect-detailed-traces model,worker``)."""
+
+    def items(text: str) -> list[Any]:
+        values = [parse(part.strip()) for part in text.split(",")]
+        for value in values:
+            if value not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice: {value!r} (choose from {', '.join(map(str, choices))})"
+                )
+        return values
+
+    return items
+
+
+class _ItemsAction(argparse.Action):
+    """Stores the items of every value as one list; ``None`` alone unsets the option."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        items = [item for value in values for item in value if item is not None]
+        setattr(namespace, self.dest, items or None)
+
+
+def _is_optional(annotation: Any) -> bool:
+    return type(None) in typing.get_args(annotation)
 
 
 def _scalar_parser(annotation: Any) -> Callable[[str], Any]:
@@ -173,14 +237,25 @@ def add_dataclass_args(
             help_text = f"[REMOVED] {help_text} Now: {meta.removed}."
         elif meta.unbuilt:
             help_text = f"{help_text} [not supported by pagedllm yet]"
+        elif meta.no_op:
+            help_text = f"{help_text} [accepted; changes nothing: {meta.no_op}]"
         if _is_bool(annotation):
             if meta.bool_style == "store_true":
                 kwargs["action"] = "store_true"
             else:
                 kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = meta.parse or _scalar_parser(annotation)
+            parse = meta.parse or _scalar_parser(annotation)
             choices = _choices(meta, registry_choices)
+            if _is_optional(annotation) and (choices is not None or not _is_list(annotation)):
+                parse = _none_or(parse)
+                choices = None if choices is None else [*choices, None]
+            kwargs["type"] = parse
+            if choices is not None and _is_list(annotation) and not meta.append:
+                kwargs["type"] = _items_of(parse, choices)
+                kwargs["action"] = _ItemsAction
+                kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+                choices = None
             if choices is not None:
                 if meta.validate_after_parse:
                     kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"

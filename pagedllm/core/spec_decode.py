@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.args.refusals import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUSED
 from pagedllm.core.errors import ConfigError
 
 _KNOWN = {
@@ -56,9 +57,12 @@ class SpeculativeConfig:
         def fail(message: str) -> ConfigError:
             return ConfigError(f"--speculative-config: {message}")
 
-        unknown = sorted(set(values) - _KNOWN)
+        unknown = sorted(set(values) - _KNOWN - SPEC_KEYS_REFUSED.keys())
         if unknown:
             raise fail(f"unknown key(s) {unknown} (known: {sorted(_KNOWN)})")
+        for key, why in SPEC_KEYS_REFUSED.items():
+            if values.get(key) is not None and values[key] is not False:
+                raise fail(f"{key}={values[key]!r} is not supported: {why}")
         method = values.get("method") or ("draft_model" if values.get("model") else None)
         if method == "[ngram]":
             method = "ngram"
@@ -72,10 +76,9 @@ class SpeculativeConfig:
             raise fail(f"num_speculative_tokens must be a positive integer, not {k!r}")
         if values.get("draft_tensor_parallel_size", 1) != 1:
             raise fail("draft_tensor_parallel_size must be 1")
-        if values.get("acceptance_method", "rejection_sampler") != "rejection_sampler":
-            raise fail("only the rejection_sampler acceptance method is implemented")
-        if values.get("quantization") is not None:
-            raise fail("a quantized draft model is not supported")
+        method_name = values.get("acceptance_method", "rejection_sampler")
+        if method_name != "rejection_sampler":
+            raise fail(f"acceptance_method={method_name!r}: {NO_TYPICAL_ACCEPTANCE}")
         config = cls(method=method, num_speculative_tokens=k, model=values.get("model"))
         if method == "ngram":
             if values.get("model"):

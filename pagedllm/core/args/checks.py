@@ -117,6 +117,21 @@ def refused_fields(instance: Any) -> list[str]:
     return problems
 
 
+def no_op_fields(instance: Any) -> list[str]:
+    """One note per switch set that turns off something pagedllm never does (``no_op``)."""
+    notes = []
+    for field in dataclasses.fields(instance):
+        meta = field_meta(field)
+        if meta is None or meta.no_op is None:
+            continue
+        value = getattr(instance, field.name)
+        default = field_default(field)
+        if value == default or (_is_off(value) and _is_off(default)):
+            continue
+        notes.append(f"{option_name(field.name)} changes nothing in pagedllm: {meta.no_op}")
+    return notes
+
+
 def invalid_choices(
     instance: Any, registry_choices: Callable[[str], Sequence[str]] | None = None
 ) -> list[str]:

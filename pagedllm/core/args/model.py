@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.args.refusals import UNSUPPORTED
+from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.argspec import arg, human_int
 from pagedllm.core.default_model import DEFAULT_MODEL, DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT
 
@@ -219,13 +219,13 @@ class ModelArgs:
         group="ModelConfig",
         bool_style="store_true",
         help="Process outputs synchronously instead of overlapping them with the next step.",
-        unbuilt=UNSUPPORTED["disable_async_output_proc"],
+        no_op=NO_OP["disable_async_output_proc"],
     )
     disable_cascade_attn: bool = arg(
         False,
         group="ModelConfig",
         help="Never use cascade attention for shared prefixes.",
-        unbuilt=UNSUPPORTED["disable_cascade_attn"],
+        no_op=NO_OP["disable_cascade_attn"],
     )
     model_impl: str = arg(
         "auto",

@@ -3,6 +3,10 @@
 - :data:`UNSUPPORTED`: vLLM flags whose feature pagedllm does not have. Each stays in its
   config group (so ``--help=GROUP`` lists it) and is declared there with
   ``unbuilt=UNSUPPORTED[name]``: accepted by the parser, refused at start-up when set.
+- :data:`NO_OP`: vLLM switches that turn off something pagedllm never does, declared with
+  ``no_op=NO_OP[name]``: accepted, and logged when set, since "off" is what pagedllm does.
+- :data:`SPEC_KEYS_REFUSED`: ``--speculative-config`` keys of vLLM's whose feature
+  pagedllm does not have; the old flags that set them are refused with the same reason.
 - :class:`DeprecatedArgs`: flags from older vLLM versions, the "Deprecated" group. A
   ``removed`` flag is refused with what replaced it; a ``deprecated`` one warns (and an
   ``alias_of`` one is copied onto the flag that replaced it).
@@ -22,16 +26,12 @@ _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
 _NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
 _NO_TRACING = "pagedllm does not export OpenTelemetry traces; use the Prometheus /metrics instead"
-_NO_SPEC_DECODING = "pagedllm does not support speculative decoding"
 
 # Flag (field name) -> why pagedllm refuses it when it is set to anything but its default.
 UNSUPPORTED: dict[str, str] = {
     # ModelConfig
     "code_revision": "pagedllm does not run remote model code from the Hub" + _LEAVE_OUT,
     "hf_token": "pagedllm never downloads from the Hub; pass a local model path instead",
-    "disable_async_output_proc": "pagedllm has no asynchronous output processing to disable"
-    + _LEAVE_OUT,
-    "disable_cascade_attn": "pagedllm has no cascade attention to disable" + _LEAVE_OUT,
     "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
     "allowed_local_media_path": _NO_MULTIMODAL,
     "enable_sleep_mode": "pagedllm has no sleep mode" + _LEAVE_OUT,
@@ -44,8 +44,6 @@ UNSUPPORTED: dict[str, str] = {
     "placement of replicas is not supported yet",
     "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
     "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,
-    "disable_custom_all_reduce": "pagedllm has no custom all-reduce to disable (its ranks "
-    "all-reduce with torch.distributed)" + _LEAVE_OUT,
     "worker_cls": _ONE_WORKER,
     "worker_extension_cls": _ONE_WORKER,
     # CacheConfig
@@ -66,7 +64,6 @@ UNSUPPORTED: dict[str, str] = {
     "enable_prompt_adapter": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapters": _NO_PROMPT_ADAPTERS,
     "max_prompt_adapter_token": _NO_PROMPT_ADAPTERS,
-    # SpeculativeConfig
     # ObservabilityConfig
     "show_hidden_metrics_for_version": "pagedllm has not hidden any metrics, so there are "
     "none to bring back" + _LEAVE_OUT,
@@ -78,19 +75,44 @@ UNSUPPORTED: dict[str, str] = {
     "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
     "(--speculative-config)" + _LEAVE_OUT,
     "disable_chunked_mm_input": _NO_MULTIMODAL,
-    "disable_hybrid_kv_cache_manager": "pagedllm has no hybrid KV-cache manager to disable"
-    + _LEAVE_OUT,
     # PagedLLMConfig
     "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "kv_events_config": "pagedllm does not publish KV-cache events" + _LEAVE_OUT,
     "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,
 }
 
+# Flag (field name) -> why setting it changes nothing (what it turns off, pagedllm never does).
+NO_OP: dict[str, str] = {
+    "disable_custom_all_reduce": "pagedllm has no custom all-reduce kernel: its tensor-parallel "
+    "ranks always all-reduce with torch.distributed (NCCL on NVIDIA GPUs)",
+    "disable_async_output_proc": "pagedllm always processes a step's outputs before the next "
+    "step starts",
+    "disable_cascade_attn": "pagedllm never uses cascade attention",
+    "disable_hybrid_kv_cache_manager": "pagedllm gives every attention layer the same KV-cache "
+    "size already (sliding-window layers included)",
+}
+
+NO_TYPICAL_ACCEPTANCE = (
+    "pagedllm has no typical acceptance sampler: it accepts draft tokens by rejection "
+    "sampling, which keeps the target model's distribution"
+)
+
+# --speculative-config key -> why pagedllm refuses it when set (to anything but None/false).
+SPEC_KEYS_REFUSED: dict[str, str] = {
+    "quantization": "pagedllm does not support a quantized draft model",
+    "disable_logprobs": "pagedllm does not speculate for a request that asks for logprobs (it "
+    "decodes it a token a step), so their log probabilities are always returned",
+    "disable_mqa_scorer": "pagedllm scores a request's draft tokens in one step of the target "
+    "model; it has no other scorer to choose",
+    "posterior_threshold": NO_TYPICAL_ACCEPTANCE,
+    "posterior_alpha": NO_TYPICAL_ACCEPTANCE,
+}
+
 _GROUP = "Deprecated"
 _SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}'"
 _IMAGE_FLAGS_REMOVED = (
-    "multi-modal inputs are now described by the model's own processor; use "
-    "--mm-processor-kwargs and --limit-mm-per-prompt"
+    "vLLM replaced the image flags by each model's own multi-modal processor, and pagedllm "
+    "serves text-only models" + _LEAVE_OUT
 )
 _TOKENIZER_POOL_REMOVED = (
     "the asynchronous tokenizer pool was removed; tokenization always runs in the frontend"
@@ -110,8 +132,9 @@ class DeprecatedArgs:
     enable_reasoning: bool | None = arg(
         None,
         group=_GROUP,
-        help="Used to turn on reasoning output.",
-        removed="use --reasoning-parser NAME; reasoning is enabled whenever a parser is set",
+        help="Used to turn on reasoning output, with --reasoning-parser.",
+        deprecated="reasoning output is on whenever --reasoning-parser is set; this flag "
+        "changes nothing",
     )
     max_context_len_to_capture: int | None = arg(
         None,
@@ -132,8 +155,9 @@ class DeprecatedArgs:
         group=_GROUP,
         bool_style="store_true",
         help="Used to run the engine in a separate Ray process.",
-        removed="the engine already runs in its own process (see "
-        "--disable-frontend-multiprocessing)",
+        removed="pagedllm runs the engine on a thread of the API server's process (each "
+        "--data-parallel-size replica in a process of its own), never as a Ray actor; "
+        "--distributed-executor-backend ray runs the model's workers on Ray",
     )
     max_paddings: int | None = arg(
         None,
@@ -214,7 +238,8 @@ class DeprecatedArgs:
         group=_GROUP,
         bool_style="store_true",
         help="Used to cache the multi-modal preprocessor output.",
-        removed="the cache is on by default; use --disable-mm-preprocessor-cache to turn it off",
+        removed="pagedllm serves text-only models and has no multi-modal preprocessor cache"
+        + _LEAVE_OUT,
     )
     speculative_model: str | None = arg(
         None,
@@ -226,7 +251,7 @@ class DeprecatedArgs:
         None,
         group=_GROUP,
         help="Used to set the draft model's quantization method.",
-        removed=_SPEC_CONFIG.format(key="quantization"),
+        removed=SPEC_KEYS_REFUSED["quantization"],
     )
     num_speculative_tokens: int | None = arg(
         None,
@@ -258,7 +283,7 @@ class DeprecatedArgs:
         group=_GROUP,
         bool_style="store_true",
         help="Used to score draft tokens by batch expansion instead of the MQA scorer.",
-        removed=_SPEC_CONFIG.format(key="disable_mqa_scorer"),
+        removed=SPEC_KEYS_REFUSED["disable_mqa_scorer"],
     )
     ngram_prompt_lookup_max: int | None = arg(
         None,
@@ -276,23 +301,23 @@ class DeprecatedArgs:
         "rejection_sampler",
         group=_GROUP,
         help="Used to choose rejection_sampler or typical_acceptance_sampler for draft tokens.",
-        removed=_SPEC_CONFIG.format(key="acceptance_method"),
+        removed=NO_TYPICAL_ACCEPTANCE,
     )
     typical_acceptance_sampler_posterior_threshold: float | None = arg(
         None,
         group=_GROUP,
         help="Used to set the lowest posterior probability to accept a draft token.",
-        removed=_SPEC_CONFIG.format(key="posterior_threshold"),
+        removed=SPEC_KEYS_REFUSED["posterior_threshold"],
     )
     typical_acceptance_sampler_posterior_alpha: float | None = arg(
         None,
         group=_GROUP,
         help="Used to scale the entropy-based acceptance threshold.",
-        removed=_SPEC_CONFIG.format(key="posterior_alpha"),
+        removed=SPEC_KEYS_REFUSED["posterior_alpha"],
     )
     disable_logprobs_during_spec_decoding: bool | None = arg(
         None,
         group=_GROUP,
         help="Used to skip log probabilities during speculative decoding.",
-        removed=_SPEC_CONFIG.format(key="disable_logprobs"),
+        removed=SPEC_KEYS_REFUSED["disable_logprobs"],
     )

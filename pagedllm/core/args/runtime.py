@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagedllm.core.args.refusals import UNSUPPORTED
-from pagedllm.core.argspec import arg
+from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
+from pagedllm.core.argspec import arg, json_or_key_values
 
 
 @dataclasses.dataclass
@@ -172,7 +172,7 @@ class RuntimeArgs:
         False,
         group="ParallelConfig",
         help="Use NCCL instead of the custom all-reduce kernel.",
-        unbuilt=UNSUPPORTED["disable_custom_all_reduce"],
+        no_op=NO_OP["disable_custom_all_reduce"],
     )
     worker_cls: str = arg(
         "auto",
@@ -265,8 +265,9 @@ class RuntimeArgs:
     limit_mm_per_prompt: dict[str, Any] = arg(
         {},
         group="MultiModalConfig",
+        parse=json_or_key_values,
         help='Largest number of items of each modality per prompt, e.g. {"images": 16, '
-        '"videos": 2}.',
+        '"videos": 2} (or the older form images=16,videos=2).',
         unbuilt=UNSUPPORTED["limit_mm_per_prompt"],
     )
     mm_processor_kwargs: dict[str, Any] | None = arg(

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pagedllm.core.args.refusals import UNSUPPORTED
+from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.argspec import arg, json_dict
 
 _COMPILATION_LEVELS = ("0", "1", "2", "3")
@@ -178,7 +178,7 @@ class SchedulingArgs:
         group="SchedulerConfig",
         help="Give every attention layer the same KV-cache size, even when full and "
         "sliding-window attention layers are mixed.",
-        unbuilt=UNSUPPORTED["disable_hybrid_kv_cache_manager"],
+        no_op=NO_OP["disable_hybrid_kv_cache_manager"],
     )
 
     # --------------------------------------------------------------- PagedLLMConfig

@@ -48,6 +48,9 @@ class ArgMeta:
     # Accepted by the parser (so the user gets a useful message) but refused when set:
     # the text says what replaced it.
     removed: str | None = None
+    # A vLLM switch that turns off something pagedllm never does: accepted, and when set
+    # logged with this text (why setting it changes nothing).
+    no_op: str | None = None
     metavar: str | None = None
     # Not shown as a flag (set only from Python).
     cli: bool = True

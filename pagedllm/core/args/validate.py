@@ -18,6 +18,7 @@ from pagedllm.core.args.checks import (
     check_field_types,
     invalid_choices,
     invalid_values,
+    no_op_fields,
     refused_fields,
 )
 from pagedllm.core.args.scheduling import SchedulingArgs
@@ -71,6 +72,9 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     _raise_if_any(invalid_values(args))
     for warning in apply_deprecated_aliases(args):
         logger.warning("%s", warning)
+    for note in no_op_fields(args):
+        logger.info("%s", note)
+    _check_enable_reasoning(args)
     scheduler_class(args.scheduler_cls)
 
     device = resolve_device(args.device, pm)
@@ -81,6 +85,23 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     pm.load("attention_backends", attention_backend_name(device, pm))
     _refuse_without_effect(args, device, pm.choices("guided_backends"))
     return device
+
+
+def _check_enable_reasoning(args: EngineArgs) -> None:
+    """The deprecated ``--enable-reasoning`` is accepted beside ``--reasoning-parser``,
+    which alone turns reasoning output on: alone, or set false beside a parser, it would
+    change nothing."""
+    if args.enable_reasoning is None:
+        return
+    if args.enable_reasoning and args.reasoning_parser is None:
+        raise ConfigError(
+            "--enable-reasoning needs --reasoning-parser NAME, which turns reasoning output on"
+        )
+    if not args.enable_reasoning and args.reasoning_parser is not None:
+        raise ConfigError(
+            "--enable-reasoning=False cannot turn reasoning output off while --reasoning-parser "
+            "is set; leave out --reasoning-parser instead"
+        )
 
 
 def attention_backend_name(device: Device, pm: PluginManager) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs, refused_fields
 from pagedllm.core.engine_args import EngineArgs
-from pagedllm.core.errors import ConfigError, NotBuiltError
+from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
 from pagedllm.entrypoints.cli.types import CLISubcommand
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
@@ -106,5 +106,3 @@ def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> No
         from pagedllm.entrypoints.openai.serving_setup import parse_lora_modules
 
         parse_lora_modules(frontend_args.lora_modules)  # (malformed entries fail now)
-    if frontend_args.enable_ssl_refresh:
-        raise NotBuiltError("--enable-ssl-refresh: certificates are read once at start-up")

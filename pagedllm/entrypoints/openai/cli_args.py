@@ -120,6 +120,7 @@ class FrontendArgs:
         group="Frontend",
         bool_style="store_true",
         help="Reload the SSL context when the certificate files change.",
+        unbuilt="pagedllm reads the certificate files once, at start-up; leave this flag out",
     )
     root_path: str | None = arg(
         None,
