@@ -66,8 +66,8 @@ class FrontendArgs:
         None,
         group="Frontend",
         help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
-        '{"name": ..., "path": ..., "base_model_name": ...}; a request names one as its '
-        "model.",
+        '{"name": ..., "path": ..., "base_model_name": ...} ("local_path", the older '
+        'spelling of "path", is accepted); a request names one as its model.',
     )
     prompt_adapters: list[str] | None = arg(
         None,
