@@ -130,6 +130,22 @@ def test_mixed_batches_equal_peft(models):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
+def test_lora_dtype_takes_a_torch_dtype(models):
+    """``lora_dtype=torch.float16`` (vLLM's type for it) is ``"float16"``: the slots hold
+    float16 weights, which a float32 model computes with (peft's greedy tokens)."""
+    base_dir, adapters, _ = models
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    for lora_dtype in (torch.float16, "float16"):
+        llm = _llm(base_dir, max_lora_rank=8, lora_dtype=lora_dtype)
+        slots = llm.llm_engine.lora.layers["model.layers.0.mlp.down_proj"].lora
+        assert slots.a.dtype == slots.b.dtype == torch.float16
+        for request, model in adapters:
+            prompt = {"prompt_token_ids": PROMPTS[0]}
+            output = llm.generate(prompt, params, lora_request=request, use_tqdm=False)
+            expected = reference_greedy(model, PROMPTS[0], NEW_TOKENS)[0]
+            assert output[0].outputs[0].token_ids == expected
+
+
 def test_slots_and_cache_are_bounded(models):
     """One slot and two cached adapters for three adapters: a batch holds one adapter at
     a time (the others wait), slots and cache entries are reused, results unchanged."""
