@@ -181,6 +181,15 @@ def test_refusals_name_the_flag(pm, model):
         ("serve", str(model), "-asc", "2", "--enable-server-load-tracking"): (
             "--enable-server-load-tracking"
         ),
+        ("serve", str(model), "-dp", "2", "--disable-frontend-multiprocessing"): (
+            "--disable-frontend-multiprocessing: with --data-parallel-size 2 each replica's"
+        ),
+        ("serve", str(model), "-asc", "2", "--disable-frontend-multiprocessing"): (
+            "--disable-frontend-multiprocessing: --api-server-count 2 runs"
+        ),
+        ("serve", str(model), "--headless", "--disable-frontend-multiprocessing"): (
+            "--disable-frontend-multiprocessing: a --headless node runs no API server"
+        ),
     }
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
         results = dict(zip(commands, pool.map(lambda c: run_cli(*c), commands), strict=True))

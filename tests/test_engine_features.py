@@ -85,6 +85,22 @@ def test_scheduler_cls_loads_a_subclass(checkpoint):
     assert type(default.llm_engine.scheduler) is Scheduler
 
 
+def test_scheduler_cls_takes_the_class(checkpoint):
+    """vLLM's ``scheduler_cls`` "can be a class directly": used as is, also one that no
+    dotted path reaches (defined in a function); a class that is no Scheduler is refused."""
+
+    class LocalScheduler(CountingScheduler):
+        pass
+
+    LocalScheduler.steps = 0
+    llm = build(checkpoint, scheduler_cls=LocalScheduler)
+    assert type(llm.llm_engine.scheduler) is LocalScheduler
+    llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    assert LocalScheduler.steps >= 6
+    with pytest.raises(ConfigError, match=r"--scheduler-cls builtins.dict: not a subclass"):
+        build(checkpoint, scheduler_cls=dict)
+
+
 def test_device_plugin_brings_its_attention_backend(checkpoint):
     from pagedllm_dummy_plugin.attention import CountingBackend
 

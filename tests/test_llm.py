@@ -427,6 +427,50 @@ def test_dtypes(ckpt, llm):
     assert half.llm_engine.loaded.dtype == torch.float16
 
 
+def test_torch_dtype_values(ckpt, llm):
+    """``dtype=torch.bfloat16`` (seed 003's example) means ``"bfloat16"``."""
+    bf16 = build(ckpt, dtype=torch.bfloat16)
+    assert bf16.llm_engine.loaded.dtype == torch.bfloat16
+    f32 = build(ckpt, dtype=torch.float32)
+    assert f32.llm_engine.loaded.dtype == torch.float32
+    expected = tokens(run(llm, PROMPTS, greedy(max_tokens=6)))
+    assert tokens(run(f32, PROMPTS, greedy(max_tokens=6))) == expected
+    with pytest.raises(ConfigError, match="--dtype: invalid choice 'int8'"):
+        build(ckpt, dtype=torch.int8)
+
+
+# vLLM's LLM parameters in the order seed 003 documents them.
+VLLM_ORDER = [
+    "model", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code",
+    "allowed_local_media_path", "tensor_parallel_size", "dtype", "quantization", "revision",
+    "tokenizer_revision", "seed", "gpu_memory_utilization", "swap_space", "cpu_offload_gb",
+    "enforce_eager", "max_seq_len_to_capture", "disable_custom_all_reduce",
+    "disable_async_output_proc", "hf_overrides", "compilation_config",
+]  # fmt: skip
+
+
+def test_arguments_by_position_in_vllms_order(ckpt, llm):
+    import inspect
+
+    parameters = list(inspect.signature(LLM).parameters.values())
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == VLLM_ORDER
+    # model, tokenizer, tokenizer_mode, skip_tokenizer_init, trust_remote_code,
+    # allowed_local_media_path, tensor_parallel_size, dtype, quantization, revision,
+    # tokenizer_revision, seed
+    by_position = LLM(
+        str(ckpt), str(ckpt), "auto", False, False, "", 1, "float32", None, None, None, 7,
+        disable_log_stats=True, num_gpu_blocks_override=64,
+    )  # fmt: skip
+    engine = by_position.llm_engine
+    assert engine.loaded.dtype == torch.float32
+    assert engine.config.model_config.seed == 7
+    expected = tokens(run(llm, PROMPTS, greedy(max_tokens=6)))
+    assert tokens(run(by_position, PROMPTS, greedy(max_tokens=6))) == expected
+    with pytest.raises(TypeError, match="multiple values for argument 'dtype'"):
+        LLM(str(ckpt), None, "auto", False, False, "", 1, "float32", dtype="float16")
+
+
 def test_load_formats(ckpt, llm, tmp_path):
     from safetensors.torch import load_file
 

@@ -18,7 +18,8 @@ from openai_server import RemoteServer, assert_openai_error, start_servers
 from tiny_models import make_checkpoint, reference_greedy
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.entrypoints.openai.serving_setup import parse_lora_modules
 from pagedllm.lora.ops import LoRABatch, add_lora, lora_bgmv, lora_delta_reference
 
 peft = pytest.importorskip("peft")
@@ -129,6 +130,22 @@ def test_mixed_batches_equal_peft(models):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
+def test_lora_dtype_takes_a_torch_dtype(models):
+    """``lora_dtype=torch.float16`` (vLLM's type for it) is ``"float16"``: the slots hold
+    float16 weights, which a float32 model computes with (peft's greedy tokens)."""
+    base_dir, adapters, _ = models
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    for lora_dtype in (torch.float16, "float16"):
+        llm = _llm(base_dir, max_lora_rank=8, lora_dtype=lora_dtype)
+        slots = llm.llm_engine.lora.layers["model.layers.0.mlp.down_proj"].lora
+        assert slots.a.dtype == slots.b.dtype == torch.float16
+        for request, model in adapters:
+            prompt = {"prompt_token_ids": PROMPTS[0]}
+            output = llm.generate(prompt, params, lora_request=request, use_tqdm=False)
+            expected = reference_greedy(model, PROMPTS[0], NEW_TOKENS)[0]
+            assert output[0].outputs[0].token_ids == expected
+
+
 def test_slots_and_cache_are_bounded(models):
     """One slot and two cached adapters for three adapters: a batch holds one adapter at
     a time (the others wait), slots and cache entries are reused, results unchanged."""
@@ -224,6 +241,27 @@ def test_refusals(models, tmp_path):
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_lora_modules_spellings():
+    """The seeds' forms: name=path, JSON with path (004) or local_path (002)."""
+    assert parse_lora_modules(
+        [
+            "a=/x",
+            '{"name": "b", "path": "/y", "base_model_name": "base"}',
+            '{"name": "c", "local_path": "/z", "base_model_name": "base"}',
+            '{"name": "d", "local_path": "/w", "path": "/w"}',
+        ]
+    ) == [("a", "/x", None), ("b", "/y", "base"), ("c", "/z", "base"), ("d", "/w", None)]
+    for entry, message in [
+        ('{"name": "c", "local_path": "/z", "path": "/y"}', "'path' and 'local_path'"),
+        ('{"local_path": "/z"}', "needs 'name' and 'path' .or 'local_path'."),
+        ('{"name": "c", "local_path": 3}', "needs 'name'"),
+        ('{"name": "c", "path": "/z", "bogus": 1}', r"unknown \['bogus'\]"),
+        ("[1]", "use name=path or a JSON object"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_lora_modules([entry])
+
+
 def test_server_adapters(models, tmp_path):
     """--lora-modules (both spellings): the adapters are models in /v1/models and a
     request names one; with PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING adapters are loaded and
@@ -231,9 +269,10 @@ def test_server_adapters(models, tmp_path):
     base_dir, adapters, reference = models
     (r0, m0), (r1, m1), (r2, m2) = adapters
     spec = json.dumps({"name": "second", "path": r1.lora_path, "base_model_name": "base"})
+    older = json.dumps({"name": "fourth", "local_path": r2.lora_path, "base_model_name": "base"})
     server = RemoteServer(
         base_dir, "--dtype", "float32", "--served-model-name", "base", "--enable-lora",
-        "--max-lora-rank", "8", "--lora-modules", f"first={r0.lora_path}", spec,
+        "--max-lora-rank", "8", "--lora-modules", f"first={r0.lora_path}", spec, older,
         log_path=tmp_path / "s.log",
         env=clean_env(PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING="True"),
     )  # fmt: skip
@@ -241,7 +280,7 @@ def test_server_adapters(models, tmp_path):
     try:
         with server.http() as http:
             models_list = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
-            assert set(models_list) == {"base", "first", "second"}
+            assert set(models_list) == {"base", "first", "second", "fourth"}
             assert models_list["second"]["parent"] == "base"
             assert models_list["first"]["root"] == r0.lora_path
 
@@ -261,6 +300,7 @@ def test_server_adapters(models, tmp_path):
             assert tokens("first") == expected(m0)
             assert tokens("second") == expected(m1)
             assert tokens("base") == expected(reference)
+            assert tokens("fourth") == expected(m2)  # (given with seed 002's local_path)
             load = {"lora_name": "third", "lora_path": r2.lora_path}
             assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
             assert tokens("third") == expected(m2)

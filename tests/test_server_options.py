@@ -145,6 +145,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, workdir: Path):
         "--disable-fastapi-docs",
         "--disable-log-requests",
         "--disable-uvicorn-access-log",
+        "--disable-frontend-multiprocessing",
         "--chat-template",
         str(template_file),
         "--chat-template-content-format",
@@ -549,6 +550,19 @@ def test_log_config_file_and_max_log_len(tls: RemoteServer, workdir: Path) -> No
 
 
 # ------------------------------------------------------------------- shutdown
+
+
+def test_disable_frontend_multiprocessing_changes_nothing(plain: RemoteServer) -> None:
+    """With one replica the engine runs on a thread of the API server's process anyway,
+    which is what the flag asks for: the server, having served requests, has no child
+    process."""
+    assert plain.proc is not None
+    with plain.http() as http:
+        body = {"model": "only-name", "prompt": "hi", "max_tokens": 2}
+        assert http.post(f"{ROOT}/v1/completions", json=body).status_code == 200
+    tasks = Path(f"/proc/{plain.proc.pid}/task")
+    children = [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+    assert children == []
 
 
 def test_sigterm_shuts_down_gracefully(plain: RemoteServer) -> None:

@@ -156,6 +156,66 @@ def test_disable_by_batch_size(checkpoint):
     assert llm.llm_engine.scheduler.spec_stats["draft_tokens"] == 0
 
 
+def test_max_model_len_stops_speculating_long_sequences(checkpoint):
+    """``max_model_len``: the long prompt (40 tokens) decodes without drafts, the short
+    ones (11) speculate; the outputs are plain greedy's either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kwargs = dict(dtype="float32", disable_log_stats=True)
+    expected = _tokens(LLM(str(checkpoint), **kwargs), params)
+    config = {**NGRAM, "max_model_len": 30}
+    llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
+    assert _tokens(llm, params) == expected
+    stats = llm.llm_engine.scheduler.spec_stats
+    long_prompt = {"prompt_token_ids": PROMPTS[3]}
+    before = dict(stats)
+    assert llm.generate(long_prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected[3]
+    assert stats == before  # (nothing proposed for it)
+    short = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in llm.generate(short, params, use_tqdm=False)] == (
+        expected[:2]
+    )
+    assert stats["draft_tokens"] > before["draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def short_draft(tmp_path_factory):
+    """The target's weights with a 16-token context."""
+    directory = tmp_path_factory.mktemp("short") / "qwen2"
+    return make_checkpoint(directory, "qwen2", seed=1, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("limit", [15, 16, "draft's context"])
+def test_max_model_len_follows_vllms_rule(checkpoint, short_draft, limit):
+    """vLLM's rule: a sequence is speculated while its length plus the k drafts is under
+    max_model_len (given, or the draft model's context when shorter than the target's).
+    The draft model has the target's weights, so each proposal proposes k = 3 and keeps
+    them all: after the 11-token prompt and its first token (length 12), 12 + 3 < 16
+    speculates once (length 16: no more), 12 + 3 < 15 never."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(dtype="float32", disable_log_stats=True)
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    expected = LLM(str(checkpoint), **kwargs).generate(prompt, params, use_tqdm=False)
+    if isinstance(limit, int):
+        config = {"model": str(checkpoint), "num_speculative_tokens": 3, "max_model_len": limit}
+    else:
+        config = {"model": str(short_draft), "num_speculative_tokens": 3}
+    llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
+    output = llm.generate(prompt, params, use_tqdm=False)
+    assert output[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats["draft_tokens"] == (0 if limit == 15 else 3)
+    assert stats["accepted_tokens"] == stats["draft_tokens"]
+
+
+def test_max_model_len_larger_than_a_context_is_refused(checkpoint, short_draft):
+    config = {**NGRAM, "max_model_len": 65}
+    with pytest.raises(ConfigError, match="max_model_len 65 is larger than the target's"):
+        LLM(str(checkpoint), max_model_len=64, speculative_config=config)
+    config = {"model": str(short_draft), "num_speculative_tokens": 3, "max_model_len": 17}
+    with pytest.raises(ConfigError, match="larger than the draft model's context .16 tokens"):
+        LLM(str(checkpoint), speculative_config=config)
+
+
 def test_requests_that_cannot_be_verified_decode_as_usual(checkpoint):
     """Logprobs, penalties: no drafts for them, and the same output."""
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, repetition_penalty=1.2)
@@ -172,6 +232,7 @@ def test_bad_configs():
         ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min"),
         ({**NGRAM, "bogus": 1}, "bogus"),
         ({**NGRAM, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+        ({**NGRAM, "max_model_len": 0}, "max_model_len must be a positive integer"),
     ]:
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig.from_dict(config)

@@ -146,8 +146,8 @@ class SchedulerConfig:
     policy: str = _flag("scheduling_policy")
     preemption_mode: str = "recompute"
     delay_factor: float = _flag("scheduler_delay_factor")
-    # None is the default scheduler.
-    scheduler_cls: str | None = None
+    # None is the default scheduler; a class, or the dotted path to one.
+    scheduler_cls: str | type | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -208,8 +208,13 @@ class LLMEngine:
                 self.lora.sizes.update(rank.lora_layers or {})
         speculative = config.speculative_config
         draft = None
-        if speculative is not None and speculative.method == "draft_model":
-            draft = self._load_draft(speculative)
+        if speculative is not None:
+            from pagedllm.core.spec_decode import speculation_limit
+
+            if speculative.method == "draft_model":
+                draft = self._load_draft(speculative)
+            draft_len = None if draft is None else draft[0].max_model_len
+            speculative = speculation_limit(speculative, self.max_model_len, draft_len)
         # (Every stage holds num_blocks blocks of its layers: sized for the deepest, the
         # last, which stage_layers gives the remainder.)
         deepest = spec
@@ -259,7 +264,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             if self.is_pooling:
                 raise ConfigError("--speculative-config applies to text generation")
-            spec_kwargs["speculative"] = config.speculative_config
+            spec_kwargs["speculative"] = speculative
         if config.lora_config is not None:
             spec_kwargs["max_loras"] = config.lora_config.max_loras
         self.scheduler = scheduler_class(sched.scheduler_cls)(
@@ -333,10 +338,20 @@ class LLMEngine:
 
         config = self.config
         mc = config.model_config
+        # (Its own context: sequences longer than it are not speculated. It schedules
+        # nothing, so the target's batch limits do not constrain it.)
         draft_config = dataclasses.replace(
             config,
             model_config=dataclasses.replace(
-                mc, model=spec.model, tokenizer=spec.model, quantization=None, task="generate"
+                mc,
+                model=spec.model,
+                tokenizer=spec.model,
+                quantization=None,
+                task="generate",
+                max_model_len=None,
+            ),
+            scheduler_config=dataclasses.replace(
+                config.scheduler_config, enable_chunked_prefill=True
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=1,
@@ -351,12 +366,6 @@ class LLMEngine:
             draft = load_model(draft_config, self.pm)
         finally:
             torch.set_num_threads(threads)
-        if draft.max_model_len < self.max_model_len:
-            raise ConfigError(
-                f"--speculative-config: the draft model's context ({draft.max_model_len} "
-                f"tokens) is shorter than the target's ({self.max_model_len}); lower "
-                "--max-model-len"
-            )
         ours, theirs = self.tokenizer, draft.tokenizer
         if ours is not None and theirs is not None and ours.get_vocab() != theirs.get_vocab():
             raise ConfigError(

@@ -271,11 +271,15 @@ class Scheduler:
         max_tokens and the model length leave after the token it samples anyway."""
         if not can_speculate(request):
             return 0
+        k = self.speculative.num_speculative_tokens
+        limit = self.speculative.max_model_len
+        if limit is not None and request.num_tokens + k >= limit:
+            return 0  # (too long for the draft: plain decoding from now on)
         params = request.sampling_params
         room = self.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        return max(0, min(self.speculative.num_speculative_tokens, room, budget - 1))
+        return max(0, min(k, room, budget - 1))
 
     def _draft(
         self,

@@ -16,7 +16,11 @@ speculation, and sampled ones have the target distribution.
 
 Drafts go only to requests whose sampling the runner can verify per position without
 sequence state: no repetition/frequency/presence penalties, bad words, guided decoding,
-logprobs, or pending ``min_tokens``; the others decode one token a step as usual.
+logprobs, or pending ``min_tokens``; the others decode one token a step as usual. Nor do
+sequences too long for the draft: as vLLM's, a request is speculated only while its
+length (prompt and generated tokens) plus ``num_speculative_tokens`` stays under
+``max_model_len`` (given, or the draft model's context where it is shorter than the
+target's).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     disable_by_batch_size: int | None = None
+    # Sequences this long (with their drafts) are not speculated; None: no limit.
+    max_model_len: int | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
@@ -89,8 +95,10 @@ class SpeculativeConfig:
                 raise fail("prompt_lookup_min must be between 1 and prompt_lookup_max")
         elif not config.model:
             raise fail("a draft model needs 'model'")
-        if values.get("max_model_len") is not None and method == "ngram":
-            raise fail("max_model_len applies to a draft model")
+        limit = values.get("max_model_len")
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise fail(f"max_model_len must be a positive integer, not {limit!r}")
+        config.max_model_len = limit
         limit = values.get("disable_by_batch_size")
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise fail(f"disable_by_batch_size must be a positive integer, not {limit!r}")
@@ -123,6 +131,24 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return token_ids[start : start + k]
         return []
+
+
+def speculation_limit(
+    config: SpeculativeConfig, target_len: int, draft_len: int | None = None
+) -> SpeculativeConfig:
+    """``config`` with the length that stops speculation settled, as vLLM's: the given
+    ``max_model_len`` (at most the target's and the draft model's context ``draft_len``),
+    else the draft's context where it is shorter than the target's."""
+    limit = config.max_model_len
+    for length, whose in ((target_len, "the target's"), (draft_len, "the draft model's")):
+        if limit is not None and length is not None and limit > length:
+            raise ConfigError(
+                f"--speculative-config: max_model_len {limit} is larger than {whose} "
+                f"context ({length} tokens)"
+            )
+    if limit is None and draft_len is not None and draft_len < target_len:
+        limit = draft_len
+    return dataclasses.replace(config, max_model_len=limit)
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Any:

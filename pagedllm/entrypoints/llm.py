@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedllm.core.config import UsageContext
@@ -24,24 +24,80 @@ from pagedllm.core.pooling import (
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.inputs import PromptType
 
+if TYPE_CHECKING:
+    import torch
+
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 class LLM:
     """An LLM for generating texts from prompts: a tokenizer, a model and a paged KV
-    cache, with continuous batching. Keyword arguments are engine arguments
-    (``EngineArgs`` fields: ``dtype``, ``max_model_len``, ``enable_prefix_caching``, ...).
+    cache, with continuous batching. The arguments are engine arguments (``EngineArgs``
+    fields: ``dtype``, ``max_model_len``, ``enable_prefix_caching``, ...); those in the
+    signature, vLLM's, may also be given by position, in its order. ``dtype`` and
+    ``lora_dtype`` take a ``torch.dtype`` too, ``scheduler_cls`` a class.
 
     :meth:`shutdown` releases the engine; ``with LLM(...) as llm:`` calls it on leaving
     the block.
     """
 
-    def __init__(self, model: str, *, plugin_manager: PluginManager | None = None, **kwargs: Any):
+    # (vLLM's parameters, in its documented order: each may be given by position too.)
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = EngineArgs.tokenizer,
+        tokenizer_mode: str = EngineArgs.tokenizer_mode,
+        skip_tokenizer_init: bool = EngineArgs.skip_tokenizer_init,
+        trust_remote_code: bool = EngineArgs.trust_remote_code,
+        allowed_local_media_path: str = EngineArgs.allowed_local_media_path,
+        tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
+        dtype: str | torch.dtype = EngineArgs.dtype,
+        quantization: str | None = EngineArgs.quantization,
+        revision: str | None = EngineArgs.revision,
+        tokenizer_revision: str | None = EngineArgs.tokenizer_revision,
+        seed: int | None = EngineArgs.seed,
+        gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization,
+        swap_space: float = EngineArgs.swap_space,
+        cpu_offload_gb: float = EngineArgs.cpu_offload_gb,
+        enforce_eager: bool = EngineArgs.enforce_eager,
+        max_seq_len_to_capture: int = EngineArgs.max_seq_len_to_capture,
+        disable_custom_all_reduce: bool = EngineArgs.disable_custom_all_reduce,
+        disable_async_output_proc: bool = EngineArgs.disable_async_output_proc,
+        hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None,
+        compilation_config: int | dict[str, Any] | None = EngineArgs.compilation_config,
+        *,
+        plugin_manager: PluginManager | None = None,
+        **kwargs: Any,
+    ):
         unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
         if unknown:
             raise ConfigError(f"LLM() got unknown engine argument(s): {', '.join(unknown)}")
+        if hf_overrides is not None:
+            kwargs["hf_overrides"] = hf_overrides
         self.plugin_manager = plugin_manager or make_plugin_manager()
-        engine_args = EngineArgs(model=model, **kwargs)
+        engine_args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            tokenizer_mode=tokenizer_mode,
+            skip_tokenizer_init=skip_tokenizer_init,
+            trust_remote_code=trust_remote_code,
+            allowed_local_media_path=allowed_local_media_path,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,  # (a torch.dtype: the type check takes its name)
+            quantization=quantization,
+            revision=revision,
+            tokenizer_revision=tokenizer_revision,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            swap_space=swap_space,
+            cpu_offload_gb=cpu_offload_gb,
+            enforce_eager=enforce_eager,
+            max_seq_len_to_capture=max_seq_len_to_capture,
+            disable_custom_all_reduce=disable_custom_all_reduce,
+            disable_async_output_proc=disable_async_output_proc,
+            compilation_config=compilation_config,
+            **kwargs,
+        )
         config = engine_args.create_engine_config(self.plugin_manager, UsageContext.LLM_CLASS)
         self._engine: LLMEngine | None = LLMEngine(config, self.plugin_manager)
         self._counter = 0

@@ -106,12 +106,13 @@ def add_lora(
     scale: torch.Tensor,
 ) -> torch.Tensor:
     """``y`` plus the LoRA deltas of ``batch``'s rows (its ``groups``: each active slot
-    with the rows of its tokens)."""
+    with the rows of its tokens). Weights kept in another dtype (``--lora-dtype``) are
+    computed with in the activations' dtype."""
     if batch.few_tokens and lora_bgmv(y, x, batch.slots, a, b, scale):
         return y
     for slot, rows in batch.groups:
-        low = x.index_select(0, rows) @ a[slot].T
-        y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
+        low = x.index_select(0, rows) @ a[slot].T.to(x.dtype)
+        y.index_add_(0, rows, (low @ b[slot].T.to(x.dtype)) * scale[slot])
     return y
 
 
@@ -126,6 +127,6 @@ def add_lora_embedding(
     """An embedding's LoRA (peft's ``lora_embedding_A`` ``[r, vocab]`` and ``_B``
     ``[dim, r]`` per slot): each token's row of ``A.T`` through ``B``, added to ``y``."""
     for slot, rows in batch.groups:
-        low = a[slot].T.index_select(0, ids.index_select(0, rows))
-        y.index_add_(0, rows, (low @ b[slot].T) * scale[slot])
+        low = a[slot].T.index_select(0, ids.index_select(0, rows)).to(y.dtype)
+        y.index_add_(0, rows, (low @ b[slot].T.to(y.dtype)) * scale[slot])
     return y

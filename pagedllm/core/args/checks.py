@@ -34,7 +34,8 @@ def check_field_types(instance: Any) -> list[str]:
     """One message per field whose value does not fit the field's declared type, naming
     the field, the value and the type (``seed='abc' is not an int or None``).
 
-    A path object given for a string field is converted to ``str``.
+    A path object given for a string field is converted to ``str``, and a ``torch.dtype``
+    to its name (``torch.bfloat16`` -> ``"bfloat16"``, as vLLM's ``LLM(dtype=...)``).
     """
     hints = typing.get_type_hints(type(instance))
     problems = []
@@ -46,9 +47,18 @@ def check_field_types(instance: Any) -> list[str]:
         if isinstance(value, os.PathLike) and has_str(annotation):
             value = os.fspath(value)
             setattr(instance, field.name, value)
+        if _is_torch_dtype(value) and has_str(annotation):
+            value = str(value).removeprefix("torch.")
+            setattr(instance, field.name, value)
         if not value_matches(value, annotation):
             problems.append(f"{field.name}={_REPR.repr(value)} is not {describe_type(annotation)}")
     return problems
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    # (By name: checking options must not import torch.)
+    kind = type(value)
+    return kind.__module__ == "torch" and kind.__name__ == "dtype"
 
 
 def _declared_fields(instance: Any) -> list[tuple[dataclasses.Field, ArgMeta, str]]:

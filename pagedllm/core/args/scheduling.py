@@ -138,10 +138,11 @@ class SchedulingArgs:
         help="Wait this multiple of the previous prompt's latency before scheduling the next "
         "prompt.",
     )
-    scheduler_cls: str = arg(
+    scheduler_cls: str | type = arg(
         "pagedllm.core.scheduler.Scheduler",
         group="SchedulerConfig",
-        help="Import path ('module.Class') of the scheduler class to use.",
+        help="Import path ('module.Class') of the scheduler class to use (from Python, the "
+        "class itself too): a subclass of pagedllm.core.scheduler.Scheduler.",
     )
     cuda_graph_sizes: list[int] = arg(
         [512],

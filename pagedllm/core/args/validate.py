@@ -153,17 +153,21 @@ def _refuse_without_effect(args: EngineArgs, device: Device, guided_backends: li
                 )
 
 
-def scheduler_class(path: str | None) -> type[Scheduler]:
-    """``--scheduler-cls``: a dotted path to a Scheduler subclass."""
+def scheduler_class(path: str | type | None) -> type[Scheduler]:
+    """``--scheduler-cls``: a Scheduler subclass, or a dotted path to one."""
     from pagedllm.core.scheduler import Scheduler
 
     if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
         return Scheduler
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
+    if isinstance(path, type):
+        cls: object = path
+        path = f"{path.__module__}.{path.__qualname__}"
+    else:
+        module_name, _, class_name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         raise ConfigError(
             f"--scheduler-cls {path}: not a subclass of "

@@ -51,6 +51,8 @@ class ServeSubcommand(CLISubcommand):
         validate_frontend_args(frontend_args, pm)
         if frontend_args.lora_modules and not engine_args.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
+        if frontend_args.disable_frontend_multiprocessing:
+            check_one_process(engine_args, frontend_args)
         log_config = apply_log_config(frontend_args.log_config_file)
         if frontend_args.headless:
             from pagedllm.distributed.replica_nodes import serve_headless
@@ -85,6 +87,29 @@ def engine_args_from_serve(args: argparse.Namespace) -> EngineArgs:
             )
         engine_args.model = args.model_tag
     return engine_args
+
+
+def check_one_process(engine_args: EngineArgs, frontend_args: FrontendArgs) -> None:
+    """``--disable-frontend-multiprocessing``: one engine already runs on a thread of the
+    API server's process; the layouts whose engines or front ends are processes of their
+    own are refused by name (running them in one process is not implemented)."""
+    flag = "--disable-frontend-multiprocessing"
+    dp = engine_args.data_parallel_size
+    if frontend_args.headless:
+        raise ConfigError(f"{flag}: a --headless node runs no API server")
+    if dp > 1:
+        raise ConfigError(
+            f"{flag}: with --data-parallel-size {dp} each replica's engine runs in a "
+            "process of its own, which the API server reaches over a connection; running "
+            "the replicas in the API server's process is not implemented (drop the flag, "
+            "or serve one replica)"
+        )
+    if frontend_args.api_server_count > 1:
+        raise ConfigError(
+            f"{flag}: --api-server-count {frontend_args.api_server_count} runs that many "
+            "API server processes in front of an engine process of its own; they cannot "
+            "share one process (drop one of the flags)"
+        )
 
 
 def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:

@@ -66,8 +66,8 @@ class FrontendArgs:
         None,
         group="Frontend",
         help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
-        '{"name": ..., "path": ..., "base_model_name": ...}; a request names one as its '
-        "model.",
+        '{"name": ..., "path": ..., "base_model_name": ...} ("local_path", the older '
+        'spelling of "path", is accepted); a request names one as its model.',
     )
     prompt_adapters: list[str] | None = arg(
         None,
@@ -145,7 +145,10 @@ class FrontendArgs:
         False,
         group="Frontend",
         bool_style="store_true",
-        help="Run the API server in the same process as the engine.",
+        help="Run the API server in the same process as the engine. With one replica it "
+        "always does (the engine runs on a thread of the server's process), so this changes "
+        "nothing; refused with --data-parallel-size above 1 or --api-server-count above 1, "
+        "whose engines or API servers are processes of their own.",
     )
     enable_request_id_headers: bool = arg(
         False,

@@ -146,7 +146,8 @@ class PendingServing:
 
 def parse_lora_modules(entries: list[str]) -> list[tuple[str, str, str | None]]:
     """``--lora-modules`` entries (``name=path``, or JSON with name, path and
-    base_model_name) as ``(name, path, base model name)``."""
+    base_model_name; ``local_path`` is the older spelling of path) as ``(name, path, base
+    model name)``."""
     modules = []
     for entry in entries:
         if entry.lstrip().startswith("{"):
@@ -154,11 +155,20 @@ def parse_lora_modules(entries: list[str]) -> list[tuple[str, str, str | None]]:
                 values = json.loads(entry)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"--lora-modules {entry!r}: invalid JSON ({exc})") from None
-            unknown = sorted(set(values) - {"name", "path", "base_model_name"})
-            if unknown or not values.get("name") or not values.get("path"):
+            path = values.get("path")
+            local_path = values.pop("local_path", None)
+            if path is not None and local_path is not None and path != local_path:
                 raise ConfigError(
-                    f"--lora-modules {entry!r}: needs 'name' and 'path' (and optionally "
-                    f"'base_model_name'){f'; unknown {unknown}' if unknown else ''}"
+                    f"--lora-modules {entry!r}: 'path' and 'local_path' (its older "
+                    "spelling) differ; give one"
+                )
+            values["path"] = path if path is not None else local_path
+            unknown = sorted(set(values) - {"name", "path", "base_model_name"})
+            named = all(isinstance(values.get(k), str) and values[k] for k in ("name", "path"))
+            if unknown or not named or not isinstance(values.get("base_model_name") or "", str):
+                raise ConfigError(
+                    f"--lora-modules {entry!r}: needs 'name' and 'path' (or 'local_path'), "
+                    f"and optionally 'base_model_name'{f'; unknown {unknown}' if unknown else ''}"
                 )
             modules.append((values["name"], values["path"], values.get("base_model_name")))
             continue
