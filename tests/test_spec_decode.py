@@ -233,9 +233,18 @@ def test_bad_configs():
         ({**NGRAM, "bogus": 1}, "bogus"),
         ({**NGRAM, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
         ({**NGRAM, "max_model_len": 0}, "max_model_len must be a positive integer"),
+        ({**NGRAM, "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
+        ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_min must be between"),
     ]:
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig.from_dict(config)
+
+
+def test_null_ngram_keys_take_the_defaults():
+    config = SpeculativeConfig.from_dict(
+        {**NGRAM, "prompt_lookup_max": None, "prompt_lookup_min": None}
+    )
+    assert (config.prompt_lookup_max, config.prompt_lookup_min) == (5, 1)
 
 
 def test_metrics(checkpoint, tmp_path):

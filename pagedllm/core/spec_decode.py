@@ -89,8 +89,14 @@ class SpeculativeConfig:
         if method == "ngram":
             if values.get("model"):
                 raise fail("method 'ngram' takes no model")
-            config.prompt_lookup_max = int(values.get("prompt_lookup_max", 5))
-            config.prompt_lookup_min = int(values.get("prompt_lookup_min", 1))
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                value = values.get(key)
+                # null means the default, as an absent key does.
+                if value is None:
+                    continue
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise fail(f"{key} must be an integer, not {value!r}")
+                setattr(config, key, value)
             if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
                 raise fail("prompt_lookup_min must be between 1 and prompt_lookup_max")
         elif not config.model:
