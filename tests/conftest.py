@@ -86,6 +86,67 @@ def make_distribution(
     return site
 
 
+def write_plugin_project(
+    root: Path, dist: str, entry_point: str, package: str, files: dict[str, str]
+) -> Path:
+    """Write a pip-installable plugin project (``pyproject.toml`` declaring the ``pagedllm``
+    entry point ``entry_point = package``, and the package's ``files``) under ``root``."""
+    project = root / dist
+    (project / package).mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            [build-system]
+            requires = ["setuptools>=61"]
+            build-backend = "setuptools.build_meta"
+
+            [project]
+            name = "{dist}"
+            version = "1.0.0"
+
+            [project.entry-points.pagedllm]
+            {entry_point} = "{package}"
+
+            [tool.setuptools]
+            packages = ["{package}"]
+            """
+        )
+    )
+    for name, source in files.items():
+        (project / package / name).write_text(textwrap.dedent(source))
+    return project
+
+
+def pip_install_target(site: Path, *projects: Path) -> Path:
+    """``pip install --target site`` the projects, as a user installs a plugin (without
+    touching this environment); a process with ``site`` on ``PYTHONPATH`` finds them."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            *map(str, projects),
+        ],
+        check=True,
+        timeout=300,
+    )
+    return site
+
+
+def env_with_site(site: Path, **extra: str) -> dict[str, str]:
+    """:func:`clean_env` with ``site`` put first on ``PYTHONPATH`` (the rest kept)."""
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return clean_env(PYTHONPATH=os.pathsep.join(paths), **extra)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_engines_left_running():
     """After each test module, the engines its tests left running (an engine freezes

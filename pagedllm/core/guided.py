@@ -118,7 +118,13 @@ class GuidedDecodingManager:
                 f"guided decoding backend {name!r} is not installed (choose from auto, "
                 f"{', '.join(names)})"
             )
-        ordered = [n for n in AUTO_ORDER if n in names] + [n for n in names if n not in AUTO_ORDER]
+        conflict = self.registry.conflict(name) if name != "auto" else None
+        if conflict is not None:
+            raise ValueError(f"cannot use {conflict}")
+        # (A name two plugins claim is never a fallback.)
+        usable = [n for n in names if not self.registry.entry(n).conflicts]
+        ordered = [n for n in AUTO_ORDER if n in usable]
+        ordered += [n for n in usable if n not in AUTO_ORDER]
         if name == "auto":
             return ordered
         if self.disable_fallback:

@@ -26,7 +26,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import CodeType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import pluggy
@@ -34,6 +34,7 @@ import pluggy
 from pagedllm.core import hookspecs
 from pagedllm.core.errors import PluginError
 from pagedllm.core.registry import (
+    BUILTIN_DISTRIBUTION,
     ENV_DISABLE,
     REGISTRY_BASES,
     Registry,
@@ -55,7 +56,6 @@ __all__ = [
 logger = logging.getLogger("pagedllm.plugins")
 
 ENTRY_POINT_GROUP = "pagedllm"
-BUILTIN_DISTRIBUTION = "pagedllm"
 
 ENV_ALLOW = "PAGEDLLM_PLUGINS"
 ENV_STRICT = "PAGEDLLM_STRICT_PLUGINS"
@@ -99,6 +99,8 @@ class PluginManager:
         self.strict = strict
         self.plugins: list[PluginInfo] = []
         self._registries: dict[str, Registry] = {}
+        # Name-collision warnings already given (registries are refilled after a change).
+        self._warned: set[str] = set()
 
     @property
     def hook(self) -> Any:
@@ -264,6 +266,7 @@ class PluginManager:
         while True:
             registry = Registry(kind, REGISTRY_BASES[kind])
             registry.hook_sources = self._impl_sources(caller.get_hookimpls())
+            registry.packages = {p.name: p.distribution for p in self.plugins if p.distribution}
             try:
                 caller(registry=registry)
             except PluginError:
@@ -280,17 +283,22 @@ class PluginManager:
             break
         registry.hook_sources = {}
         self._registries[kind] = registry
+        for message in registry.collisions():
+            if message not in self._warned:
+                self._warned.add(message)
+                logger.warning("pagedllm plugins: %s", message)
         return registry
 
-    def _impl_sources(self, impls: Iterable[Any]) -> dict[CodeType, str]:
-        """The code of each hook implementation -> the name its plugin was loaded under."""
+    def _impl_sources(self, impls: Iterable[Any]) -> dict[int, str]:
+        """The id of the code of each hook implementation -> the name its plugin was
+        loaded under (the plugin's function objects keep the code objects alive)."""
         names = {id(plugin): name for name, plugin in self.pm.list_name_plugin()}
         sources = {}
         for impl in impls:
             function = getattr(impl.function, "__func__", impl.function)
             code = getattr(inspect.unwrap(function), "__code__", None)
             if code is not None:
-                sources[code] = names.get(id(impl.plugin), impl.plugin_name)
+                sources[id(code)] = names.get(id(impl.plugin), impl.plugin_name)
         return sources
 
     def choices(self, kind: str) -> list[str]:
@@ -322,11 +330,11 @@ def _describe_unknown(names: list[str], hook_names: set[str]) -> str:
     return f"{described}; pagedllm's hooks are {', '.join(hooks)}"
 
 
-def _failing_source(tb: TracebackType | None, sources: Mapping[CodeType, str]) -> str | None:
+def _failing_source(tb: TracebackType | None, sources: Mapping[int, str]) -> str | None:
     """The plugin whose hook implementation raised: the innermost one in the traceback."""
     found = None
     while tb is not None:
-        found = sources.get(tb.tb_frame.f_code, found)
+        found = sources.get(id(tb.tb_frame.f_code), found)
         tb = tb.tb_next
     return found
 

@@ -83,6 +83,10 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     if args.quantization not in (None, "auto"):
         pm.load("quantization_methods", args.quantization)
     pm.load("attention_backends", attention_backend_name(device, pm))
+    if args.reasoning_parser is not None:
+        pm.load("reasoning_parsers", args.reasoning_parser)
+    if args.guided_decoding_backend not in (None, "auto"):  # (refused if two plugins claim it)
+        pm.registry("guided_backends").usable_entry(args.guided_decoding_backend)
     _refuse_without_effect(args, device, pm.choices("guided_backends"))
     return device
 
@@ -182,6 +186,8 @@ def resolve_device(name: str, pm: PluginManager) -> Device:
     if name == "auto":
         candidates = []
         for entry in registry:
+            if entry.conflicts:  # (refused when named; "auto" does without it)
+                continue
             cls = registry.load(entry.name)
             if cls.runs_models and cls.is_available():
                 candidates.append(cls)
@@ -191,7 +197,9 @@ def resolve_device(name: str, pm: PluginManager) -> Device:
     cls = registry.load(name)
     reason = cls.unavailable_reason()
     if reason is not None:
-        available = [e.name for e in registry if registry.load(e.name).is_available()]
+        available = [
+            e.name for e in registry if not e.conflicts and registry.load(e.name).is_available()
+        ]
         raise ConfigError(
             f"--device {name}: not available on this machine: {reason}. "
             f"Available devices: {', '.join(available) or 'none'}"

@@ -35,6 +35,10 @@ def build_parser(
     )
     if only is not None:
         names = [only]
+    else:
+        # A name two plugins claim is refused when run (naming both), not in the listing
+        # of all the others.
+        names = [name for name in names if not registry.entry(name).conflicts]
     commands: dict[str, CLISubcommand] = {}
     for name in names:
         command = registry.load(name)()

@@ -16,17 +16,22 @@ if TYPE_CHECKING:
 def plugins_report(pm: PluginManager) -> dict[str, Any]:
     """Plugins and registries as plain data (also used by ``collect-env``)."""
     registries = {}
+    collisions = []
     for kind in REGISTRATION_HOOKS:
+        registry = pm.registry(kind)
         registries[kind] = [
             {
                 "name": entry.name,
                 "target": entry.target_path,
                 "plugin": entry.source,
+                "package": registry.packages.get(entry.source),
                 "override": entry.override,
                 "replaced": list(entry.replaced),
+                "conflicts": list(entry.conflicts),
             }
-            for entry in pm.registry(kind)
+            for entry in registry
         ]
+        collisions.extend(registry.collisions())
     plugins = [
         {
             "name": info.name,
@@ -38,7 +43,7 @@ def plugins_report(pm: PluginManager) -> dict[str, Any]:
         }
         for info in pm.plugins
     ]
-    return {"plugins": plugins, "registries": registries}
+    return {"plugins": plugins, "registries": registries, "collisions": collisions}
 
 
 def format_plugins_report(report: dict[str, Any]) -> str:
@@ -59,11 +64,18 @@ def format_plugins_report(report: dict[str, Any]) -> str:
             lines.append("  (none)")
         for entry in entries:
             note = ""
-            if entry["replaced"]:
-                note = f"  (overrides {', '.join(entry['replaced'])})"
+            if entry["conflicts"]:
+                note = f"  (CONFLICT: also {', '.join(entry['conflicts'])}; refused when used)"
+            elif entry["replaced"]:
+                how = "overrides" if entry["override"] else "kept over"
+                note = f"  ({how} {', '.join(entry['replaced'])})"
             lines.append(
                 f"  {entry['name']:<24} {entry['target']:<56} from {entry['plugin']}{note}"
             )
+    if report["collisions"]:
+        lines.append("")
+        lines.append("Names claimed by more than one plugin:")
+        lines.extend(f"  {message}" for message in report["collisions"])
     return "\n".join(lines)
 
 
@@ -82,4 +94,6 @@ class PluginsSubcommand(CLISubcommand):
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
         report = plugins_report(pm)
         print(json.dumps(report, indent=2) if args.json else format_plugins_report(report))
-        return 1 if pm.failed() else 0
+        # A broken install (a plugin that failed, a name nobody can use) is a non-zero exit.
+        unusable = any(e["conflicts"] for entries in report["registries"].values() for e in entries)
+        return 1 if pm.failed() or unusable else 0

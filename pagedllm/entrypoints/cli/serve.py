@@ -125,6 +125,8 @@ def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> No
             f"{', '.join(pm.choices('tool_parsers')) or 'none installed'}, or a name "
             f"registered by --tool-parser-plugin)"
         )
+    if parser_name is not None:
+        pm.load("tool_parsers", parser_name)  # (a broken or disputed one fails now, by name)
     if frontend_args.enable_auto_tool_choice and parser_name is None:
         raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
     if frontend_args.lora_modules:
