@@ -55,9 +55,21 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: Any, arch: str) -> dict
 
 
 def write_gguf(
-    path: Path, state: dict[str, torch.Tensor], config: Any, arch: str, qtype: GGMLQuantizationType
+    path: Path,
+    state: dict[str, torch.Tensor],
+    config: Any,
+    arch: str,
+    qtype: GGMLQuantizationType,
+    metadata: dict[str, float | int] | None = None,
 ) -> Path:
+    """``metadata``: further keys (``general.sampling.temp``: floats as float32, ints as
+    uint32, as llama.cpp's converter writes them)."""
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_context_length(config.max_position_embeddings)

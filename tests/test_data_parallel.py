@@ -246,12 +246,14 @@ def test_the_head_node_takes_only_the_replicas_it_lacks():
 
     import transformers
 
+    from pagedllm.core.sampling.defaults import SamplingDefaults
     from pagedllm.distributed.replica import EngineFacts, LoadedFacts
     from pagedllm.distributed.replica_nodes import RemoteReplicas, fingerprint
 
     def facts(layers: int) -> EngineFacts:
         config = transformers.LlamaConfig(num_hidden_layers=layers)
-        return EngineFacts(None, 64, 512, "generate", {}, LoadedFacts({}, (2,), config))
+        loaded = LoadedFacts(SamplingDefaults(), (2,), config)
+        return EngineFacts(None, 64, 512, "generate", {}, loaded)
 
     port = free_port()
     parallel = types.SimpleNamespace(

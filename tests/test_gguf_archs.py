@@ -139,3 +139,40 @@ def test_quantization_flag_checks(tmp_path):
         )
     with pytest.raises(ConfigError, match="'dequantize' must be true or false"):
         LLM(str(path), tokenizer=str(directory), model_loader_extra_config={"dequantize": 1})
+
+
+def test_sampling_metadata_gives_the_request_defaults(tmp_path):
+    """llama.cpp's general.sampling.* keys are the model's sampling defaults (with
+    --generation-config auto; a generation_config.json beside the file goes over them;
+    --generation-config vllm reads neither)."""
+    directory = make_checkpoint(tmp_path / "llama", "llama")
+    model = load_reference(directory)
+    sampling = {
+        "general.sampling.temp": 0.6,
+        "general.sampling.top_p": 0.95,
+        "general.sampling.top_k": 20,
+        "general.sampling.min_p": 0.05,
+        "general.sampling.penalty_repeat": 1.1,
+        "general.sampling.mirostat": 0,  # no vLLM sampling field: left to llama.cpp
+    }
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    path = write_gguf(
+        folder / "llama.gguf", model.state_dict(), model.config, "llama", T.F32, sampling
+    )
+
+    def defaults(**kwargs) -> tuple:
+        with LLM(str(path), tokenizer=str(directory), disable_log_stats=True, **kwargs) as llm:
+            params = llm.get_default_sampling_params()
+        return (
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.min_p,
+            params.repetition_penalty,
+        )
+
+    assert defaults() == (0.6, 0.95, 20, 0.05, 1.1)
+    assert defaults(generation_config="vllm") == (1.0, 1.0, 0, 0.0, 1.0)
+    (folder / "generation_config.json").write_text('{"temperature": 0.3}')
+    assert defaults() == (0.3, 0.95, 20, 0.05, 1.1)

@@ -521,6 +521,62 @@ def test_generation_config_defaults(ckpt, llm, tmp_path):
     assert (ignored.temperature, ignored.top_p) == (1.0, 1.0)
 
 
+def test_generation_config_max_new_tokens_caps_every_request(ckpt, tmp_path):
+    """max_new_tokens of --generation-config DIR, or of --override-generation-config, caps
+    every request: the default params, a larger max_tokens, chat and beam search."""
+    from pagedllm import BeamSearchParams
+
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    asked = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for engine_args in (
+        {"generation_config": str(folder)},
+        {"override_generation_config": {"max_new_tokens": 3}},
+    ):
+        with build(ckpt, **engine_args) as llm:
+            assert llm.get_default_sampling_params().max_tokens == 3
+            assert [len(t) for t in tokens(run(llm, PROMPTS[:2], asked))] == [3, 3]
+            assert len(tokens(run(llm, PROMPTS[0], greedy(max_tokens=2)))[0]) == 2
+            (chat,) = llm.chat([{"role": "user", "content": "Hi"}], asked, use_tqdm=False)
+            assert len(chat.outputs[0].token_ids) == 3
+            beams = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
+            (searched,) = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], beams)
+            assert {len(s.tokens) for s in searched.sequences} == {3 + 3}
+
+
+def test_generation_config_layers_and_start_up_log(ckpt, tmp_path, caplog):
+    """--override-generation-config goes over the model folder's generation_config.json,
+    key by key; a key pagedllm does not read, or a value no request could take, is
+    refused; the defaults in effect are logged once at start-up; an unreadable file of
+    the model's own is skipped."""
+    tuned = copy_checkpoint(ckpt, tmp_path / "tuned")
+    generation = json.loads((tuned / "generation_config.json").read_text())
+    generation.update(temperature=0.6, top_k=7, max_new_tokens=5)
+    (tuned / "generation_config.json").write_text(json.dumps(generation))
+    override = {"temperature": 0.3, "max_new_tokens": 4}
+    with caplog.at_level(logging.INFO, logger="pagedllm.model"):
+        llm = build(tuned, override_generation_config=override)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.3, 7, 4)
+    lines = [r.getMessage() for r in caplog.records if "sampling defaults" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "temperature=0.3, top_k=7" in lines[0] and "at most 4" in lines[0], lines[0]
+    assert "generation_config.json" in lines[0] and "--override-generation-config" in lines[0]
+    llm.shutdown()
+    with pytest.raises(ConfigError, match="temprature"):
+        build(ckpt, override_generation_config={"temprature": 0.5})
+    with pytest.raises(ConfigError, match="top_p"):
+        build(ckpt, override_generation_config={"top_p": 0})
+    with pytest.raises(ConfigError, match="no generation_config.json"):
+        build(ckpt, generation_config=str(tmp_path / "nowhere"))
+    # A model's own file that cannot be read is skipped (as vLLM), with a warning.
+    (tuned / "generation_config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="pagedllm.model"), build(tuned) as broken:
+        assert broken.get_default_sampling_params().temperature == 1.0
+    assert any("sampling without it" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------------------- shutdown
 
 

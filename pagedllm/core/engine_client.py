@@ -31,7 +31,7 @@ class EngineInfo(Protocol):
     task: str
     # task -> PoolerConfig of each pooling task the model serves (empty for generation)
     pooler_configs: dict[str, Any]
-    # generation_defaults, eos_token_ids and hf_config
+    # sampling_defaults, eos_token_ids and hf_config
     loaded: Any
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.core.default_model import DEFAULT_MODEL, embedded_generation_config
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.rotary import rope_parameters
 from pagedllm.core.loading import (
@@ -18,6 +20,7 @@ from pagedllm.core.loading import (
     loader_for_quantization,
 )
 from pagedllm.core.model_files import resolve_model_path
+from pagedllm.core.sampling.defaults import SamplingDefaults
 from pagedllm.distributed.parallel_state import building
 
 if TYPE_CHECKING:
@@ -36,8 +39,6 @@ _DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-# Sampling defaults a model's generation_config.json may set (vLLM's list).
-_GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,10 +50,8 @@ class LoadedModel:
     max_model_len: int
     architecture: str
     eos_token_ids: tuple[int, ...]
-    # Non-default sampling settings from the generation config (plus overrides).
-    generation_defaults: dict[str, Any]
-    # max_new_tokens of the generation config: a server-wide cap, or None.
-    max_new_tokens: int | None
+    # The generation config's sampling defaults and output cap (max_new_tokens).
+    sampling_defaults: SamplingDefaults
     load_seconds: float
 
 
@@ -201,30 +200,65 @@ def load_tokenizer(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
     return tokenizer
 
 
-def generation_defaults(config: PagedLLMConfig, hf_config: Any) -> tuple[dict[str, Any], Any]:
-    """``(sampling defaults, raw generation-config dict)`` per ``--generation-config``."""
+def generation_config(
+    config: PagedLLMConfig, loader: ModelLoader | None = None
+) -> tuple[SamplingDefaults, dict[str, Any]]:
+    """``(sampling defaults, generation-config dict)`` as ``--generation-config`` says:
+    with ``auto`` the model's own, layered: the embedded default model's recommended
+    settings, then what the checkpoint carries (``loader.generation_config``, e.g. GGUF
+    metadata), then the model folder's ``generation_config.json``; with a folder path
+    that folder's file; with ``vllm`` none. ``--override-generation-config`` comes last."""
     mc = config.model_config
     raw: dict[str, Any] = {}
-    if mc.generation_config not in ("vllm", "pagedllm"):
-        source = mc.model if mc.generation_config == "auto" else mc.generation_config
-        try:
-            path = resolve_model_path(source, revision=mc.revision)
-            if path.is_file():  # a single-file checkpoint (GGUF): look beside it
-                path = path.parent
-            if not (path / "generation_config.json").is_file():
-                # (Checked first: a model without one needs no transformers import.)
-                raise OSError(f"no generation_config.json in {path}")
-            from transformers import GenerationConfig
+    sources: list[str] = []
 
-            raw = GenerationConfig.from_pretrained(path).to_diff_dict()
-        except (OSError, ConfigError):
-            if mc.generation_config != "auto":
-                raise ConfigError(
-                    f"--generation-config {mc.generation_config}: no generation_config.json there"
-                ) from None
-    raw.update(mc.override_generation_config)
-    defaults = {k: raw[k] for k in _GENERATION_DEFAULTS if k in raw}
+    def add(layer: dict[str, Any] | None, source: str) -> None:
+        if layer:
+            raw.update(layer)
+            sources.append(source)
+
+    if mc.generation_config == "auto":
+        try:
+            path = resolve_model_path(
+                mc.model, revision=mc.revision, download_dir=config.load_config.download_dir
+            )
+        except ConfigError:  # a location only its loader reads (a streamed checkpoint)
+            path = None
+        if path is not None:
+            add(embedded_generation_config(path), f"the recommended settings of {DEFAULT_MODEL}")
+        if loader is not None:
+            add(loader.generation_config(mc), f"the metadata of {mc.model}")
+        if path is not None:
+            folder = path.parent if path.is_file() else path  # a GGUF file: look beside it
+            try:
+                add(_read_generation_config(folder), str(folder / "generation_config.json"))
+            except ConfigError as exc:  # (as vLLM: a model's unreadable file is skipped)
+                logger.warning("%s; sampling without it", exc)
+    elif mc.generation_config not in ("vllm", "pagedllm"):
+        folder = Path(mc.generation_config).expanduser()
+        read = _read_generation_config(folder)
+        if read is None:
+            raise ConfigError(
+                f"--generation-config {mc.generation_config}: no generation_config.json there "
+                f"(the choices are auto, vllm or a folder holding one)"
+            )
+        add(read, str(folder / "generation_config.json"))
+    add(mc.override_generation_config, "--override-generation-config")
+    defaults = SamplingDefaults.from_generation_config(raw, " + ".join(sources))
     return defaults, raw
+
+
+def _read_generation_config(folder: Path) -> dict[str, Any] | None:
+    """The non-default values of ``folder/generation_config.json``, or ``None``."""
+    if not (folder / "generation_config.json").is_file():
+        # (Checked first: a model without one needs no transformers import.)
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {folder / 'generation_config.json'}: {exc}") from exc
 
 
 def _eos_ids(tokenizer: Any, hf_config: Any, generation: dict[str, Any]) -> tuple[int, ...]:
@@ -262,6 +296,9 @@ class BuiltModel:
     max_model_len: int
     architecture: str
     quant: QuantizationConfig | None
+    sampling_defaults: SamplingDefaults
+    # The generation config as read (its eos_token_id, ...).
+    generation: dict[str, Any]
 
 
 def choose_implementation(
@@ -321,6 +358,7 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
     # The tokenizer comes before the weights, so that a tokenizer the options refuse
     # (--tokenizer-mode slow without a slow one) or cannot find fails before the long part.
     tokenizer = load_tokenizer(config, loader)
+    sampling_defaults, generation = generation_config(config, loader)
     model_cls = registry.load(model_name)
     # (With several ranks the engine checked model_cls.check_tensor_parallel before any
     # rank started: its layers shard themselves as they are built.)
@@ -353,6 +391,8 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
         max_model_len=max_model_len,
         architecture=architecture,
         quant=quant,
+        sampling_defaults=sampling_defaults,
+        generation=generation,
     )
 
 
@@ -389,7 +429,6 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
     model = model.to(config.device_config.torch_device).eval()
     model.process_weights_after_loading()
     _return_freed_memory()
-    defaults, generation = generation_defaults(config, built.hf_config)
     seconds = time.perf_counter() - start
     logger.info(
         "loaded %s (%s, %s%s) in %.2f s: %.0f MiB of weights; context length %d",
@@ -401,6 +440,8 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
         sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         built.max_model_len,
     )
+    if built.sampling_defaults.values or built.sampling_defaults.max_tokens is not None:
+        logger.info("%s", built.sampling_defaults.describe())
     return LoadedModel(
         hf_config=built.hf_config,
         model=model,
@@ -408,9 +449,8 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
         dtype=built.dtype,
         max_model_len=built.max_model_len,
         architecture=built.architecture,
-        eos_token_ids=_eos_ids(built.tokenizer, built.hf_config, generation),
-        generation_defaults=defaults,
-        max_new_tokens=generation.get("max_new_tokens"),
+        eos_token_ids=_eos_ids(built.tokenizer, built.hf_config, built.generation),
+        sampling_defaults=built.sampling_defaults,
         load_seconds=seconds,
     )
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.engine import LLMEngine
+    from pagedllm.core.sampling.defaults import SamplingDefaults
 
 logger = logging.getLogger("pagedllm.replica")
 
@@ -56,7 +57,7 @@ logger = logging.getLogger("pagedllm.replica")
 class LoadedFacts:
     """The parts of ``LoadedModel`` the server reads."""
 
-    generation_defaults: dict[str, Any]
+    sampling_defaults: SamplingDefaults
     eos_token_ids: tuple[int, ...]
     hf_config: Any
 
@@ -88,7 +89,7 @@ class EngineFacts:
             task=engine.task,
             pooler_configs=dict(engine.pooler_configs),
             loaded=LoadedFacts(
-                dict(loaded.generation_defaults), tuple(loaded.eos_token_ids), loaded.hf_config
+                loaded.sampling_defaults, tuple(loaded.eos_token_ids), loaded.hf_config
             ),
             settings=(
                 str(loaded.dtype),

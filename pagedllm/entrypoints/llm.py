@@ -289,6 +289,8 @@ class LLM:
         :mod:`pagedllm.core.beam_search`)."""
         engine = self.llm_engine
         token_lists = [engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        capped = engine.loaded.sampling_defaults.cap(params.max_tokens)
+        params = dataclasses.replace(params, max_tokens=capped)
         eos = engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else None
         search = BeamSearch(token_lists, params, eos)
         from tqdm import tqdm

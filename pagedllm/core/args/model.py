@@ -184,8 +184,11 @@ class ModelArgs:
     generation_config: str = arg(
         "auto",
         group="ModelConfig",
-        help="Where to read the generation config from: 'auto' (the model folder), 'vllm' (none; "
-        "use pagedllm's defaults) or a folder path. Its max_new_tokens caps every request.",
+        help="Where to read the generation config from: 'auto' (the model's own: its folder's "
+        "generation_config.json, a GGUF file's general.sampling.* keys, the default model's "
+        "recommended settings), 'vllm' (none; use pagedllm's defaults) or a folder path. Its "
+        "temperature, top_p, top_k, min_p and repetition_penalty are the defaults of requests "
+        "that do not set them; its max_new_tokens caps every request.",
     )
     override_generation_config: dict[str, Any] = arg(
         {},

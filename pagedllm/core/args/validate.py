@@ -24,6 +24,7 @@ from pagedllm.core.args.checks import (
 from pagedllm.core.args.scheduling import SchedulingArgs
 from pagedllm.core.args.spec import declared_default, is_default, option_name
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.sampling.defaults import check_generation_override
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
@@ -70,6 +71,7 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     _raise_if_any(refused_fields(args))
     _raise_if_any(invalid_choices(args, pm.choices))
     _raise_if_any(invalid_values(args))
+    check_generation_override(args.override_generation_config or {})
     for warning in apply_deprecated_aliases(args):
         logger.warning("%s", warning)
     for note in no_op_fields(args):

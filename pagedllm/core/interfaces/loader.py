@@ -44,6 +44,12 @@ class ModelLoader(ABC):
         as GGUF that embed their config override this."""
         return None
 
+    def generation_config(self, model_config: ModelConfig) -> dict[str, Any] | None:
+        """The generation settings the checkpoint itself recommends, in
+        ``generation_config.json``'s names (``temperature``, ``top_p``, ...), or ``None``.
+        A ``generation_config.json`` beside the checkpoint takes precedence over them."""
+        return None
+
     def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
         """The tokenizer the checkpoint itself carries, or ``None`` to load it from the
         model directory as usual. ``kwargs`` are ``AutoTokenizer.from_pretrained`` ones."""

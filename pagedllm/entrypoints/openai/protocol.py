@@ -12,11 +12,14 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.sampling.defaults import SamplingDefaults
 
 # Far above any sensible request; a bound keeps absurd values from being attempted.
 MAX_N = 128
@@ -239,25 +242,20 @@ class SamplingFields(OpenAIModel):
         self,
         max_tokens: int | None,
         logprobs: int | None,
-        defaults: dict[str, Any],
+        defaults: SamplingDefaults,
     ) -> SamplingParams:
         """The engine's SamplingParams; unset fields take the model's generation defaults
-        (then OpenAI's)."""
-
-        def pick(name: str, fallback: Any) -> Any:
-            value = getattr(self, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(
+        (then OpenAI's), and ``max_tokens`` its cap."""
+        return defaults.sampling_params(
             n=self.n,
             best_of=self.best_of,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
+            repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pagedllm.core.interfaces import ReasoningParser, ToolParser
     from pagedllm.core.pooling import PoolingParams
     from pagedllm.core.sampling import SamplingParams
+    from pagedllm.core.sampling.defaults import SamplingDefaults
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
     from pagedllm.lora.request import LoRARequest
@@ -131,9 +132,9 @@ class OpenAIServing:
         return self.model_names[0]
 
     @property
-    def generation_defaults(self) -> dict[str, Any]:
-        """The model's generation-config sampling defaults."""
-        return self.engine.engine.loaded.generation_defaults
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's sampling defaults and output cap (its generation config)."""
+        return self.engine.engine.loaded.sampling_defaults
 
     def new_usage(self, prompts: list[PreparedPrompt]) -> Usage:
         return Usage(

@@ -32,7 +32,7 @@ async def create_chat_completion(
     params = request.sampling_params(
         serving.max_tokens(requested, prompt),
         top if request.logprobs else None,
-        serving.generation_defaults,
+        serving.sampling_defaults,
     )
     tools = plan_tool_calls(
         request,

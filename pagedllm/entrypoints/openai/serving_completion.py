@@ -33,7 +33,7 @@ async def create_completion(
     params_list = []
     for prompt in prompts:
         params = request.sampling_params(
-            serving.max_tokens(max_tokens, prompt), request.logprobs, serving.generation_defaults
+            serving.max_tokens(max_tokens, prompt), request.logprobs, serving.sampling_defaults
         )
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs
@@ -173,6 +173,7 @@ async def beam_search_completion(
     :mod:`pagedllm.core.beam_search`)."""
     width = request.best_of or request.n
     max_tokens = min(serving.max_tokens(request.max_tokens, p) for p in prompts)
+    max_tokens = serving.sampling_defaults.cap(max_tokens)
     params = BeamSearchParams(
         beam_width=width,
         max_tokens=max_tokens,

@@ -104,6 +104,10 @@ class AutoLoader(FileLoader):
         gguf = self.gguf_loader(model_config)
         return None if gguf is None else gguf.hf_config(model_config)
 
+    def generation_config(self, model_config: ModelConfig) -> dict[str, Any] | None:
+        gguf = self.gguf_loader(model_config)
+        return None if gguf is None else gguf.generation_config(model_config)
+
     def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
         gguf = self.gguf_loader(model_config)
         return None if gguf is None else gguf.load_tokenizer(model_config, **kwargs)

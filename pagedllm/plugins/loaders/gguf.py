@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelLoader
 from pagedllm.core.model_files import cache_dir, resolve_model_path
@@ -33,6 +35,15 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("pagedllm.loaders.gguf")
+
+# llama.cpp's recommended-sampler metadata keys -> the generation-config names.
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 def reverse_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -194,6 +205,20 @@ class GGUFLoader(ModelLoader):
                 packed[target] = int(info.qtype)
         config.quantization_config = {"quant_method": "gguf", "tensor_types": packed}
         return config
+
+    def generation_config(self, model_config: ModelConfig) -> dict[str, Any] | None:
+        """The sampling settings llama.cpp's converter stores as ``general.sampling.*``
+        (from the model's generation_config.json); keys with no vLLM sampling field
+        (mirostat, xtc, ...) are left to llama.cpp."""
+        metadata = self.gguf_file(model_config).metadata
+        found = {}
+        for key, name in SAMPLING_KEYS.items():
+            value = metadata.get(key)
+            if isinstance(value, float):
+                value = float(str(np.float32(value)))  # 0.2, not float32's 0.200000003
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                found[name] = value
+        return found or None
 
     def load_tokenizer(self, model_config: ModelConfig, **kwargs: Any) -> Any:
         """The tokenizer transformers converts from the file's metadata, cached as its
