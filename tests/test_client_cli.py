@@ -248,6 +248,38 @@ def test_bench_serve_chat_endpoint_with_poisson_arrivals(server: str) -> None:
     assert "Mean E2EL (ms):" in result.stdout and "TPOT" not in result.stdout
 
 
+def _finished_requests(server: str) -> float:
+    text = httpx.get(server + "/metrics", timeout=10).text
+    name = "pagedllm:request_success_total"
+    lines = [line for line in text.splitlines() if line.startswith(name)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_bench_serve_prefix_repetition_and_warmups(server: str) -> None:
+    """vLLM's prefix-repetition dataset (2 prefixes x 2 prompts of 8 + 4 tokens) and
+    --num-warmups: the server finishes the test request, 3 warm-up requests, then the 4
+    measured ones."""
+    before = _finished_requests(server)
+    result = run_cli(
+        "bench", "serve", "--base-url", server, "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "8", "--prefix-repetition-suffix-len", "4",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+        "--num-prompts", "4", "--num-warmups", "3", "--ignore-eos", "--disable-tqdm",
+        env=user_env(OPENAI_API_KEY=API_KEY),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Warming up with 3 requests..." in result.stdout
+    assert "Total input tokens:                      48" in result.stdout
+    assert "Total generated tokens:                  12" in result.stdout
+    assert _finished_requests(server) - before == 1 + 3 + 4
+    refused = run_cli(
+        "bench", "serve", "--base-url", server, "--random-input-len", "8",
+        "--dataset-path", "x.json", env=user_env(OPENAI_API_KEY=API_KEY),
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "--random-input-len applies to --dataset-name random, not sharegpt" in refused.stderr
+
+
 def test_bench_serve_connection_error(server: str) -> None:
     result = run_cli("bench", "serve", "--port", str(free_port()), env=user_env())
     assert result.returncode == 1

@@ -307,7 +307,9 @@ def test_pooling_over_two_ranks(parallel, tmp_path):
 def _worker_pids(server: RemoteServer) -> list[int]:
     assert server.proc is not None
     children = psutil.Process(server.proc.pid).children(recursive=True)
-    return [c.pid for c in children if "spawn_main" in " ".join(c.cmdline())]
+    # (Workers are new interpreters running pagedllm's worker module.)
+    worker = "pagedllm.distributed.worker_process"
+    return [c.pid for c in children if worker in " ".join(c.cmdline())]
 
 
 @pytest.mark.parametrize(

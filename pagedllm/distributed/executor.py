@@ -3,7 +3,8 @@ mp``; ``ray`` runs the same ranks as Ray actors, :mod:`pagedllm.distributed.ray_
 
 The engine's process is rank 0: it schedules, computes its shard of every step (or, with
 pipeline parallelism, the first stage: see :mod:`pagedllm.distributed.pipeline`) and
-samples. Ranks 1 to N - 1 are processes started here (``spawn``), each joining the
+samples. Ranks 1 to N - 1 are processes started here (new interpreters that do not run
+the user's script, by default: :mod:`pagedllm.distributed.worker_start`), each joining the
 ``torch.distributed`` group, building its shard of the model and then following rank 0:
 every step rank 0 sends them the step's :class:`~pagedllm.core.runner.StepInput` through a
 pipe (one pickled message per step, no per-layer calls) and they compute the same
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import pickle
 import socket
 import threading
@@ -33,6 +33,7 @@ import torch
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed
+from pagedllm.distributed.worker_start import LoadGate, RankStarter
 
 logger = logging.getLogger(__name__)
 
@@ -74,25 +75,19 @@ class WorkerGroup:
         self.size = size
         self.config = config
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = multiprocessing.get_context("spawn")
+        # (Refuses at once a script that each worker would run again.)
+        starter = RankStarter(config, _kind(config))
         # --max-parallel-loading-workers: how many ranks (rank 0 too) load at once.
         limit = config.parallel_config.max_parallel_loading_workers
-        self.load_gate = context.Semaphore(limit) if limit else None
+        self.load_gate = LoadGate(limit) if limit else None
         self.conns: list[Connection] = []
-        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.procs: list[Any] = []
         self._closed = False
         try:
             for rank in range(1, size):
-                parent, child = context.Pipe()
-                proc = context.Process(
-                    target=worker_main,
-                    args=(config, rank, size, self.init_method, child, self.load_gate),
-                    name=f"pagedllm-worker-{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child.close()
-                self.conns.append(parent)
+                args = (rank, size, self.init_method, self.load_gate)
+                conn, proc = starter.start(rank, args, worker_main, list(self.conns))
+                self.conns.append(conn)
                 self.procs.append(proc)
         except BaseException:
             self.shutdown()
@@ -182,6 +177,13 @@ class WorkerGroup:
                 proc.join(timeout=5)
         for conn in self.conns:
             conn.close()
+        if self.load_gate is not None:
+            self.load_gate.remove()
+
+
+def _kind(config: Any) -> str:
+    parallel = config.parallel_config
+    return "tensor-parallel" if parallel.pipeline_parallel_size == 1 else "pipeline-parallel"
 
 
 def world_size(config: Any) -> int:
@@ -395,11 +397,21 @@ class WorkerRank:
 
 
 def worker_main(
-    config: Any, rank: int, size: int, init_method: str, conn: Connection, load_gate: Any = None
+    config: Any,
+    rank: int,
+    size: int,
+    init_method: str,
+    load_gate: Any,
+    conn: Connection,
+    inherited: list[Connection] | tuple[()] = (),
 ) -> None:
     """A worker process: a :class:`WorkerRank` doing what rank 0's
     messages say (``load`` first, then ``profile``, ``cache``, ``follow``; a method's
-    answer goes back) until ``stop`` or until rank 0 is gone."""
+    answer goes back) until ``stop`` or until rank 0 is gone. ``inherited``: rank 0's
+    pipe ends that a forked worker holds copies of, closed first (else it would not see
+    rank 0's end close)."""
+    for end in inherited:
+        end.close()
     logging.basicConfig(level=logging.WARNING)
     worker = WorkerRank(config, rank, size, init_method, load_gate=load_gate)
     try:

@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
+from pagedllm.entrypoints.cli.bench_data import (
+    add_dataset_args,
+    check_dataset_flags,
+    synthetic_requests,
+    warmup_requests,
+)
+from pagedllm.entrypoints.cli.bench_serve_client import BenchError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
 from pagedllm.entrypoints.cli.types import CLISubcommand
 
@@ -37,8 +44,12 @@ def _add_temperature(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_latency_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-len", type=int, default=32, help="Prompt length in tokens.")
-    parser.add_argument("--output-len", type=int, default=128, help="Tokens to generate.")
+    parser.add_argument(
+        "--input-len", type=int, default=None, help="Prompt length in tokens (default 32)."
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=None, help="Tokens to generate (default 128)."
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="Prompts per batch.")
     parser.add_argument("--n", type=int, default=1, help="Sequences per prompt.")
     parser.add_argument(
@@ -52,16 +63,15 @@ def _add_latency_args(parser: argparse.ArgumentParser) -> None:
         help="Do not detokenize the outputs (measures the engine alone).",
     )
     parser.add_argument("--output-json", default=None, help="Write the results to this file.")
+    add_dataset_args(
+        parser,
+        ("random", "prefix_repetition"),
+        "Warm-up iterations (batches), vLLM bench serve's spelling of --num-iters-warmup, "
+        "which it overrides",
+    )
 
 
 def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dataset-name",
-        choices=("random", "sharegpt"),
-        default=None,
-        help="Prompts: random token ids, or a ShareGPT-style JSON file "
-        "(--dataset-path). Default: sharegpt with --dataset-path, else random.",
-    )
     parser.add_argument(
         "--dataset-path",
         default=None,
@@ -71,25 +81,20 @@ def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
         "--input-len",
         type=int,
         default=None,
-        help="Prompt length of the random dataset (default 1024).",
+        help="Prompt length of the random dataset (--random-input-len wins; default 1024).",
     )
     parser.add_argument(
         "--output-len",
         type=int,
         default=None,
-        help="Output length (default 128; with ShareGPT, the reply's length).",
-    )
-    parser.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="Random lengths vary uniformly by this fraction around the mean.",
+        help="Output length (--random-output-len or --prefix-repetition-output-len wins; "
+        "default 128; with ShareGPT, the reply's length).",
     )
     parser.add_argument(
         "--prefix-len",
         type=int,
-        default=0,
-        help="Random tokens shared by every random prompt, before its own.",
+        default=None,
+        help="Random tokens shared by every random prompt (--random-prefix-len wins).",
     )
     parser.add_argument("--n", type=int, default=1, help="Sequences per prompt.")
     parser.add_argument("--num-prompts", type=int, default=1000, help="Number of prompts.")
@@ -100,6 +105,11 @@ def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
         help="Do not detokenize the outputs (measures the engine alone).",
     )
     parser.add_argument("--output-json", default=None, help="Write the results to this file.")
+    add_dataset_args(
+        parser,
+        ("random", "sharegpt", "prefix_repetition"),
+        "Requests run before the measured run (the benchmark's own), unmeasured (default 0)",
+    )
 
 
 class BenchSubcommand(CLISubcommand):
@@ -134,6 +144,7 @@ class BenchSubcommand(CLISubcommand):
             return run_serve_bench(args)
         from pagedllm.entrypoints.llm import LLM
 
+        _check_dataset(args)
         engine_args = EngineArgs.from_cli_args(args)
         defaults = EngineArgs()
         kwargs = {k: v for k, v in vars(engine_args).items() if v != getattr(defaults, k)}
@@ -152,26 +163,41 @@ class BenchSubcommand(CLISubcommand):
         return 0
 
 
-def _random_prompts(
-    vocab_size: int,
-    count: int,
-    input_len: int,
-    range_ratio: float,
-    prefix_len: int,
-    rng: random.Random,
-) -> list[list[int]]:
-    # Skip the lowest ids: tokenizers keep special tokens there.
-    low, high = min(100, vocab_size // 4), vocab_size - 1
-    prefix = [rng.randint(low, high) for _ in range(prefix_len)]
-    prompts = []
-    for _ in range(count):
-        length = input_len
-        if range_ratio:
-            length = rng.randint(
-                max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
-            )
-        prompts.append(prefix + [rng.randint(low, high) for _ in range(length)])
-    return prompts
+# The flags of each command that a dataset reads besides its own (bench_data).
+_OWN_FLAGS = {
+    "latency": {"random": ("input_len",)},
+    "throughput": {"random": ("input_len", "prefix_len"), "sharegpt": ("dataset_path",)},
+}
+
+
+def _dataset(args: argparse.Namespace) -> str:
+    if args.dataset_name:
+        return args.dataset_name
+    return "sharegpt" if getattr(args, "dataset_path", None) else "random"
+
+
+def _check_dataset(args: argparse.Namespace) -> None:
+    """The dataset's flags, checked before the engine starts."""
+    dataset = _dataset(args)
+    try:
+        check_dataset_flags(args, dataset, _OWN_FLAGS[args.bench_type])
+    except BenchError as exc:
+        raise ConfigError(str(exc)) from None
+    if dataset == "sharegpt" and not args.dataset_path:
+        raise ConfigError("--dataset-name sharegpt needs --dataset-path")
+
+
+def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: random.Random) -> Any:
+    fallbacks = {
+        "random_input_len": args.input_len,
+        "random_output_len": args.output_len,
+        "random_prefix_len": getattr(args, "prefix_len", None),
+        "prefix_repetition_output_len": args.output_len,
+    }
+    try:
+        return synthetic_requests(args, _dataset(args), count, vocab_size, rng, fallbacks)
+    except BenchError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -180,36 +206,51 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.core.sampling import SamplingParams
 
     engine = llm.llm_engine
-    rng = random.Random(0)
-    prompts = [
-        {"prompt_token_ids": p}
-        for p in _random_prompts(engine.vocab_size, args.batch_size, args.input_len, 0, 0, rng)
+    # (Latency's own defaults, which the random dataset's flags override.)
+    args.input_len = 32 if args.input_len is None else args.input_len
+    args.output_len = 128 if args.output_len is None else args.output_len
+    requests = _synthetic(args, args.batch_size, engine.vocab_size, random.Random(0))
+    prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+    params = [
+        SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=r.output_len,
+            detokenize=not args.disable_detokenize,
+        )
+        for r in requests
     ]
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=1.0,
-        ignore_eos=True,
-        max_tokens=args.output_len,
-        detokenize=not args.disable_detokenize,
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(r.output_len for r in requests) * args.n
+    print(
+        f"Latency: batch {len(requests)}, {prompt_tokens} prompt tokens, "
+        f"{output_tokens} output tokens"
     )
-    print(f"Latency: batch {args.batch_size}, {args.input_len} in / {args.output_len} out")
+
+    last: list[Any] = []
 
     def run_once() -> float:
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        last[:] = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    for _ in range(args.num_iters_warmup):
+    warmups = args.num_iters_warmup if args.num_warmups is None else args.num_warmups
+    for _ in range(warmups):
         run_once()
     latencies = np.array([run_once() for _ in range(args.num_iters)])
     percentiles = np.percentile(latencies, PERCENTILES)
     print(f"Avg latency: {latencies.mean():.4f} seconds")
     for p, value in zip(PERCENTILES, percentiles, strict=True):
         print(f"{p}% percentile latency: {value:.4f} seconds")
-    decode_ms = latencies.mean() / args.output_len * 1000
+    output_len = output_tokens / (len(requests) * args.n)
+    decode_ms = latencies.mean() / output_len * 1000
     print(f"Per output token: {decode_ms:.2f} ms ({1000 / decode_ms:.1f} tokens/s per sequence)")
     return {
+        # (Of one batch, as it ran.)
+        "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in last),
+        "num_output_tokens": sum(len(c.token_ids) for o in last for c in o.outputs),
         "avg_latency": float(latencies.mean()),
         "latencies": latencies.tolist(),
         "percentiles": {str(p): float(v) for p, v in zip(PERCENTILES, percentiles, strict=True)},
@@ -247,26 +288,12 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.core.sampling import SamplingParams
 
     engine = llm.llm_engine
-    rng = random.Random(0)
-    dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
-    if dataset == "sharegpt":
-        if not args.dataset_path:
-            raise ConfigError("--dataset-name sharegpt needs --dataset-path")
+    rng = random.Random(0 if args.seed is None else args.seed)
+    if _dataset(args) == "sharegpt":
         pairs = _sharegpt_prompts(llm, args.dataset_path, args.num_prompts, args.output_len, rng)
     else:
-        if args.dataset_path:
-            raise ConfigError("--dataset-path is only read with --dataset-name sharegpt")
-        input_len = args.input_len or 1024
-        output_len = args.output_len or 128
-        prompts = _random_prompts(
-            engine.vocab_size,
-            args.num_prompts,
-            input_len,
-            args.random_range_ratio,
-            args.prefix_len,
-            rng,
-        )
-        pairs = [(p, output_len) for p in prompts]
+        requests = _synthetic(args, args.num_prompts, engine.vocab_size, rng)
+        pairs = [(r.prompt, r.output_len) for r in requests]
     params = [
         SamplingParams(
             n=args.n,
@@ -278,8 +305,13 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
         )
         for _, length in pairs
     ]
+    prompts = [{"prompt_token_ids": p} for p, _ in pairs]
+    warmup = warmup_requests(list(range(len(pairs))), args.num_warmups)
+    if warmup:
+        print(f"Warming up with {len(warmup)} requests...")
+        llm.generate([prompts[i] for i in warmup], [params[i] for i in warmup], use_tqdm=False)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in pairs], params)
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)

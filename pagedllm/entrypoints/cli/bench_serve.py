@@ -59,26 +59,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Local tokenizer for prompt lengths; default: the server's /tokenize.",
     )
-    data = parser.add_argument_group("Dataset")
-    data.add_argument(
-        "--dataset-name",
-        choices=("random", "sharegpt"),
-        default=None,
-        help="Default: sharegpt with --dataset-path, else random.",
+    from pagedllm.entrypoints.cli.bench_data import add_dataset_args
+
+    data = add_dataset_args(
+        parser,
+        ("random", "sharegpt", "prefix_repetition"),
+        "Requests sent before the benchmark (from its own, at --max-concurrency), unmeasured "
+        "(default 0)",
     )
     data.add_argument("--dataset-path", default=None, help="A ShareGPT-style JSON file.")
     data.add_argument("--num-prompts", type=int, default=1000, help="Requests to send.")
-    data.add_argument("--random-input-len", type=int, default=1024, help="Random prompt length.")
-    data.add_argument("--random-output-len", type=int, default=128, help="Random output length.")
-    data.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="Random lengths are uniform in [len*(1-r), len*(1+r)].",
-    )
-    data.add_argument(
-        "--random-prefix-len", type=int, default=0, help="Random tokens shared by every prompt."
-    )
     data.add_argument(
         "--sharegpt-output-len",
         type=int,
@@ -161,23 +151,25 @@ def _resolve_endpoint(args: argparse.Namespace) -> str:
 def _requests(
     args: argparse.Namespace, server: ServerInfo, model: str, max_model_len: int
 ) -> list[RequestInput]:
+    from pagedllm.entrypoints.cli.bench_data import check_dataset_flags, synthetic_requests
     from pagedllm.entrypoints.cli.bench_serve_data import (
         LocalTokenizer,
         ServerTokenizer,
-        random_requests,
         sharegpt_requests,
     )
 
+    dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    check_dataset_flags(args, dataset, {"sharegpt": ("dataset_path", "sharegpt_output_len")})
+    if dataset == "sharegpt" and not args.dataset_path:
+        raise BenchError("--dataset-name sharegpt needs --dataset-path")
     rng = random.Random(args.seed)
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(server, model)
-    dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
     if dataset == "sharegpt":
-        if not args.dataset_path:
-            raise BenchError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_requests(args, tokenizer, max_model_len, rng)
-    if args.dataset_path:
-        raise BenchError("--dataset-path is only read with --dataset-name sharegpt")
-    return random_requests(args, tokenizer, rng)
+    decode = tokenizer.decode if args.endpoint == CHAT_ENDPOINT else None
+    return synthetic_requests(
+        args, dataset, args.num_prompts, tokenizer.vocab_size(), rng, decode=decode
+    )
 
 
 async def _arrivals(
@@ -196,6 +188,8 @@ async def benchmark(
     import httpx
     from tqdm import tqdm
 
+    from pagedllm.entrypoints.cli.bench_data import warmup_requests
+
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(6 * 3600, connect=30)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -211,6 +205,15 @@ async def benchmark(
                 "Initial test run failed - Please make sure benchmark arguments are correctly "
                 f"specified. Error: {test.error}"
             )
+        if args.num_warmups:
+            print(f"Warming up with {args.num_warmups} requests...")
+            warmup = asyncio.Semaphore(args.max_concurrency or args.num_warmups)
+
+            async def warm(request: RequestInput) -> RequestResult:
+                async with warmup:
+                    return await send(request)
+
+            await asyncio.gather(*(warm(r) for r in warmup_requests(requests, args.num_warmups)))
         print("Initial test run completed. Starting main benchmark run...")
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness}")

@@ -1,4 +1,5 @@
-"""Prompts for ``pagedllm bench serve``: random token ids or a ShareGPT file.
+"""Prompts for ``pagedllm bench serve``: a ShareGPT file, or the synthetic datasets of
+:mod:`pagedllm.entrypoints.cli.bench_data` (decoded to text for the chat endpoint).
 
 Token counts come from a local tokenizer (``--tokenizer``) or, by default, from the
 server's ``/tokenize`` and ``/detokenize`` endpoints.
@@ -11,13 +12,7 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-from pagedllm.entrypoints.cli.bench import _random_prompts
-from pagedllm.entrypoints.cli.bench_serve_client import (
-    CHAT_ENDPOINT,
-    BenchError,
-    RequestInput,
-    ServerInfo,
-)
+from pagedllm.entrypoints.cli.bench_serve_client import BenchError, RequestInput, ServerInfo
 
 # Upper bound of the vocabulary-size search on a server's /detokenize.
 _MAX_VOCAB = 1 << 22
@@ -93,34 +88,6 @@ class ServerTokenizer:
         if text is None:
             raise BenchError("/detokenize refused a random prompt")
         return text
-
-
-def _length(mean: int, ratio: float, rng: random.Random) -> int:
-    if not ratio:
-        return mean
-    return rng.randint(max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio))))
-
-
-def random_requests(args: Any, tokenizer: Tokenizer, rng: random.Random) -> list[RequestInput]:
-    """Random token ids; the chat endpoint gets them decoded to text."""
-    if not 0 <= args.random_range_ratio < 1:
-        raise BenchError("--random-range-ratio must be in [0, 1)")
-    prompts = _random_prompts(
-        tokenizer.vocab_size(),
-        args.num_prompts,
-        args.random_input_len,
-        args.random_range_ratio,
-        args.random_prefix_len,
-        rng,
-    )
-    requests = []
-    for ids in prompts:
-        output_len = _length(args.random_output_len, args.random_range_ratio, rng)
-        prompt: str | list[int] = ids
-        if args.endpoint == CHAT_ENDPOINT:
-            prompt = tokenizer.decode(ids)
-        requests.append(RequestInput(prompt, len(ids), output_len))
-    return requests
 
 
 def sharegpt_requests(
