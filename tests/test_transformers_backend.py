@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from test_parity import NEW_TOKENS, NUM_LOGPROBS, PROMPTS, SETTINGS, check_greedy_parity
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
@@ -159,3 +161,40 @@ def test_refusals(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(falcon)
     with pytest.raises(ConfigError, match="attention interface"):
         LLM(str(falcon), model_impl="transformers")
+
+
+def _assert_greedy_parity(directory: Path) -> LLM:
+    """``--model-impl transformers`` keeps the greedy tokens of transformers'
+    ``from_pretrained`` of ``directory``."""
+    reference = load_reference(directory)
+    expected = [reference_greedy(reference, p, 8, 1)[0] for p in PROMPTS[:3]]
+    llm = LLM(str(directory), dtype="float32", model_impl="transformers", disable_log_stats=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    return llm
+
+
+def test_checkpoint_names_are_the_models_own(tmp_path):
+    """A GPT-NeoX checkpoint names its head ``embed_out``, which transformers' model calls
+    ``lm_head`` (its loading renames it): loaded by transformers' own rules."""
+    directory = make_checkpoint(tmp_path / "gpt_neox", "gpt_neox")
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        assert "embed_out.weight" in f.keys()
+    _assert_greedy_parity(directory)
+
+
+@pytest.mark.parametrize("case", ["head_only", "both_differ"])
+def test_tied_weights_as_transformers_ties_them(tmp_path, case):
+    """A head tied to the embedding by the config: a checkpoint holding the head alone
+    fills both; one holding both, different, unties them (as ``from_pretrained``)."""
+    directory = make_checkpoint(tmp_path / "llama", "llama")  # (tie_word_embeddings)
+    path = directory / "model.safetensors"
+    weights = load_file(path)
+    embedding = weights.pop("model.embed_tokens.weight")
+    if case == "both_differ":
+        weights["model.embed_tokens.weight"] = embedding
+        embedding = embedding.flip(0)  # (the rows of other tokens)
+    weights["lm_head.weight"] = embedding.contiguous()
+    save_file(weights, path, metadata={"format": "pt"})
+    _assert_greedy_parity(directory)

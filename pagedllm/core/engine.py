@@ -181,7 +181,8 @@ class LLMEngine:
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         stage = stage_layers(loaded.hf_config.num_hidden_layers) if pp > 1 else None
-        spec = kv_cache_spec(loaded.hf_config, kv_cache_torch_dtype(cache, loaded.dtype), tp, stage)
+        kv_dtype = kv_cache_torch_dtype(cache, loaded.dtype)
+        spec = kv_cache_spec(loaded.hf_config, kv_dtype, tp, stage, loaded.model)
         set_kv_scales(loaded.model, cache, spec.dtype)
         compile_model(loaded.model, config.compilation_config.level)
         device = config.device_config.device
@@ -372,7 +373,9 @@ class LLMEngine:
                 f"--speculative-config: the draft model {spec.model!r} has another vocabulary"
             )
         spec_kv = kv_cache_spec(
-            draft.hf_config, kv_cache_torch_dtype(config.cache_config, draft.dtype)
+            draft.hf_config,
+            kv_cache_torch_dtype(config.cache_config, draft.dtype),
+            model=draft.model,
         )
         logger.info("speculative decoding: draft model %s", spec.model)
         return draft, spec_kv

@@ -135,13 +135,20 @@ def derive_max_model_len(
     hf_config: Any, requested: int | None, disable_sliding_window: bool
 ) -> int:
     derived = None
+    # (a multimodal model's context is its language model's)
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:
             derived = value
             break
     if derived is None:
-        raise ConfigError("the model config states no context length; pass --max-model-len")
+        if requested is not None:
+            return requested
+        raise ConfigError(
+            f"the model config ({getattr(hf_config, 'model_type', None) or 'no model_type'}) "
+            "states no context length; pass --max-model-len"
+        )
     params = rope_parameters(hf_config)
     if params.get("rope_type") == "linear":
         derived = int(derived * params.get("factor", 1.0))
@@ -319,9 +326,11 @@ def choose_implementation(
             )
         return native, native
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     known = [a for a in architectures if isinstance(getattr(transformers, a, None), type)]
-    causal = [a for a in known if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    causal = [a for a in known if a in causal_lms or a.endswith(("ForCausalLM", "LMHeadModel"))]
     if not causal or TRANSFORMERS not in registry:
         native_names = ", ".join(n for n in registry.names() if n != TRANSFORMERS)
         raise ConfigError(

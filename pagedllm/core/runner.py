@@ -87,11 +87,19 @@ def set_kv_scales(model: torch.nn.Module, cache_config: Any, kv_dtype: torch.dty
 
 
 def kv_cache_spec(
-    hf_config: Any, dtype: torch.dtype, tp: int = 1, layers: range | None = None
+    hf_config: Any,
+    dtype: torch.dtype,
+    tp: int = 1,
+    layers: range | None = None,
+    model: Any = None,
 ) -> KVCacheSpec:
     """The KV cache of one rank of ``tp`` tensor-parallel ranks: its share of the KV
     heads, or one head where there are fewer KV heads than ranks (each replicated);
-    ``layers``: a pipeline stage's (None: all)."""
+    ``layers``: a pipeline stage's (None: all). The model's own shape where it gives one
+    (``ModelArchitecture.kv_cache_shape``)."""
+    shape = getattr(model, "kv_cache_shape", lambda: None)()
+    if shape is not None:
+        return KVCacheSpec(*shape, dtype, layers)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -121,6 +121,12 @@ class ModelArchitecture(ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; return the names filled."""
 
+    def kv_cache_shape(self) -> tuple[int, int, int] | None:
+        """``(layers, KV heads, head size)`` of this rank's KV cache, where the config's
+        attributes (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``) do not
+        say them; optional (None: they do)."""
+        return None
+
     def process_weights_after_loading(self) -> None:  # noqa: B027 - optional hook
         """Called once after the weights are loaded and the model moved to its device
         (repack them); optional. Layers computed together (Q/K/V, gate/up) are fused

@@ -252,19 +252,28 @@ def copy_weights(
             if held_elsewhere(module, target):
                 continue
             raise ConfigError(f"the checkpoint has a weight {name!r} this model does not know")
-        if shards:
-            tensor = rank_share(param, tensor, name)
-        if tuple(param.shape) != tuple(tensor.shape):
-            if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
-                tensor = tensor.reshape(param.shape)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ConfigError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
+        copy_tensor(param, tensor, name, shards=shards)
         loaded.add(target)
     return loaded
+
+
+def copy_tensor(
+    param: torch.Tensor, tensor: torch.Tensor, name: str, *, shards: bool = True
+) -> None:
+    """Copy checkpoint tensor ``name`` into ``param`` (this rank's share of it where
+    ``param`` holds a tensor-parallel shard and ``shards``); a shape that does not fit is
+    an error naming the tensor."""
+    if shards:
+        tensor = rank_share(param, tensor, name)
+    if tuple(param.shape) != tuple(tensor.shape):
+        if param.numel() == tensor.numel() == 1:  # a scalar saved as [] or [1]
+            tensor = tensor.reshape(param.shape)
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ConfigError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
 
 
 # Checkpoint names of an fp8 KV cache's scales, by the module that computes the
