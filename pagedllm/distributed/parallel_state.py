@@ -132,6 +132,21 @@ def building(size: int, stages: int = 1) -> Iterator[None]:
         _state, _pipeline = previous, previous_stage
 
 
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Run this rank's shard without the other ranks: :func:`all_reduce` and
+    :func:`all_gather` leave tensors as they are inside. For a forward whose values do not
+    matter (a probe of the model's shapes while it is being built), which the other ranks
+    do not run in step with this one."""
+    global _state
+    previous = _state
+    _state = TensorParallel(experts=previous.experts)
+    try:
+        yield
+    finally:
+        _state = previous
+
+
 def _state_to_build(state: Any, size: int, what: str) -> Any:
     """The state to build a model of ``size`` (ranks or stages) with in a process whose
     state is ``state``: its own, or the one-rank default."""

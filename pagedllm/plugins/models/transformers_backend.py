@@ -49,7 +49,7 @@ from torch import nn
 from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture
-from pagedllm.distributed.parallel_state import tp_size
+from pagedllm.distributed.parallel_state import alone, tp_size
 from pagedllm.plugins.models.common import layer_sliding_windows
 
 IMPLEMENTATION = "pagedllm"
@@ -346,7 +346,9 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
         refused by name."""
         probe = _Probe()
         device = next(self.hf.parameters()).device
-        with torch.no_grad():
+        # (Alone: the ranks build their shards at their own pace, so a collective in the
+        # probe would wait for, or pair with, another rank's unrelated one.)
+        with torch.no_grad(), alone():
             for param in self.hf.parameters():  # (not loaded yet: whatever memory held)
                 param.zero_()
             try:  # (the model's own code, on pagedllm's attention)
