@@ -364,7 +364,22 @@ class LLMEngine:
         )
         threads = torch.get_num_threads()  # (this rank's share, which loading resets)
         try:
-            draft = load_model(draft_config, self.pm)
+            try:
+                draft = load_model(draft_config, self.pm)
+            except ConfigError as exc:
+                if "states no context length" not in str(exc):
+                    raise
+                # A draft whose config states none runs within the speculative config's
+                # max_model_len, else the target's context (as it did before drafts had
+                # their own).
+                length = spec.max_model_len or self.max_model_len
+                draft_config = dataclasses.replace(
+                    draft_config,
+                    model_config=dataclasses.replace(
+                        draft_config.model_config, max_model_len=length
+                    ),
+                )
+                draft = load_model(draft_config, self.pm)
         finally:
             torch.set_num_threads(threads)
         ours, theirs = self.tokenizer, draft.tokenizer

@@ -38,6 +38,7 @@ anything otherwise (packed or MoE experts, gathered outputs), is refused by name
 from __future__ import annotations
 
 import contextvars
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -182,8 +183,10 @@ def register_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, _no_mask)
 
 
-def _decoder_or_given(forward: Any) -> Any:
-    """``forward`` (a base model's), or the hidden states ``_HEAD_INPUT`` holds."""
+@functools.cache
+def _given_output() -> type:
+    """A base model's output holding only given hidden states. One class per process:
+    transformers registers each ``ModelOutput`` subclass as a torch pytree node."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     class Given(BaseModelOutputWithPast):
@@ -192,11 +195,18 @@ def _decoder_or_given(forward: Any) -> Any:
                 raise AttributeError(name)
             return None
 
+    return Given
+
+
+def _decoder_or_given(forward: Any) -> Any:
+    """``forward`` (a base model's), or the hidden states ``_HEAD_INPUT`` holds."""
+    given_output = _given_output()
+
     def decoder(*args: Any, **kwargs: Any) -> Any:
         given = _HEAD_INPUT.get()
         if given is None:
             return forward(*args, **kwargs)
-        return Given(last_hidden_state=given[None])
+        return given_output(last_hidden_state=given[None])
 
     return decoder
 
@@ -281,7 +291,14 @@ class TransformersForCausalLM(nn.Module, ModelArchitecture):
             )
         import transformers
         from transformers import PreTrainedModel
-        from transformers.initialization import no_init_weights
+
+        try:  # (and the loading rules transformers_weights takes from transformers 5)
+            from transformers.initialization import no_init_weights
+        except ImportError:
+            raise ConfigError(
+                f"--model-impl transformers needs transformers 5 or newer (installed: "
+                f"{transformers.__version__})"
+            ) from None
 
         register_attention()
         # The config's own class (what transformers' from_pretrained builds), else the
