@@ -177,3 +177,40 @@ def test_an_unknown_start_method_is_refused(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_WORKER_MULTIPROC_METHOD")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "Spawn")
     assert chosen_method() == ("spawn", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def test_a_worker_that_exits_before_reading_is_reported_and_reaped(tmp_path, monkeypatch):
+    """A rank's interpreter that exits at once (here: its sitecustomize): EngineDeadError
+    naming the rank and the exit code, not a raw BrokenPipeError, and no process left."""
+    from pagedllm.core.errors import EngineDeadError
+    from pagedllm.distributed.worker_start import RankStarter
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('PAGEDLLM_TEST_EXIT_AT_ONCE'):\n    os._exit(3)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("PAGEDLLM_TEST_EXIT_AT_ONCE", "1")
+    monkeypatch.delenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    starter = RankStarter({"a": 1}, "tensor-parallel")
+    assert starter.method == "exec"
+    # (More than a pipe holds, so the send meets the exited reader.)
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank 1 exited \(code -?\d"):
+        starter.start(1, (b"x" * (4 << 20),), None, [])
+    with pytest.raises(ChildProcessError):  # (reaped: no child of this process is left)
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_workers_use_multiprocessings_executable_and_only_the_scripts_path(checkpoint, tmp_path):
+    """``multiprocessing.set_executable()`` is respected, and the worker imports nothing
+    but the standard library before it has the script's ``sys.path``: here the
+    interpreter runs with ``-S`` (no site-packages: no pluggy, no torch until then)."""
+    marker = tmp_path / "started"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {marker}\nexec {sys.executable} -S "$@"\n')
+    wrapper.chmod(0o755)
+    source = f"import multiprocessing\nmultiprocessing.set_executable({str(wrapper)!r})\n"
+    result = _run_script(tmp_path, source + UNGUARDED, checkpoint, 2, 1)
+    assert _tokens(result) == checkpoint[2]
+    assert marker.read_text().startswith("-c "), marker.read_text()
