@@ -14,7 +14,8 @@ to when the engine's configuration refers to something defined in the script (an
 ``hf_overrides`` function), which only a process that runs the script finds. Either way,
 a script that would start another engine in each worker is refused at once, naming the
 line and the fix (:mod:`pagedllm.distributed.main_guard`), rather than the workers
-dying with the cause in their stderr.
+dying with the cause in their stderr; so is a configuration that refers to objects of a
+``__main__`` without a file (``python -c``, a notebook), which no worker can find.
 """
 
 from __future__ import annotations
@@ -174,17 +175,22 @@ class RankStarter:
             method = None
         self.config_bytes = b""
         reason = f"{variable}=spawn starts the {what} worker processes with multiprocessing's spawn"
-        if method is None:
-            self.config_bytes, objects = _pickle_config(config)
+        by_script_objects = False  # (why spawn: the variable, or the script's objects)
+        if method != "fork":
+            config_bytes, objects = _pickle_config(config)
             if objects:
-                method = "spawn"
-                reason = (
-                    f"the engine's configuration refers to {', '.join(objects)}, defined in "
-                    f"the script, which only {what} workers started with multiprocessing's "
-                    "spawn find"
-                )
+                _refuse_fileless_main(objects)
+            if method is None:
+                self.config_bytes = config_bytes
+                if objects:
+                    method, by_script_objects = "spawn", True
+                    reason = (
+                        f"the engine's configuration refers to {', '.join(objects)}, defined "
+                        f"in the script, which only {what} workers started with "
+                        "multiprocessing's spawn find"
+                    )
         if method == "spawn":
-            _refuse_unguarded(reason, variable is None)
+            _refuse_unguarded(reason, by_script_objects)
         self.config = config
         self.what = what
         self.method = method or "exec"
@@ -275,14 +281,27 @@ def _reported_error(conn: Connection) -> str | None:
     return None
 
 
-def _refuse_unguarded(reason: str, default: bool) -> None:
+def _refuse_fileless_main(objects: list[str]) -> None:
+    """A worker finds the script's objects only by running the script again, which a
+    ``python -c`` command, an interactive session or a notebook does not have."""
+    if getattr(sys.modules.get("__main__"), "__file__", None) is None:
+        names = ", ".join(objects)
+        raise ConfigError(
+            f"the engine's configuration refers to {names}, defined in __main__, which has "
+            "no file (python -c, an interactive session or a notebook), so no worker "
+            f"process can find it: define {names.replace('__main__.', '')} in an "
+            "importable module and import it from there"
+        )
+
+
+def _refuse_unguarded(reason: str, by_script_objects: bool) -> None:
     site = unguarded_call_site()
     if site is None:
         return
     path, line = site
     fix = (
         "define them in a module that the script imports"
-        if default
+        if by_script_objects
         else "unset the variable (the workers then start without running the script)"
     )
     raise ConfigError(
