@@ -97,6 +97,16 @@ def test_latency_takes_the_random_dataset_flags(checkpoint, tmp_path):
         ),
         (("throughput", "--random-range-ratio", "1"), "--random-range-ratio 1.0: must be in"),
         (("latency", "--num-warmups", "-1"), "--num-warmups -1: must not be negative"),
+        (
+            # (vLLM's defaults: --batch-size 8, 10 prefixes)
+            ("latency", "--dataset-name", "prefix_repetition"),
+            "--prefix-repetition-num-prefixes 10: must be 1 to the number of prompts (8)",
+        ),
+        (
+            ("throughput", "--dataset-name", "prefix_repetition", "--num-prompts", "3"),
+            "--prefix-repetition-num-prefixes 10: must be 1 to the number of prompts (3)",
+        ),
+        (("throughput", "--dataset-name", "sharegpt"), "sharegpt needs --dataset-path"),
     ],
 )
 def test_a_flag_of_another_dataset_is_refused(checkpoint, arguments, message):
@@ -134,3 +144,19 @@ def test_num_warmups_runs_requests_before_the_measured_run(checkpoint, kind):
     # (Requests run: 2 measured; 2 warm-up requests, or latency's 2 warm-up batches of 2.)
     assert [s.requests for s in stats] == [2, 4 if kind == "throughput" else 6]
     assert stats[0].hits == 0 and stats[1].hits > 0
+
+
+@pytest.mark.parametrize("kind", ["throughput", "serve"])
+def test_one_dataset_rule_for_every_command(kind):
+    """latency/throughput and serve pick and check the dataset by the same rule."""
+    from pagedllm.entrypoints.cli.bench_data import check_dataset
+    from pagedllm.entrypoints.cli.bench_serve_client import BenchError
+
+    assert check_dataset(_args(kind), 4) == "random"
+    assert check_dataset(_args(kind, "--dataset-path", "x.json"), 4) == "sharegpt"
+    with pytest.raises(BenchError, match="--dataset-name sharegpt needs --dataset-path"):
+        check_dataset(_args(kind, "--dataset-name", "sharegpt"), 4)
+    prefixes = ("--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "5")
+    assert check_dataset(_args(kind, *prefixes), 5) == "prefix_repetition"
+    with pytest.raises(BenchError, match="num-prefixes 5: must be 1 to the number of prompts"):
+        check_dataset(_args(kind, *prefixes), 4)

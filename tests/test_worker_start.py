@@ -177,3 +177,100 @@ def test_an_unknown_start_method_is_refused(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_WORKER_MULTIPROC_METHOD")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "Spawn")
     assert chosen_method() == ("spawn", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def test_a_worker_that_exits_before_reading_is_reported_and_reaped(tmp_path, monkeypatch):
+    """A rank's interpreter that exits at once (here: its sitecustomize): EngineDeadError
+    naming the rank and the exit code, not a raw BrokenPipeError, and no process left."""
+    from pagedllm.core.errors import EngineDeadError
+    from pagedllm.distributed.worker_start import RankStarter
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('PAGEDLLM_TEST_EXIT_AT_ONCE'):\n    os._exit(3)\n"
+    )
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("PAGEDLLM_TEST_EXIT_AT_ONCE", "1")
+    monkeypatch.delenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    starter = RankStarter({"a": 1}, "tensor-parallel")
+    assert starter.method == "exec"
+    # (More than a pipe holds, so the send meets the exited reader.)
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank 1 exited \(code -?\d"):
+        starter.start(1, (b"x" * (4 << 20),), None, [])
+    with pytest.raises(ChildProcessError):  # (reaped: no child of this process is left)
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_workers_use_multiprocessings_executable_and_only_the_scripts_path(checkpoint, tmp_path):
+    """``multiprocessing.set_executable()`` is respected, and the worker imports nothing
+    but the standard library before it has the script's ``sys.path``: here the
+    interpreter runs with ``-S`` (no site-packages: no pluggy, no torch until then)."""
+    marker = tmp_path / "started"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {marker}\nexec {sys.executable} -S "$@"\n')
+    wrapper.chmod(0o755)
+    source = f"import multiprocessing\nmultiprocessing.set_executable({str(wrapper)!r})\n"
+    result = _run_script(tmp_path, source + UNGUARDED, checkpoint, 2, 1)
+    assert _tokens(result) == checkpoint[2]
+    assert marker.read_text().startswith("-c "), marker.read_text()
+
+
+# Builds the starter of a tensor-parallel group whose configuration refers to a function
+# of __main__ (as an hf_overrides function defined in the script), unguarded.
+STARTER = """\
+import torch
+from pagedllm.distributed.worker_start import RankStarter
+def overrides(config):
+    return config
+if {cuda}:
+    torch.cuda.init()
+RankStarter({{"hf_overrides": overrides}}, "tensor-parallel")
+print("STARTED")
+"""
+
+
+def _run_starter(tmp_path: Path, cuda: bool, as_file: bool, **env: str):
+    source = STARTER.format(cuda=cuda)
+    environment = clean_env(**env)
+    environment.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    environment.update(env)
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    script = tmp_path / "starter.py"
+    script.write_text(source)
+    command = [str(script)] if as_file else ["-c", source]
+    return subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=environment,
+        timeout=300,
+    )
+
+
+def test_script_objects_without_a_script_file_are_refused_at_once(tmp_path):
+    """``python -c`` (or a notebook): no worker can find __main__'s function, so the
+    engine refuses at once, naming it, rather than its workers dying on unpickling."""
+    result = _run_starter(tmp_path, cuda=False, as_file=False)
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("pagedllm.core.errors.ConfigError: "), result.stderr[-3000:]
+    assert "refers to __main__.overrides, defined in __main__, which has no file" in error
+    assert "define overrides in an importable module" in error
+    assert "STARTED" not in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (initialised)")
+def test_fork_with_cuda_and_script_objects_advises_the_module(tmp_path):
+    """fork with CUDA initialised falls back to a new interpreter, then to spawn for the
+    script's function: the advice is to move the function, not to unset the variable
+    (which would not help)."""
+    result = _run_starter(
+        tmp_path, cuda=True, as_file=True, PAGEDLLM_WORKER_MULTIPROC_METHOD="fork"
+    )
+    error = result.stderr.strip().splitlines()[-1]
+    assert "refers to __main__.overrides, defined in the script" in error, result.stderr[-3000:]
+    assert "define them in a module" in error
+    assert "unset the variable" not in error

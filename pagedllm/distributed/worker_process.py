@@ -1,25 +1,24 @@
 """A rank above 0 as a new interpreter (the ``mp`` backend's default way to start one:
 :mod:`pagedllm.distributed.worker_start`), which never runs the user's script.
 
-Started with the file descriptor of its end of a pipe on its command line; the first
-messages are the parent's ``sys.path`` (so that plugins and the model's modules import
-as they do there), the engine's pickled configuration, and the rest of
-:func:`~pagedllm.distributed.executor.worker_main`'s arguments. Only the standard
-library is imported before ``sys.path`` is set.
+Started by standard-library-only code (``worker_start._EXEC_CODE``) that opens the pipe
+on the file descriptor named on its command line and sets ``sys.path`` to the parent's
+(its first message, so that pagedllm, plugins and the model's modules import as they do
+there) before it imports this module; the next messages are the engine's pickled
+configuration and the rest of :func:`~pagedllm.distributed.executor.worker_main`'s
+arguments.
 """
 
 from __future__ import annotations
 
 import pickle
-import sys
 import traceback
 from multiprocessing.connection import Connection
 
 
-def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+def main(conn: Connection) -> None:
+    """Run rank's worker; ``sys.path`` is already rank 0's (set by the start-up code)."""
     try:
-        sys.path[:] = pickle.loads(conn.recv_bytes())
         config = pickle.loads(conn.recv_bytes())
         args = pickle.loads(conn.recv_bytes())
         from pagedllm.distributed.executor import worker_main

@@ -14,7 +14,8 @@ to when the engine's configuration refers to something defined in the script (an
 ``hf_overrides`` function), which only a process that runs the script finds. Either way,
 a script that would start another engine in each worker is refused at once, naming the
 line and the fix (:mod:`pagedllm.distributed.main_guard`), rather than the workers
-dying with the cause in their stderr.
+dying with the cause in their stderr; so is a configuration that refers to objects of a
+``__main__`` without a file (``python -c``, a notebook), which no worker can find.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import tempfile
 import time
 import types
 import weakref
+from multiprocessing import spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, EngineDeadError
 from pagedllm.distributed.main_guard import unguarded_call_site
 
 logger = logging.getLogger(__name__)
@@ -173,18 +175,24 @@ class RankStarter:
             method = None
         self.config_bytes = b""
         reason = f"{variable}=spawn starts the {what} worker processes with multiprocessing's spawn"
-        if method is None:
-            self.config_bytes, objects = _pickle_config(config)
+        by_script_objects = False  # (why spawn: the variable, or the script's objects)
+        if method != "fork":
+            config_bytes, objects = _pickle_config(config)
             if objects:
-                method = "spawn"
-                reason = (
-                    f"the engine's configuration refers to {', '.join(objects)}, defined in "
-                    f"the script, which only {what} workers started with multiprocessing's "
-                    "spawn find"
-                )
+                _refuse_fileless_main(objects)
+            if method is None:
+                self.config_bytes = config_bytes
+                if objects:
+                    method, by_script_objects = "spawn", True
+                    reason = (
+                        f"the engine's configuration refers to {', '.join(objects)}, defined "
+                        f"in the script, which only {what} workers started with "
+                        "multiprocessing's spawn find"
+                    )
         if method == "spawn":
-            _refuse_unguarded(reason, variable is None)
+            _refuse_unguarded(reason, by_script_objects)
         self.config = config
+        self.what = what
         self.method = method or "exec"
         self.context = multiprocessing.get_context(method) if method else None
 
@@ -210,35 +218,90 @@ class RankStarter:
 
     def _start_exec(self, rank: int, args: tuple[Any, ...]) -> tuple[Connection, Any]:
         parent, child = multiprocessing.Pipe()
-        # (The package's own directory first: this process may have found pagedllm on a
-        # path the environment does not name; the worker then takes this sys.path.)
+        # (The package's own directory first, for this import only: this process may have
+        # found pagedllm on a path that neither the environment nor sys.path names.)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        code = (
-            f"import sys; sys.path.insert(0, {root!r}); "
-            "from pagedllm.distributed.worker_process import main; main()"
-        )
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-c", code, str(child.fileno()), f"rank-{rank}"],
+                # (multiprocessing's interpreter: set_executable() is respected.)
+                [spawn.get_executable(), "-c", _EXEC_CODE, str(child.fileno()), root],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
-        parent.send_bytes(pickle.dumps(sys.path))
-        parent.send_bytes(self.config_bytes)
-        parent.send_bytes(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            parent.send_bytes(pickle.dumps(sys.path))
+            parent.send_bytes(self.config_bytes)
+            parent.send_bytes(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:  # (it exited before reading them)
+            popen.kill()
+            code = popen.wait()
+            reason = _reported_error(parent)
+            parent.close()
+            raise EngineDeadError(
+                f"{self.what} worker rank {rank} exited (code {code}) before it received its "
+                f"configuration ({exc!r}): " + (reason or "see its output above")
+            ) from None
         return parent, WorkerProcess(popen)
 
 
-def _refuse_unguarded(reason: str, default: bool) -> None:
+# The worker's start-up, standard library only until it has rank 0's sys.path (so that
+# pagedllm, its dependencies and plugins import from where they do there).
+_EXEC_CODE = """\
+import pickle, sys, traceback
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+try:
+    sys.path[:] = pickle.loads(conn.recv_bytes())
+except EOFError:  # rank 0 is gone
+    raise SystemExit(0)
+try:
+    sys.path.insert(0, sys.argv[2])
+    from pagedllm.distributed.worker_process import main
+    sys.path.remove(sys.argv[2])
+except BaseException as exc:  # (told to rank 0, which raises it)
+    conn.send_bytes(pickle.dumps(("error", f"{exc!r}\\n{traceback.format_exc()}")))
+    raise SystemExit(1)
+main(conn)
+"""
+
+
+def _reported_error(conn: Connection) -> str | None:
+    try:
+        while conn.poll(0):
+            kind, detail = pickle.loads(conn.recv_bytes())
+            if kind == "error":
+                return str(detail)
+    except (EOFError, OSError, pickle.UnpicklingError):
+        pass
+    return None
+
+
+def _refuse_fileless_main(objects: list[str]) -> None:
+    """A worker finds the script's objects only by running the script again, which a
+    ``python -c`` command, an interactive session or a notebook does not have."""
+    if getattr(sys.modules.get("__main__"), "__file__", None) is None:
+        names = ", ".join(objects)
+        raise ConfigError(
+            f"the engine's configuration refers to {names}, defined in __main__, which has "
+            "no file (python -c, an interactive session or a notebook), so no worker "
+            f"process can find it: define {names.replace('__main__.', '')} in an "
+            "importable module and import it from there"
+        )
+
+
+def _refuse_unguarded(reason: str, by_script_objects: bool) -> None:
     site = unguarded_call_site()
     if site is None:
         return
     path, line = site
     fix = (
         "define them in a module that the script imports"
-        if default
+        if by_script_objects
         else "unset the variable (the workers then start without running the script)"
     )
     raise ConfigError(

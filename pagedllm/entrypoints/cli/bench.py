@@ -14,7 +14,8 @@ from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.bench_data import (
     add_dataset_args,
-    check_dataset_flags,
+    check_dataset,
+    dataset_name,
     synthetic_requests,
     warmup_requests,
 )
@@ -170,21 +171,13 @@ _OWN_FLAGS = {
 }
 
 
-def _dataset(args: argparse.Namespace) -> str:
-    if args.dataset_name:
-        return args.dataset_name
-    return "sharegpt" if getattr(args, "dataset_path", None) else "random"
-
-
 def _check_dataset(args: argparse.Namespace) -> None:
     """The dataset's flags, checked before the engine starts."""
-    dataset = _dataset(args)
+    count = args.batch_size if args.bench_type == "latency" else args.num_prompts
     try:
-        check_dataset_flags(args, dataset, _OWN_FLAGS[args.bench_type])
+        check_dataset(args, count, _OWN_FLAGS[args.bench_type])
     except BenchError as exc:
         raise ConfigError(str(exc)) from None
-    if dataset == "sharegpt" and not args.dataset_path:
-        raise ConfigError("--dataset-name sharegpt needs --dataset-path")
 
 
 def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: random.Random) -> Any:
@@ -195,7 +188,7 @@ def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: rando
         "prefix_repetition_output_len": args.output_len,
     }
     try:
-        return synthetic_requests(args, _dataset(args), count, vocab_size, rng, fallbacks)
+        return synthetic_requests(args, dataset_name(args), count, vocab_size, rng, fallbacks)
     except BenchError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -289,7 +282,7 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     engine = llm.llm_engine
     rng = random.Random(0 if args.seed is None else args.seed)
-    if _dataset(args) == "sharegpt":
+    if dataset_name(args) == "sharegpt":
         pairs = _sharegpt_prompts(llm, args.dataset_path, args.num_prompts, args.output_len, rng)
     else:
         requests = _synthetic(args, args.num_prompts, engine.vocab_size, rng)

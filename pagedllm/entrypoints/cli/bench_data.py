@@ -107,6 +107,38 @@ def check_dataset_flags(
         raise BenchError(f"--num-warmups {args.num_warmups}: must not be negative")
 
 
+def dataset_name(args: argparse.Namespace) -> str:
+    """vLLM's rule: ``--dataset-name``, else sharegpt where ``--dataset-path`` is given,
+    else random."""
+    if args.dataset_name:
+        return args.dataset_name
+    return "sharegpt" if getattr(args, "dataset_path", None) else "random"
+
+
+def check_dataset(
+    args: argparse.Namespace, count: int, others: dict[str, tuple[str, ...]] | None = None
+) -> str:
+    """The dataset the flags pick, its flags checked (:func:`check_dataset_flags`) for
+    ``count`` prompts, before any engine or server is used."""
+    dataset = dataset_name(args)
+    check_dataset_flags(args, dataset, others)
+    if dataset == "sharegpt" and not args.dataset_path:
+        raise BenchError("--dataset-name sharegpt needs --dataset-path")
+    if dataset == "prefix_repetition":
+        _check_prefixes(args, count)
+    return dataset
+
+
+def _check_prefixes(args: argparse.Namespace, count: int) -> int:
+    prefixes = int(setting(args, "prefix_repetition_num_prefixes"))
+    if prefixes < 1 or count < prefixes:
+        raise BenchError(
+            f"--prefix-repetition-num-prefixes {prefixes}: must be 1 to the number of "
+            f"prompts ({count})"
+        )
+    return prefixes
+
+
 def setting(args: argparse.Namespace, dest: str, fallback: float | None = None) -> float:
     """The flag's value, else ``fallback`` (a command's own spelling, e.g. --input-len),
     else vLLM's default."""
@@ -186,12 +218,7 @@ def synthetic_requests(
 def _prefix_repetition(
     args: argparse.Namespace, count: int, vocab_size: int, rng: random.Random
 ) -> list[list[int]]:
-    prefixes = int(setting(args, "prefix_repetition_num_prefixes"))
-    if prefixes < 1 or count < prefixes:
-        raise BenchError(
-            f"--prefix-repetition-num-prefixes {prefixes}: must be 1 to the number of "
-            f"prompts ({count})"
-        )
+    prefixes = _check_prefixes(args, count)
     prefix_len = int(setting(args, "prefix_repetition_prefix_len"))
     suffix_len = int(setting(args, "prefix_repetition_suffix_len"))
     low, high = min(100, vocab_size // 4), vocab_size - 1

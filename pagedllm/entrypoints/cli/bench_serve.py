@@ -151,17 +151,15 @@ def _resolve_endpoint(args: argparse.Namespace) -> str:
 def _requests(
     args: argparse.Namespace, server: ServerInfo, model: str, max_model_len: int
 ) -> list[RequestInput]:
-    from pagedllm.entrypoints.cli.bench_data import check_dataset_flags, synthetic_requests
+    from pagedllm.entrypoints.cli.bench_data import check_dataset, synthetic_requests
     from pagedllm.entrypoints.cli.bench_serve_data import (
         LocalTokenizer,
         ServerTokenizer,
         sharegpt_requests,
     )
 
-    dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
-    check_dataset_flags(args, dataset, {"sharegpt": ("dataset_path", "sharegpt_output_len")})
-    if dataset == "sharegpt" and not args.dataset_path:
-        raise BenchError("--dataset-name sharegpt needs --dataset-path")
+    own = {"sharegpt": ("dataset_path", "sharegpt_output_len")}
+    dataset = check_dataset(args, args.num_prompts, own)
     rng = random.Random(args.seed)
     tokenizer = LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenizer(server, model)
     if dataset == "sharegpt":
