@@ -106,7 +106,12 @@ def test_embeddings_with_the_openai_client(models, servers):
             http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 400, "generation"
         )
         assert_openai_error(http.post("/v1/embeddings", json={"input": []}), 400)
-        assert_openai_error(http.post("/v1/embeddings", json={"input": "x", "nope": 1}), 400)
+        # An unknown field is ignored and named; a known one with a bad value is a 400.
+        ignored = http.post("/v1/embeddings", json={"input": "x", "nope": 1})
+        assert ignored.status_code == 200, ignored.text
+        assert ignored.headers["x-pagedllm-ignored-fields"] == "nope"
+        bad = http.post("/v1/embeddings", json={"input": "x", "encoding_format": "hex"})
+        assert_openai_error(bad, 400, "encoding_format")
         # Still serving.
         assert http.post("/v1/embeddings", json={"input": "ok"}).status_code == 200
         assert server.metric("pagedllm:num_requests_running") == 0

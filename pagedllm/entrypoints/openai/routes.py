@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagedllm import __version__
 from pagedllm.entrypoints.openai.errors import OpenAIError, stream_errors
 from pagedllm.entrypoints.openai.protocol import (
+    IGNORED_FIELD_NOTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -35,7 +36,7 @@ from pagedllm.entrypoints.openai.serving_pooling import (
     RerankRequest,
     ScoreRequest,
 )
-from pagedllm.entrypoints.openai.serving_setup import RequestLog
+from pagedllm.entrypoints.openai.serving_setup import RequestLog, for_log
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
+
+# Names the unknown (ignored) top-level fields of a request body, comma-separated.
+IGNORED_FIELDS_HEADER = "x-pagedllm-ignored-fields"
+# Bounds on what clients' field names can make the server remember and send.
+_MAX_WARNED_NAMES = 1024
+_MAX_HEADER_CHARS = 2048
 
 
 def add_routes(
@@ -79,61 +86,73 @@ def add_routes(
     async def prometheus() -> Response:
         return Response(await metrics.exposition(engine), media_type=CONTENT_TYPE_LATEST)
 
+    def model_cards() -> list[dict[str, Any]]:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "pagedllm",
+                "root": model_path,
+                "parent": None,
+                "max_model_len": serving.max_model_len,
+            }
+            for name in serving.model_names
+        ]
+        return cards + [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "pagedllm",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or serving.model_name,
+                "max_model_len": serving.max_model_len,
+            }
+            for name, lora in serving.loras.items()
+        ]
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pagedllm",
-                    "root": model_path,
-                    "parent": None,
-                    "max_model_len": serving.max_model_len,
-                }
-                for name in serving.model_names
-            ]
-            + [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pagedllm",
-                    "root": lora.lora_path,
-                    "parent": lora.base_model_name or serving.model_name,
-                    "max_model_len": serving.max_model_len,
-                }
-                for name, lora in serving.loras.items()
-            ],
-        }
+        return {"object": "list", "data": model_cards()}
+
+    # (``:path``: model names such as ``org/name`` hold a slash)
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise OpenAIError(
+            404, f"The model `{model_id}` does not exist.", "NotFoundError", param="model"
+        )
 
     if runtime_lora_updating():
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRARequest) -> Response:
             await serving.load_lora(body.lora_name, body.lora_path)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+            done = f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            return _note_ignored(body, Response(done))
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
             await serving.unload_lora(body.lora_name)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+            done = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            return _note_ignored(body, Response(done))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "cmpl")
         log_request(request_id, body)
         work = serving.create_completion(body, request_id)
-        return await _respond(await _until_disconnect(request, work))
+        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "chatcmpl")
         log_request(request_id, body)
         work = serving.create_chat_completion(body, request_id)
-        return await _respond(await _until_disconnect(request, work))
+        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
@@ -162,7 +181,8 @@ def add_routes(
         async def endpoint(body: Any, request: Request) -> Response:
             request_id = _request_id(request, body.request_id, path_prefix)
             log_request(request_id, body)
-            return await _respond(await _until_disconnect(request, handler(body, request_id)))
+            result = await _until_disconnect(request, handler(body, request_id))
+            return _note_ignored(body, await _respond(result))
 
         # (FastAPI reads the body's model from the annotation)
         endpoint.__annotations__ = {"body": body_cls, "request": Request, "return": Response}
@@ -177,12 +197,12 @@ def add_routes(
         app.post(path)(pooled("rerank", pooling.rerank, RerankRequest))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await serving.create_tokenize(body)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _note_ignored(body, JSONResponse(await serving.create_tokenize(body)))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return await serving.create_detokenize(body)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _note_ignored(body, JSONResponse(await serving.create_detokenize(body)))
 
 
 class LoadLoRARequest(OpenAIModel):
@@ -209,6 +229,38 @@ def _request_id(request: Request, body_id: str | None, prefix: str) -> str:
     # always with the endpoint's prefix.
     base = request.headers.get("x-request-id") or body_id
     return f"{prefix}-{base}" if base else random_id(prefix)
+
+
+_warned_fields: set[str] = set()
+
+
+def _note_ignored(body: OpenAIModel, response: Response) -> Response:
+    """Warn (once per field name) of the body's unknown fields, which were ignored, and
+    name them to the client in the ``x-pagedllm-ignored-fields`` header."""
+    ignored = body.ignored_fields()
+    if not ignored:
+        return response
+    new = [name for name in ignored if name not in _warned_fields]
+    if new and len(_warned_fields) < _MAX_WARNED_NAMES:
+        _warned_fields.update(new)
+        described = ", ".join(
+            for_log(name)
+            + (f" ({IGNORED_FIELD_NOTES[name]})" if name in IGNORED_FIELD_NOTES else "")
+            for name in new
+        )
+        logger.warning(
+            "ignored request fields pagedllm does not support: %s (each is warned of once; "
+            "responses name them in the %s header)",
+            described,
+            IGNORED_FIELDS_HEADER,
+        )
+    # Header values are Latin-1 without controls; names are also kept free of commas.
+    names = [for_log(name).replace(",", "\\x2c") for name in ignored]
+    value = ",".join(name.encode("ascii", "backslashreplace").decode() for name in names)
+    if len(value) > _MAX_HEADER_CHARS:
+        value = value[:_MAX_HEADER_CHARS].rpartition(",")[0] + ",..."
+    response.headers[IGNORED_FIELDS_HEADER] = value
+    return response
 
 
 async def _respond(result: Any) -> Response:
