@@ -169,7 +169,12 @@ def test_run_batch_embeddings_and_scores(models, tmp_path):
         TEXTS, convert_to_tensor=True
     )
     lines = [
-        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS}},
+        {
+            "custom_id": "e",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"input": TEXTS, "store": False},  # ignored, with a warning
+        },
         {
             "custom_id": "s",
             "method": "POST",
@@ -186,6 +191,7 @@ def test_run_batch_embeddings_and_scores(models, tmp_path):
         "--dtype", "float32", "--disable-log-stats",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "ignored request fields pagedllm does not support: store" in result.stderr
     records = {
         r["custom_id"]: r["response"] for r in map(json.loads, output.read_text().splitlines())
     }

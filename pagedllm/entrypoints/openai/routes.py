@@ -19,8 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.entrypoints.openai.errors import OpenAIError, stream_errors
+from pagedllm.entrypoints.openai.ignored_fields import (
+    IGNORED_FIELDS_HEADER,
+    header_value,
+    warn_ignored,
+)
 from pagedllm.entrypoints.openai.protocol import (
-    IGNORED_FIELD_NOTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,7 +40,7 @@ from pagedllm.entrypoints.openai.serving_pooling import (
     RerankRequest,
     ScoreRequest,
 )
-from pagedllm.entrypoints.openai.serving_setup import RequestLog, for_log
+from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
@@ -45,12 +49,6 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
-
-# Names the unknown (ignored) top-level fields of a request body, comma-separated.
-IGNORED_FIELDS_HEADER = "x-pagedllm-ignored-fields"
-# Bounds on what clients' field names can make the server remember and send.
-_MAX_WARNED_NAMES = 1024
-_MAX_HEADER_CHARS = 2048
 
 
 def add_routes(
@@ -231,35 +229,11 @@ def _request_id(request: Request, body_id: str | None, prefix: str) -> str:
     return f"{prefix}-{base}" if base else random_id(prefix)
 
 
-_warned_fields: set[str] = set()
-
-
 def _note_ignored(body: OpenAIModel, response: Response) -> Response:
-    """Warn (once per field name) of the body's unknown fields, which were ignored, and
-    name them to the client in the ``x-pagedllm-ignored-fields`` header."""
-    ignored = body.ignored_fields()
-    if not ignored:
-        return response
-    new = [name for name in ignored if name not in _warned_fields]
-    if new and len(_warned_fields) < _MAX_WARNED_NAMES:
-        _warned_fields.update(new)
-        described = ", ".join(
-            for_log(name)
-            + (f" ({IGNORED_FIELD_NOTES[name]})" if name in IGNORED_FIELD_NOTES else "")
-            for name in new
-        )
-        logger.warning(
-            "ignored request fields pagedllm does not support: %s (each is warned of once; "
-            "responses name them in the %s header)",
-            described,
-            IGNORED_FIELDS_HEADER,
-        )
-    # Header values are Latin-1 without controls; names are also kept free of commas.
-    names = [for_log(name).replace(",", "\\x2c") for name in ignored]
-    value = ",".join(name.encode("ascii", "backslashreplace").decode() for name in names)
-    if len(value) > _MAX_HEADER_CHARS:
-        value = value[:_MAX_HEADER_CHARS].rpartition(",")[0] + ",..."
-    response.headers[IGNORED_FIELDS_HEADER] = value
+    """Warn of the body's unknown (ignored) fields and name them in the response."""
+    ignored = warn_ignored(body, logger)
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
     return response
 
 
