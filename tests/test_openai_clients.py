@@ -70,6 +70,12 @@ def test_unknown_fields_are_ignored_warned_once_and_named(server: RemoteServer) 
             model="tiny", prompt="Hi", max_tokens=2, extra_body={"store": False}
         )
         assert raw.headers[HEADER] == "store"
+        # Beam search, which checks the fields it is given, ignores them as well.
+        beams = {"use_beam_search": True, "best_of": 2, "store": False}
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt="Hi", max_tokens=2, extra_body=beams
+        )
+        assert raw.headers[HEADER] == "store" and raw.parse().choices
         # Streamed responses carry the header as well.
         with client.chat.completions.with_streaming_response.create(
             model="tiny", messages=USER, max_tokens=2, stream=True, service_tier="auto"
