@@ -106,7 +106,12 @@ def test_embeddings_with_the_openai_client(models, servers):
             http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}), 400, "generation"
         )
         assert_openai_error(http.post("/v1/embeddings", json={"input": []}), 400)
-        assert_openai_error(http.post("/v1/embeddings", json={"input": "x", "nope": 1}), 400)
+        # An unknown field is ignored and named; a known one with a bad value is a 400.
+        ignored = http.post("/v1/embeddings", json={"input": "x", "nope": 1})
+        assert ignored.status_code == 200, ignored.text
+        assert ignored.headers["x-pagedllm-ignored-fields"] == "nope"
+        bad = http.post("/v1/embeddings", json={"input": "x", "encoding_format": "hex"})
+        assert_openai_error(bad, 400, "encoding_format")
         # Still serving.
         assert http.post("/v1/embeddings", json={"input": "ok"}).status_code == 200
         assert server.metric("pagedllm:num_requests_running") == 0
@@ -164,7 +169,12 @@ def test_run_batch_embeddings_and_scores(models, tmp_path):
         TEXTS, convert_to_tensor=True
     )
     lines = [
-        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS}},
+        {
+            "custom_id": "e",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"input": TEXTS, "store": False},  # ignored, with a warning
+        },
         {
             "custom_id": "s",
             "method": "POST",
@@ -181,6 +191,7 @@ def test_run_batch_embeddings_and_scores(models, tmp_path):
         "--dtype", "float32", "--disable-log-stats",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "ignored request fields pagedllm does not support: store" in result.stderr
     records = {
         r["custom_id"]: r["response"] for r in map(json.loads, output.read_text().splitlines())
     }

@@ -899,7 +899,8 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str]] = [
     (b'{"prompt": "Hi", "min_tokens": 1000000000000}', 400, "min_tokens"),
     (b'{"prompt": "Hi", "truncate_prompt_tokens": 1000000000000}', 400, "truncate"),
     (b'{"prompt": "Hi", "logit_bias": {"99999": 1}}', 400, "logit_bias"),
-    (b'{"prompt": "Hi", "no_such_field": 1}', 400, "no_such_field"),
+    # (an unknown field is ignored; the known ones are still checked)
+    (b'{"prompt": "Hi", "no_such_field": 1, "max_tokens": "many"}', 400, "max_tokens"),
     (b'{"prompt": [99999999999999999999999]}', 400, "vocabulary"),
     (b'{"prompt": [-1]}', 400, "vocabulary"),
     (b'{"prompt": [[5, 600]]}', 400, "vocabulary"),

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.errors import (
     error_body,
     format_validation_errors,
 )
+from pagedllm.entrypoints.openai.ignored_fields import warn_ignored
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,6 +95,7 @@ def parse_line(text: str, line_number: int) -> BatchLine:
             400, f"{where}: {problems or 'body: invalid request body'}", param="body"
         )
         return line
+    warn_ignored(line.request, logger)
     if getattr(line.request, "stream", False):
         line.error = OpenAIError(
             400, f"{where}: body.stream: streaming is not supported in a batch", param="stream"

@@ -154,7 +154,8 @@ class FrontendArgs:
         False,
         group="Frontend",
         bool_style="store_true",
-        help="Add an X-Request-Id header to responses (costs throughput at high request rates).",
+        help="Accepted for compatibility: responses now always carry an X-Request-Id header "
+        "(the request's own, else a new one).",
     )
     enable_auto_tool_choice: bool = arg(
         False,

@@ -58,10 +58,9 @@ def add_middleware(app: FastAPI, options: FrontendArgs) -> None:
             check_request_id(request.headers.get("x-request-id"), "the X-Request-Id header")
         except ValueError as exc:
             return error_response(400, str(exc), param="X-Request-Id")
-        request_id = None
-        if options.enable_request_id_headers:
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            request.state.request_id = request_id
+        # Always, as vLLM now does (--enable-request-id-headers is kept, a no-op).
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
         if options.enable_server_load_tracking:
             app.state.server_load += 1
         try:
@@ -69,8 +68,7 @@ def add_middleware(app: FastAPI, options: FrontendArgs) -> None:
         finally:
             if options.enable_server_load_tracking:
                 app.state.server_load -= 1
-        if request_id is not None:
-            response.headers["X-Request-Id"] = request_id
+        response.headers["X-Request-Id"] = request_id
         return response
 
     for path in options.middleware:

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI API with vLLM's extra sampling fields.
 
 These models check the shape of a body; the sampling fields' values are checked once, by
-:class:`SamplingParams` (its :class:`InvalidRequestError` names the field). Unknown fields
-are refused (a 400 naming them) rather than ignored. Fields that belong to
+:class:`SamplingParams` (its :class:`InvalidRequestError` names the field). Unknown
+top-level fields are ignored, as vLLM does (clients send OpenAI fields pagedllm does not
+serve); :meth:`OpenAIModel.ignored_fields` names them, and the server warns of them and
+names them in a response header. Fields that belong to
 capabilities pagedllm does not have yet are accepted only at their neutral values and
 refused otherwise, by name.
 """
@@ -41,10 +43,18 @@ BEAM_SEARCH_FIELDS = frozenset(
 )  # fmt: skip
 
 
+# Why an ignored field does nothing, where that is worth saying.
+IGNORED_FIELD_NOTES = {"reasoning_effort": "pagedllm has no reasoning budget"}
+
+
 class OpenAIModel(BaseModel):
     # NaN and infinities (which Python's JSON parser accepts) are refused like any other
     # invalid number.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this model does not know (ignored), sorted."""
+        return sorted(self.model_extra or ())
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +101,9 @@ def check_request_id(value: str | None, name: str) -> str | None:
 
 
 class StreamOptions(OpenAIModel):
+    # Only a body's top-level fields are ignored (and reported) when unknown.
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
@@ -176,7 +189,8 @@ class SamplingFields(OpenAIModel):
         others = sorted(
             name
             for name in self.model_fields_set - BEAM_SEARCH_FIELDS
-            if getattr(self, name) != type(self).model_fields[name].default
+            if name in type(self).model_fields
+            and getattr(self, name) != type(self).model_fields[name].default
         )
         if others:
             raise ValueError(f"use_beam_search: {others} do not apply to beam search")
@@ -317,6 +331,27 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_functions(cls, data: Any) -> Any:
+        # OpenAI's deprecated functions/function_call are tools/tool_choice by older names.
+        if not isinstance(data, dict) or not ({"functions", "function_call"} & data.keys()):
+            return data
+        if "tools" in data or "tool_choice" in data:
+            raise ValueError("give either functions/function_call or tools/tool_choice, not both")
+        data = dict(data)
+        functions = data.pop("functions", None)
+        if functions is not None:
+            if not isinstance(functions, list):
+                raise ValueError("functions must be a list of function definitions")
+            data["tools"] = [{"type": "function", "function": f} for f in functions]
+        choice = data.pop("function_call", None)
+        if isinstance(choice, dict):
+            choice = {"type": "function", "function": choice}
+        if choice is not None:
+            data["tool_choice"] = choice
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

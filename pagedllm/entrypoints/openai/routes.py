@@ -19,6 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
 from pagedllm.entrypoints.openai.errors import OpenAIError, stream_errors
+from pagedllm.entrypoints.openai.ignored_fields import (
+    IGNORED_FIELDS_HEADER,
+    header_value,
+    warn_ignored,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,61 +84,73 @@ def add_routes(
     async def prometheus() -> Response:
         return Response(await metrics.exposition(engine), media_type=CONTENT_TYPE_LATEST)
 
+    def model_cards() -> list[dict[str, Any]]:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "pagedllm",
+                "root": model_path,
+                "parent": None,
+                "max_model_len": serving.max_model_len,
+            }
+            for name in serving.model_names
+        ]
+        return cards + [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "pagedllm",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or serving.model_name,
+                "max_model_len": serving.max_model_len,
+            }
+            for name, lora in serving.loras.items()
+        ]
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pagedllm",
-                    "root": model_path,
-                    "parent": None,
-                    "max_model_len": serving.max_model_len,
-                }
-                for name in serving.model_names
-            ]
-            + [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "pagedllm",
-                    "root": lora.lora_path,
-                    "parent": lora.base_model_name or serving.model_name,
-                    "max_model_len": serving.max_model_len,
-                }
-                for name, lora in serving.loras.items()
-            ],
-        }
+        return {"object": "list", "data": model_cards()}
+
+    # (``:path``: model names such as ``org/name`` hold a slash)
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise OpenAIError(
+            404, f"The model `{model_id}` does not exist.", "NotFoundError", param="model"
+        )
 
     if runtime_lora_updating():
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRARequest) -> Response:
             await serving.load_lora(body.lora_name, body.lora_path)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+            done = f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            return _note_ignored(body, Response(done))
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
             await serving.unload_lora(body.lora_name)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+            done = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            return _note_ignored(body, Response(done))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "cmpl")
         log_request(request_id, body)
         work = serving.create_completion(body, request_id)
-        return await _respond(await _until_disconnect(request, work))
+        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "chatcmpl")
         log_request(request_id, body)
         work = serving.create_chat_completion(body, request_id)
-        return await _respond(await _until_disconnect(request, work))
+        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
@@ -162,7 +179,8 @@ def add_routes(
         async def endpoint(body: Any, request: Request) -> Response:
             request_id = _request_id(request, body.request_id, path_prefix)
             log_request(request_id, body)
-            return await _respond(await _until_disconnect(request, handler(body, request_id)))
+            result = await _until_disconnect(request, handler(body, request_id))
+            return _note_ignored(body, await _respond(result))
 
         # (FastAPI reads the body's model from the annotation)
         endpoint.__annotations__ = {"body": body_cls, "request": Request, "return": Response}
@@ -177,12 +195,12 @@ def add_routes(
         app.post(path)(pooled("rerank", pooling.rerank, RerankRequest))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await serving.create_tokenize(body)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _note_ignored(body, JSONResponse(await serving.create_tokenize(body)))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return await serving.create_detokenize(body)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _note_ignored(body, JSONResponse(await serving.create_detokenize(body)))
 
 
 class LoadLoRARequest(OpenAIModel):
@@ -209,6 +227,14 @@ def _request_id(request: Request, body_id: str | None, prefix: str) -> str:
     # always with the endpoint's prefix.
     base = request.headers.get("x-request-id") or body_id
     return f"{prefix}-{base}" if base else random_id(prefix)
+
+
+def _note_ignored(body: OpenAIModel, response: Response) -> Response:
+    """Warn of the body's unknown (ignored) fields and name them in the response."""
+    ignored = warn_ignored(body, logger)
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
+    return response
 
 
 async def _respond(result: Any) -> Response:
