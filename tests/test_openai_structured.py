@@ -163,7 +163,24 @@ def test_json_object_is_an_object(client, backend):
             extra_body=extra,
         )
         for choice in reply.choices:
-            if choice.finish_reason == "stop":
-                assert isinstance(json.loads(choice.message.content), dict), choice
-            else:  # cut off by max_tokens: still an object so far
-                assert choice.message.content.lstrip().startswith("{"), choice
+            _is_object(choice.message.content, choice.finish_reason)
+    # A few-shot prompt of arrays: the model goes on with an array unless held to an object.
+    for prompt in (
+        "a = [1, 2, 3]\nb = [4, 5, 6]\nc =",
+        "Numbers: [2,1,1]\nNumbers: [3,3,1]\nNumbers:",
+    ):
+        reply = client.completions.create(
+            model=DEFAULT_MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"response_format": {"type": "json_object"}, **(extra or {})},
+        )
+        _is_object(reply.choices[0].text, reply.choices[0].finish_reason)
+
+
+def _is_object(text: str, finish_reason: str) -> None:
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:  # cut off by max_tokens: still an object so far
+        assert text.lstrip().startswith("{"), text
