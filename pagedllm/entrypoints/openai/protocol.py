@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
+from pagedllm.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_fields
 
 if TYPE_CHECKING:
     from pagedllm.core.sampling.defaults import SamplingDefaults
@@ -158,6 +159,7 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of guided_*
     response_format: dict[str, Any] | None = None
     logits_processors: list[Any] | None = None
 
@@ -199,7 +201,7 @@ class SamplingFields(OpenAIModel):
 
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """The constraint the request asks for: ``response_format`` (``json_object``,
-        ``json_schema``; ``text`` is none) or one of the ``guided_*`` fields."""
+        ``json_schema``; ``text`` is none), ``structured_outputs`` or a ``guided_*`` field."""
         response = self.response_format
         json_schema = json_object = None
         if response is not None:
@@ -218,10 +220,15 @@ class SamplingFields(OpenAIModel):
                     f"response_format type {kind!r} is not supported (use text, json_object "
                     f"or json_schema)"
                 )
+        structured: dict[str, Any] = {}
+        if self.structured_outputs is not None:
+            guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+            structured = structured_fields(self.structured_outputs, guided)
         given = [
             name
             for name, value in (
                 ("response_format", json_schema or json_object),
+                ("structured_outputs", structured or None),
                 ("guided_json", self.guided_json),
                 ("guided_regex", self.guided_regex),
                 ("guided_choice", self.guided_choice),
@@ -242,6 +249,8 @@ class SamplingFields(OpenAIModel):
         guided_json = self.guided_json if self.guided_json is not None else json_schema
         if isinstance(guided_json, BaseModel):
             guided_json = guided_json.model_dump()
+        if structured:
+            return GuidedDecodingParams(**structured, backend=self.guided_decoding_backend)
         return GuidedDecodingParams(
             json=guided_json,
             regex=self.guided_regex,

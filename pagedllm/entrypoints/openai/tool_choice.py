@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.chat_deltas import OutputStep
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 
-_ANY_OBJECT = {"type": "object"}
+# OpenAI reads a function without ``parameters`` (or with ``{}``) as one that takes no
+# arguments: its forced call is ``{}``. (A bare ``{"type": "object"}`` would let a small
+# model add keys until max_tokens.)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a function's arguments."""
+    return function.get("parameters") or NO_ARGUMENTS
 
 
 def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -39,8 +47,8 @@ def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise OpenAIError(400, f"tools[{i}].function.name is missing", param="tools")
-        parameters = function.get("parameters", _ANY_OBJECT)
-        if not isinstance(parameters, dict):
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
             raise OpenAIError(
                 400, f"tools[{i}].function.parameters must be a JSON schema", param="tools"
             )
@@ -63,7 +71,7 @@ def forced_tool_schema(
             {
                 "properties": {
                     "name": {"type": "string", "enum": [name]},
-                    "parameters": function.get("parameters", _ANY_OBJECT),
+                    "parameters": _parameters(function),
                 },
                 "required": ["name", "parameters"],
             }
@@ -93,7 +101,7 @@ def forced_tool_schema(
                 f"({', '.join(functions)})",
                 param="tool_choice",
             )
-        return name, functions[name].get("parameters", _ANY_OBJECT)
+        return name, _parameters(functions[name])
     raise OpenAIError(400, f"tool_choice {tool_choice!r} is not valid", param="tool_choice")
 
 

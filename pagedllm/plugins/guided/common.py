@@ -63,6 +63,11 @@ def _is_byte_level(tokenizer: Any, vocab: dict[str, int]) -> bool:
     return any(token.startswith("\u0120") for token in vocab)
 
 
+# The schema of OpenAI's ``response_format`` ``json_object``: any object (never an array
+# or a scalar at the top).
+JSON_OBJECT = {"type": "object"}
+
+
 def choice_regex(choices: tuple[str, ...]) -> str:
     return "(" + "|".join(re.escape(choice) for choice in choices) + ")"
 

@@ -19,6 +19,7 @@ from pagedllm.core.interfaces import (
     GuidedOptions,
 )
 from pagedllm.plugins.guided.common import (
+    JSON_OBJECT,
     choice_regex,
     token_bytes_vocabulary,
     without_additional_properties,
@@ -122,7 +123,7 @@ class OutlinesBackend(GuidedBackend):
             return constraint.spec
         if constraint.kind == "choice":
             return choice_regex(constraint.spec)
-        schema = json.loads(constraint.spec) if constraint.kind == "json" else {"type": "object"}
+        schema = json.loads(constraint.spec) if constraint.kind == "json" else JSON_OBJECT
         if options.disable_additional_properties:
             schema = without_additional_properties(schema)
         whitespace = options.whitespace_pattern

@@ -17,7 +17,11 @@ from pagedllm.core.interfaces import (
     GuidedConstraint,
     GuidedOptions,
 )
-from pagedllm.plugins.guided.common import choice_regex, without_additional_properties
+from pagedllm.plugins.guided.common import (
+    JSON_OBJECT,
+    choice_regex,
+    without_additional_properties,
+)
 
 # Lark's rule syntax ("name: ..."/"?name: ..."), which EBNF ("name ::= ...") never uses.
 _LARK_RULE = re.compile(r"^\s*[?!]?[a-z_][a-z_0-9]*\s*:(?!:)", re.M)
@@ -111,7 +115,11 @@ class XGrammarBackend(GuidedBackend):
                     json.dumps(schema), any_whitespace=any_whitespace
                 )
             elif constraint.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                # OpenAI's json_object is an object; the builtin JSON grammar also allows
+                # arrays, strings and numbers at the top.
+                compiled = compiler.compile_json_schema(
+                    json.dumps(JSON_OBJECT), any_whitespace=any_whitespace
+                )
             elif constraint.kind == "regex":
                 compiled = compiler.compile_regex(constraint.spec)
             elif constraint.kind == "choice":
