@@ -301,7 +301,9 @@ def test_run_batch_good_and_bad_lines(checkpoint: Path, tmp_path: Path) -> None:
         _line("cmpl-1", "/v1/completions", {"prompt": "Once upon a time", **fixed}),
         "{not json",
         _line("bad-url", "/v1/embeddings", {"input": "x"}),
-        _line("bad-field", "/v1/completions", {"prompt": "x", "bogus": 1}),
+        # An unknown field is ignored (and named in the log), a known one's bad value not.
+        _line("ignored-field", "/v1/completions", {"prompt": "x", "bogus": 1, **fixed}),
+        _line("bad-field", "/v1/completions", {"prompt": "x", "bogus": 1, "max_tokens": -1}),
         "",  # blank lines are skipped
         _line("too-long", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 4}),
         _line("cmpl-ids", "/v1/completions", {"prompt": [11, 12, 13], **fixed}),
@@ -321,12 +323,14 @@ def test_run_batch_good_and_bad_lines(checkpoint: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "Running batch" in result.stderr  # the progress bar
     assert list(staging.iterdir()) == []  # moved into place
+    assert "bogus" in result.stderr  # the ignored field, named
     records = [json.loads(line) for line in output.read_text().splitlines()]
     expected = [
         ("chat-1", 200),
         ("cmpl-1", 200),
         (None, 400),
         ("bad-url", 400),
+        ("ignored-field", 200),
         ("bad-field", 400),
         ("too-long", 400),
         ("cmpl-ids", 200),
@@ -348,11 +352,11 @@ def test_run_batch_good_and_bad_lines(checkpoint: Path, tmp_path: Path) -> None:
     assert chat_body["choices"][0]["message"]["role"] == "bot"
     assert chat_body["choices"][0]["message"]["content"]
     assert records[1]["response"]["body"]["choices"][0]["text"]
-    assert records[6]["response"]["body"]["usage"]["prompt_tokens"] == 3
-    messages = [r["response"]["body"]["error"]["message"] for r in records[2:6]]
+    assert records[7]["response"]["body"]["usage"]["prompt_tokens"] == 3
+    messages = [r["response"]["body"]["error"]["message"] for r in records[2:4] + records[5:7]]
     assert "invalid JSON" in messages[0]
     assert "/v1/embeddings" in messages[1]
-    assert "bogus" in messages[2]
+    assert "max_tokens" in messages[2]
     assert "maximum context length" in messages[3]
 
 
