@@ -180,6 +180,20 @@ def _check_dataset(args: argparse.Namespace) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def _sampling(args: argparse.Namespace, max_tokens: int) -> Any:
+    """One benchmark request's sampling: exactly ``max_tokens`` tokens (no EOS stop)."""
+    from pagedllm.core.sampling import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=1.0,
+        ignore_eos=True,
+        max_tokens=max_tokens,
+        detokenize=not args.disable_detokenize,
+    )
+
+
 def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: random.Random) -> Any:
     fallbacks = {
         "random_input_len": args.input_len,
@@ -196,25 +210,13 @@ def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: rando
 def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from pagedllm.core.sampling import SamplingParams
-
     engine = llm.llm_engine
     # (Latency's own defaults, which the random dataset's flags override.)
     args.input_len = 32 if args.input_len is None else args.input_len
     args.output_len = 128 if args.output_len is None else args.output_len
     requests = _synthetic(args, args.batch_size, engine.vocab_size, random.Random(0))
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
-    params = [
-        SamplingParams(
-            n=args.n,
-            temperature=args.temperature,
-            top_p=1.0,
-            ignore_eos=True,
-            max_tokens=r.output_len,
-            detokenize=not args.disable_detokenize,
-        )
-        for r in requests
-    ]
+    params = [_sampling(args, r.output_len) for r in requests]
     prompt_tokens = sum(r.prompt_len for r in requests)
     output_tokens = sum(r.output_len for r in requests) * args.n
     print(
@@ -278,8 +280,6 @@ def _sharegpt_prompts(
 
 
 def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from pagedllm.core.sampling import SamplingParams
-
     engine = llm.llm_engine
     rng = random.Random(0 if args.seed is None else args.seed)
     if dataset_name(args) == "sharegpt":
@@ -287,17 +287,7 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     else:
         requests = _synthetic(args, args.num_prompts, engine.vocab_size, rng)
         pairs = [(r.prompt, r.output_len) for r in requests]
-    params = [
-        SamplingParams(
-            n=args.n,
-            temperature=args.temperature,
-            top_p=1.0,
-            ignore_eos=True,
-            max_tokens=length,
-            detokenize=not args.disable_detokenize,
-        )
-        for _, length in pairs
-    ]
+    params = [_sampling(args, length) for _, length in pairs]
     prompts = [{"prompt_token_ids": p} for p, _ in pairs]
     warmup = warmup_requests(list(range(len(pairs))), args.num_warmups)
     if warmup:
