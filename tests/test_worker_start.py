@@ -193,13 +193,27 @@ def test_a_worker_that_exits_before_reading_is_reported_and_reaped(tmp_path, mon
     monkeypatch.setenv("PAGEDLLM_TEST_EXIT_AT_ONCE", "1")
     monkeypatch.delenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    import subprocess
+
+    started: list[int] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        popen = real_popen(*args, **kwargs)
+        started.append(popen.pid)
+        return popen
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
     starter = RankStarter({"a": 1}, "tensor-parallel")
     assert starter.method == "exec"
     # (More than a pipe holds, so the send meets the exited reader.)
     with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank 1 exited \(code -?\d"):
         starter.start(1, (b"x" * (4 << 20),), None, [])
-    with pytest.raises(ChildProcessError):  # (reaped: no child of this process is left)
-        os.waitpid(-1, os.WNOHANG)
+    assert len(started) == 1
+    # Reaped: the rank's pid is no longer a child of this process (other tests' children,
+    # if any linger, do not matter here).
+    with pytest.raises(ChildProcessError):
+        os.waitpid(started[0], os.WNOHANG)
 
 
 def test_workers_use_multiprocessings_executable_and_only_the_scripts_path(checkpoint, tmp_path):
