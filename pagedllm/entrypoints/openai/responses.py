@@ -54,13 +54,25 @@ class Usage:
     def add_completion_tokens(self, count: int) -> None:
         self._completion += count
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self._prompt.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._completion
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
     def json(self) -> dict[str, Any]:
-        prompt = sum(self._prompt.values())
+        prompt = self.prompt_tokens
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": self._completion,
             "total_tokens": prompt + self._completion,
         }
         if self._details:
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(self._cached.values())}
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage

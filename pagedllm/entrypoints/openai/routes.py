@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -151,6 +152,31 @@ def add_routes(
         log_request(request_id, body)
         work = serving.create_chat_completion(body, request_id)
         return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+
+    responses = serving.responses  # (a bad PAGEDLLM_RESPONSES_STORE_MB fails the start)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        request_id = _request_id(request, body.request_id, "resp")
+        log_request(request_id, body)
+        work = responses.create(body, request_id)
+        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise OpenAIError(
+                400, "stream: a stored response cannot be streamed again", param="stream"
+            )
+        return responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return await responses.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return await responses.delete(response_id)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

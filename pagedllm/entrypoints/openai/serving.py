@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from pagedllm.core.sampling.defaults import SamplingDefaults
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
+    from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
     from pagedllm.lora.request import LoRARequest
 
 
@@ -126,6 +127,14 @@ class OpenAIServing:
         from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
 
         return PoolingServing(self)
+
+    @functools.cached_property
+    def responses(self) -> ResponsesServing:
+        """The Responses API's handlers and their bounded store."""
+        from pagedllm.entrypoints.openai.responses_store import ResponseStore, store_limit_bytes
+        from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
+
+        return ResponsesServing(self, ResponseStore(store_limit_bytes()))
 
     @property
     def model_name(self) -> str:

@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 async def create_chat_completion(
     serving: OpenAIServing, request: ChatCompletionRequest, request_id: str
 ) -> dict[str, Any] | AsyncIterator[str]:
+    reply, generator = await start_chat(serving, request, request_id)
+    if request.stream:
+        return reply.stream(generator)
+    return await reply.full(generator)
+
+
+async def start_chat(
+    serving: OpenAIServing, request: ChatCompletionRequest, request_id: str
+) -> tuple[ChatReply, Outputs]:
+    """The chat request checked, its prompt rendered and its generation started: the
+    reply to build and the engine's outputs to build it from (also the Responses API's
+    way in)."""
     serving.check_model(request.model)
     serving.check_sequences(1, request)
     prompt = await serving.prompts.run(serving.prompts.chat_prompt, request)
@@ -44,10 +56,7 @@ async def create_chat_completion(
     generator = serving.generate_all(
         request_id, [prompt], [params], request.priority, request.model
     )
-    reply = ChatReply(serving, tools.request, request_id, prompt, tools)
-    if request.stream:
-        return reply.stream(generator)
-    return await reply.full(generator)
+    return ChatReply(serving, tools.request, request_id, prompt, tools), generator
 
 
 class ChatReply:

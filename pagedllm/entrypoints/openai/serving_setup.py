@@ -204,7 +204,9 @@ class RequestLog:
     def __call__(self, request_id: str, request: Any) -> None:
         if not self.enabled:
             return
-        prompt = getattr(request, "prompt", None) or getattr(request, "messages", None)
+        prompt = next(
+            (v for k in ("prompt", "messages", "input") if (v := getattr(request, k, None))), None
+        )
         text = str(prompt)
         if self.max_len is not None:
             text = text[: self.max_len]
