@@ -343,6 +343,7 @@ def test_background_responses_finish_or_are_cancelled(server: RemoteServer, mode
         with pytest.raises(openai.BadRequestError, match="background=true"):
             client.responses.cancel(foreground.id)
         # A long one, cancelled: it stops, and its KV blocks are freed.
+        generated = server.metric("pagedllm:generation_tokens_total")
         long = client.responses.create(
             model=model, input="Go on", max_output_tokens=200, background=True
         )
@@ -356,6 +357,7 @@ def test_background_responses_finish_or_are_cancelled(server: RemoteServer, mode
         ):
             assert time.monotonic() < deadline, "the cancelled request still runs"
             time.sleep(0.05)
+        assert server.metric("pagedllm:generation_tokens_total") - generated < 200
         with pytest.raises(openai.BadRequestError, match="is cancelled"):
             client.responses.create(model=model, input="x", previous_response_id=long.id)
         # Deleted: gone.

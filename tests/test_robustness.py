@@ -537,13 +537,19 @@ def test_schemathesis_finds_no_server_error(server: RemoteServer) -> None:
     from hypothesis import HealthCheck, Phase, given, settings
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    routes = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    routes = {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/tokenize",
+        "/detokenize",
+    }
     operations = [
         result.ok()
         for result in schema.get_all_operations()
         if result.ok().path in routes and result.ok().method.upper() == "POST"
     ]
-    assert len(operations) == 4
+    assert len(operations) == len(routes)
     failures: list[str] = []
     statuses: set[int] = set()
     for operation in operations:
