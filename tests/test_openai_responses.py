@@ -499,3 +499,16 @@ def test_output_items_switch_between_reasoning_text_and_calls() -> None:
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert kinds[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]
+
+
+def test_the_store_bound_comes_from_the_environment(monkeypatch) -> None:
+    from pagedllm.core.errors import ConfigError
+    from pagedllm.entrypoints.openai.responses_store import store_limit_bytes
+
+    monkeypatch.delenv("PAGEDLLM_RESPONSES_STORE_MB", raising=False)
+    assert store_limit_bytes() == 64 << 20
+    monkeypatch.setenv("PAGEDLLM_RESPONSES_STORE_MB", "0.5")
+    assert store_limit_bytes() == 1 << 19
+    monkeypatch.setenv("PAGEDLLM_RESPONSES_STORE_MB", "lots")
+    with pytest.raises(ConfigError, match="PAGEDLLM_RESPONSES_STORE_MB='lots'"):
+        store_limit_bytes()
