@@ -124,6 +124,19 @@ def test_serve_refuses_unbuilt_and_unavailable(tmp_path):
     assert "--max-sequences-per-request=0 is invalid: must be at least 1" in cap.stderr
 
 
+def test_request_logging_flags_are_checked_at_start_up():
+    both = run_cli("serve", "m", "--enable-log-requests", "--disable-log-requests")
+    assert both.returncode == 2
+    assert "--enable-log-requests and --disable-log-requests contradict" in both.stderr
+    # The deprecated flag, and a cap on logs that are off, are warned of (then the model
+    # that is not there is refused).
+    old = run_cli("serve", "m", "--disable-log-requests", "--max-log-len", "5")
+    assert "--disable-log-requests is deprecated" in old.stderr
+    assert "--max-log-len 5 changes nothing without --enable-log-requests" in old.stderr
+    negative = run_cli("serve", "m", "--enable-log-requests", "--max-log-len", "-1")
+    assert negative.returncode == 2 and "--max-log-len=-1 is invalid" in negative.stderr
+
+
 def test_tool_call_parser_names_from_registry_and_plugin_file(tmp_path):
     unknown = run_cli("serve", "m", "--tool-call-parser", "nope")
     assert unknown.returncode == 2

@@ -317,10 +317,14 @@ def test_run_batch_good_and_bad_lines(checkpoint: Path, tmp_path: Path) -> None:
     result = run_cli(
         "run-batch", "-i", str(source), "-o", str(output), "--model", str(checkpoint),
         *ENGINE_ARGS, "--output-tmp-dir", str(staging), "--response-role", "bot",
-        "--enable-prompt-tokens-details", "--max-log-len", "10",
+        "--enable-prompt-tokens-details", "--enable-log-requests", "--max-log-len", "10",
         env=user_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    # --enable-log-requests: accepted requests, capped by --max-log-len; refused ones never
+    assert "prompt: 'Once upon '" in result.stderr
+    assert "Once upon a" not in result.stderr
+    assert "word word" not in result.stderr
     assert "Running batch" in result.stderr  # the progress bar
     assert list(staging.iterdir()) == []  # moved into place
     assert "bogus" in result.stderr  # the ignored field, named

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -67,6 +69,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, workdir: Path):
         "--guided-decoding-compile-memory",
         str(COMPILE_MEMORY_MIB),
         "--guided-decoding-disable-fallback",
+        "--enable-log-requests",
         log_path=workdir / "main.log",
         env=env,
     )
@@ -231,6 +234,60 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], "n": 9}', "9"),
     ("/v1/completions", json.dumps({"prompt": "a", "request_id": "r" * 300}), "256"),
     ("/v1/completions", json.dumps({"prompt": "a", "request_id": "a\nb"}), "request_id"),
+    # Token ids are JSON integers: not booleans, floats or strings read as ids.
+    ("/detokenize", '{"tokens": [true, true]}', "tokens.0"),
+    ("/detokenize", '{"tokens": [1.0]}', "integer"),
+    ("/detokenize", '{"tokens": [5, "1"]}', "tokens.1"),
+    ("/v1/completions", '{"prompt": [true, true]}', "token ids must be integers"),
+    ("/v1/completions", '{"prompt": [[3, 2.0]]}', "token ids must be integers"),
+    ("/v1/completions", '{"prompt": "a", "stop_token_ids": [true]}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": "a", "allowed_token_ids": ["3"]}', "allowed_token_ids"),
+]
+
+
+# An external $ref (a file or URL on the server) is refused by name, whatever the backend
+# and whichever field carries the schema.
+EXTERNAL_REFS = [
+    ("/v1/completions", {"prompt": "a", "guided_json": {"$ref": "file:///etc/passwd"}}),
+    (
+        "/v1/completions",
+        {
+            "prompt": "a",
+            "guided_json": {"$ref": "file:///etc/passwd"},
+            "guided_decoding_backend": "xgrammar",
+        },
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "a",
+            "guided_json": {"$ref": "file:///etc/passwd"},
+            "guided_decoding_backend": "outlines",
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "file:///etc/passwd"}},
+            },
+        },
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "a",
+            "structured_outputs": {
+                "json": {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}
+            },
+        },
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "a", "guided_json": {"anyOf": [{"$ref": "file:///etc/passwd#/x"}]}},
+    ),
 ]
 
 
@@ -239,6 +296,69 @@ def test_bad_input_is_a_400(server: RemoteServer, path: str, body: str, needle: 
     assert_openai_error(post_raw(server, path, body), 400, needle)
     with server.http() as h:
         assert h.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), EXTERNAL_REFS)
+def test_an_external_ref_is_refused(server: RemoteServer, path: str, body: dict) -> None:
+    with server.http() as h:
+        reply = h.post(path, json={"model": MODEL, "max_tokens": 5, **body})
+    assert_openai_error(reply, 400, "$ref 'file:///etc/passwd")
+
+
+def test_an_external_ref_is_never_fetched(server: RemoteServer) -> None:
+    """A URL $ref is refused without a connection to it; local refs still work."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/schema.json"
+    try:
+        for backend in (None, "outlines", "xgrammar"):
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 5, "guided_json": {"$ref": url}}
+            if backend is not None:
+                body["guided_decoding_backend"] = backend
+            with server.http() as h:
+                assert_openai_error(h.post("/v1/completions", json=body), 400, url)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    local = {
+        "$defs": {"flag": {"type": "boolean"}},
+        "type": "object",
+        "properties": {"ok": {"$ref": "#/$defs/flag"}},
+        "required": ["ok"],
+    }
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 30, "guided_json": local}
+    with server.http() as h:
+        reply = h.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    if reply.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(reply.json()["choices"][0]["text"])["ok"], bool)
+
+
+def test_logit_bias_past_float32_is_clamped(server: RemoteServer) -> None:
+    """A bias past float32's range (1e39) is clamped to 100, as vLLM does: it forces the
+    token in sampled and greedy rows alike, with finite logprobs."""
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "logit_bias": {"5": 1e39},
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    with server.http() as h:
+        for temperature in (1.0, 0.0):
+            reply = h.post("/v1/completions", json={**body, "temperature": temperature})
+            assert reply.status_code == 200, reply.text
+            logprobs = reply.json()["choices"][0]["logprobs"]
+            assert logprobs["tokens"] == ["token_id:5"] * 4, (temperature, logprobs)
+            assert all(-100 < value <= 0 for value in logprobs["token_logprobs"]), logprobs
+            # ... and -1e39 forbids it
+            forbid = {**body, "temperature": temperature, "logit_bias": {"5": -1e39}}
+            reply = h.post("/v1/completions", json=forbid)
+            assert "token_id:5" not in reply.json()["choices"][0]["logprobs"]["tokens"]
 
 
 def test_after_the_bad_inputs_the_server_serves(server: RemoteServer) -> None:
@@ -253,6 +373,30 @@ def test_x_request_id_is_limited(server: RemoteServer) -> None:
         assert_openai_error(long, 400, "X-Request-Id")
         ok = h.post("/v1/completions", json=body, headers={"X-Request-Id": "fine-id"})
         assert ok.status_code == 200 and ok.json()["id"] == "cmpl-fine-id"
+
+
+def test_a_refused_request_is_not_logged(server: RemoteServer) -> None:
+    """--enable-log-requests logs what the engine accepted; a refused request's contents
+    never reach the log, however far it got (model, sampling parameters, the context)."""
+    refused = [
+        {"prompt": "refused-by-context qzx-refused", "max_tokens": 100000},
+        {"prompt": "refused-by-params qzx-refused", "temperature": -1},
+        {"prompt": "refused-by-vocab qzx-refused", "logit_bias": {"99999": 1}},
+        {"prompt": "refused-by-guided qzx-refused", "guided_json": {"$ref": "file:///x"}},
+        {"messages": [{"role": "user", "content": "refused-chat qzx-refused"}], "n": 99},
+    ]
+    with server.http() as h:
+        for body in refused:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            assert_openai_error(h.post(path, json={"model": MODEL, **body}), 400)
+        ok = {"model": MODEL, "prompt": "accepted marker", "max_tokens": 2}
+        assert h.post("/v1/completions", json=ok).status_code == 200
+    deadline = time.monotonic() + 5
+    while "accepted marker" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log_text()
+    assert "received request cmpl-" in log and "prompt: 'accepted marker'" in log
+    assert "qzx-refused" not in log
 
 
 def test_logged_requests_cannot_forge_log_lines(server: RemoteServer) -> None:
@@ -280,6 +424,7 @@ def _health_times(server: RemoteServer, stop: threading.Event, times: list[float
 
 def test_huge_prompt_is_refused_before_tokenizing(server: RemoteServer) -> None:
     prompt = "word " * 2_000_000  # 10 MB
+    log_size = server.log_path.stat().st_size
     with server.http() as h:
         started = time.monotonic()
         reply = h.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
@@ -289,6 +434,8 @@ def test_huge_prompt_is_refused_before_tokenizing(server: RemoteServer) -> None:
         assert_openai_error(h.post("/v1/chat/completions", json=chat), 400, "characters long")
         assert_openai_error(h.post("/tokenize", json={"prompt": prompt}), 400, "characters long")
     assert_serving(server)
+    # Refused: not logged (the server logs requests, --enable-log-requests).
+    assert server.log_path.stat().st_size - log_size < 20_000
 
 
 @pytest.mark.parametrize(
@@ -511,6 +658,71 @@ def test_openapi_documents_the_400_it_returns(server: RemoteServer) -> None:
     assert_openai_error(post_raw(server, "/v1/completions", '{"prompt": 5}'), 400)
 
 
+# Bodies the server refuses (400) that the schema once allowed (the fuzzer's finds), and
+# valid ones beside them, so that the check can fail either way.
+SCHEMA_AGREEMENT = [
+    ("/v1/completions", {"prompt": "a", "guided_choice": []}, False),
+    ("/v1/completions", {"prompt": "a", "guided_choice": ["x"]}, True),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, True),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "guided_choice": []},
+        False,
+    ),
+    ("/tokenize", {"messages": []}, False),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}]}, True),
+    ("/v1/completions", {"prompt": []}, False),
+    ("/v1/completions", {"prompt": [[]]}, False),
+    ("/v1/completions", {"prompt": [[1, 2]], "max_tokens": 2}, True),
+    ("/v1/completions", {"prompt": [True, True], "max_tokens": 2}, False),
+    ("/detokenize", {"tokens": [True, True]}, False),
+    ("/detokenize", {"tokens": ["1"]}, False),
+    ("/detokenize", {"tokens": [1, 2]}, True),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": []}, False),
+    ("/v1/completions", {"prompt": "a", "allowed_token_ids": [3], "max_tokens": 2}, True),
+    ("/v1/completions", {"prompt": "a", "best_of": 0}, False),
+]
+
+
+def test_openapi_schema_says_what_the_server_accepts(server: RemoteServer) -> None:
+    """Where the server refuses a body for its shape, /openapi.json says so (minItems,
+    integer token ids), so clients and fuzzers generate what is served."""
+    import jsonschema
+
+    with server.http() as h:
+        schema = h.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for name, field in [
+        ("CompletionRequest", "allowed_token_ids"),
+        ("CompletionRequest", "guided_choice"),
+        ("ChatCompletionRequest", "guided_choice"),
+        ("ChatCompletionRequest", "messages"),
+        ("TokenizeRequest", "messages"),
+    ]:
+        prop = components[name]["properties"][field]
+        arrays = [arm for arm in prop.get("anyOf", [prop]) if arm.get("type") == "array"]
+        assert arrays and all(arm.get("minItems") == 1 for arm in arrays), (name, field, prop)
+    prompt_arrays = [
+        arm for arm in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+        if arm.get("type") == "array"
+    ]  # fmt: skip
+    assert len(prompt_arrays) == 3 and all(arm["minItems"] == 1 for arm in prompt_arrays)
+    assert components["DetokenizeRequest"]["properties"]["tokens"]["items"] == {"type": "integer"}
+    for path, body, valid in SCHEMA_AGREEMENT:
+        body_schema = schema["paths"][path]["post"]["requestBody"]["content"]
+        ref = body_schema["application/json"]["schema"]["$ref"]
+        validator = jsonschema.Draft202012Validator(
+            {"$ref": ref, "components": {"schemas": components}}
+        )
+        assert validator.is_valid(body) is valid, (path, body)
+        reply = post_raw(server, path, json.dumps({"model": MODEL, **body}))
+        if valid:
+            assert reply.status_code == 200, (path, body, reply.text)
+        else:
+            assert_openai_error(reply, 400)
+
+
 def test_api_key_routes(keyed: RemoteServer, tmp_path_factory) -> None:
     with httpx.Client(base_url=keyed.url, timeout=30) as h:  # no key
         assert h.get("/docs").status_code == 404  # --disable-fastapi-docs: no such route
@@ -530,11 +742,16 @@ def test_api_key_routes(keyed: RemoteServer, tmp_path_factory) -> None:
         assert h.get("/docs").status_code == 404
 
 
+# Pydantic's messages for a value of the wrong type or length.
+SHAPE_ERRORS = re.compile(r"Input should be a valid|should have at least \d+ item")
+
+
 def test_schemathesis_finds_no_server_error(server: RemoteServer) -> None:
-    """Generated requests (valid and not) against the documented routes: never a 5xx,
-    and the server is healthy afterwards."""
+    """Requests generated from the schema against the documented routes: never a 5xx,
+    never refused for a shape the schema allows, and the server is healthy afterwards."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.generation.modes import GenerationMode
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     routes = {
@@ -552,8 +769,27 @@ def test_schemathesis_finds_no_server_error(server: RemoteServer) -> None:
     assert len(operations) == len(routes)
     failures: list[str] = []
     statuses: set[int] = set()
-    for operation in operations:
 
+    def check_response(case) -> None:
+        response = case.call(base_url=server.url, timeout=REQUEST_TIMEOUT)
+        statuses.add(response.status_code)
+        if response.status_code >= 500:
+            failures.append(f"{case.path} {case.body!r}: {response.status_code} {response.text}")
+        # The cases are valid by the schema: one refused for its shape (the checks the
+        # schema carries) means the schema and the server disagree.
+        elif response.status_code == 400 and SHAPE_ERRORS.search(response.text):
+            failures.append(f"{case.path} {case.body!r}: the schema allows {response.text}")
+
+    for operation in operations:
+        # The boundary values of every field (empty lists, the ends of ranges), as the
+        # schemathesis CLI's coverage phase sends them ...
+        config = schema.config.generation_for(operation=operation)
+        for case in schema.iter_coverage_cases(
+            operation, generation_modes=[GenerationMode.POSITIVE], generation_config=config
+        ):
+            check_response(case)
+
+        # ... and random ones.
         @settings(
             max_examples=75,
             deadline=None,
@@ -563,12 +799,7 @@ def test_schemathesis_finds_no_server_error(server: RemoteServer) -> None:
         )
         @given(case=operation.as_strategy())
         def check(case) -> None:
-            response = case.call(base_url=server.url, timeout=REQUEST_TIMEOUT)
-            statuses.add(response.status_code)
-            if response.status_code >= 500:
-                failures.append(
-                    f"{case.path} {case.body!r}: {response.status_code} {response.text}"
-                )
+            check_response(case)
 
         check()
     assert not failures, "\n".join(failures[:5])

@@ -171,6 +171,14 @@ def test_logit_bias_forces_and_forbids() -> None:
     assert 0 not in counts and 1 not in counts
 
 
+def test_logit_bias_past_float32_is_clamped() -> None:
+    """1e39 is an infinity in float32, which turns a sampled row's softmax into NaNs; it
+    is clamped to 100 (vLLM's range), so it forces its token like any large bias."""
+    params = SamplingParams(logit_bias={"5": 1e39, "7": -1e300, "8": 3})
+    assert params.logit_bias == {5: 100.0, 7: -100.0, 8: 3.0}
+    assert set(draw(SamplingParams(logit_bias={"5": 1e39}), num=500)) == {5}
+
+
 def test_allowed_token_ids_restrict_support() -> None:
     assert set(draw(SamplingParams(allowed_token_ids=[3, 6]))) == {3, 6}
 

@@ -186,6 +186,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, workdir: Path):
         str(workdir / "log_config.json"),
         "--uvicorn-log-level",
         "warning",
+        "--enable-log-requests",
         "--max-log-len",
         "12",
         "--return-tokens-as-token-ids",
@@ -533,6 +534,7 @@ def test_logging_flags_of_the_plain_server(plain: RemoteServer) -> None:
     assert "Uvicorn running on" in log  # uvicorn logs at info
     assert "Do not log this prompt" not in log  # --disable-log-requests
     assert "received request" not in log
+    assert "--disable-log-requests is deprecated" in log  # (not logging is the default)
     assert "POST /proxy/v1/completions" not in log and "HTTP/1.1" not in log  # no access log
 
 
@@ -540,7 +542,7 @@ def test_log_config_file_and_max_log_len(tls: RemoteServer, workdir: Path) -> No
     with tls.http() as h:
         h.post("/v1/completions", json={"prompt": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "max_tokens": 2})
     custom = wait_for_log(workdir / "custom.log", "ABCDEFGHIJKL")
-    assert "CUSTOMLOG pagedllm.server INFO received request cmpl-" in custom
+    assert "CUSTOMLOG pagedllm.server INFO received request cmpl-" in custom  # (enabled)
     assert "ABCDEFGHIJKL" in custom
     assert "ABCDEFGHIJKLM" not in custom  # --max-log-len 12
     # --uvicorn-log-level warning: neither uvicorn's start-up line nor access lines

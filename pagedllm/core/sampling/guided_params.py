@@ -86,6 +86,7 @@ class GuidedDecodingParams:
                     raise ValueError(f"guided json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise ValueError("guided json must be a JSON schema object")
+            _refuse_external_refs(schema)
             # Key order is kept: it is the order the properties are generated in.
             return GuidedConstraint("json", json.dumps(schema))
         if self.regex is not None:
@@ -95,6 +96,38 @@ class GuidedDecodingParams:
         if self.grammar is not None:
             return GuidedConstraint("grammar", self.grammar)
         return GuidedConstraint("json_object")
+
+
+# Keywords that point at another schema; those whose values are data, not schemas; and
+# those whose values map names (which may be anything, "$ref" too) to schemas.
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _refuse_external_refs(node: Any) -> None:
+    """Refuse a reference that is not a pointer into the schema itself (``#...``): a
+    backend would fetch it (a file or a URL on the server) or silently drop the
+    constraint; none is ever fetched."""
+    if isinstance(node, list):
+        for item in node:
+            _refuse_external_refs(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in _REF_KEYWORDS and isinstance(value, str) and not value.startswith("#"):
+            raise ValueError(
+                f"guided json: {key} {value!r} is not a local reference; only pointers into "
+                f"the schema itself ('#', '#/$defs/...') are allowed, and no schema is fetched"
+            )
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for schema in value.values():
+                _refuse_external_refs(schema)
+        elif key not in _DATA_KEYWORDS:
+            _refuse_external_refs(value)
 
 
 def as_guided_params(value: Any) -> GuidedDecodingParams | None:

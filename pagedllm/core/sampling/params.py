@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 SAMPLING_EPS = 1e-5
 # Temperatures in (0, MIN_TEMPERATURE) overflow the softmax; vLLM raises them to this.
 MIN_TEMPERATURE = 1e-2
+# logit_bias values are clamped to +-this (OpenAI's documented range).
+MAX_LOGIT_BIAS = 100.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Fields that must be finite numbers (NaN or infinity would poison the logits).
 _FLOAT_FIELDS = (
@@ -51,7 +53,8 @@ class SamplingParams:
     - ``stop`` becomes a list of strings; ``stop_token_ids`` and ``bad_words`` lists.
     - ``top_k``: 0 means disabled; -1 and ``None`` (vLLM's older spelling) become 0.
     - ``seed=-1`` means no seed (as vLLM); ``logprobs=True`` means 1.
-    - ``logit_bias`` keys become ``int`` (JSON gives strings).
+    - ``logit_bias`` keys become ``int`` (JSON gives strings); values are clamped to
+      [-100, 100], as vLLM's server does.
     - temperature below ``SAMPLING_EPS`` is greedy: top_p/top_k/min_p are reset to
       neutral; a temperature in (0, 0.01) is raised to 0.01 with a warning.
     - ``n`` is left as asked; the engine generates ``best_of or n`` sequences.
@@ -355,7 +358,9 @@ def _int_keyed(logit_bias: dict[Any, Any]) -> dict[int, float]:
             raise InvalidRequestError(
                 "logit_bias", f"logit_bias values must be finite numbers, got {key!r}: {value!r}."
             )
-        result[token_id] = bias
+        # Clamped as OpenAI documents and vLLM does: a bias past float32's range would be an
+        # infinity in the logits, and softmax turns a row holding one into NaNs.
+        result[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))
     return result
 
 

@@ -39,7 +39,6 @@ from pagedllm.entrypoints.openai.serving_pooling import (
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.serving import OpenAIServing
-    from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 logger = logging.getLogger("pagedllm.run_batch")
 
@@ -139,13 +138,12 @@ def error_record(line: BatchLine, exc: OpenAIError, request_id: str | None = Non
     return make_record(line.custom_id, request_id or random_id("batch"), exc.status, body)
 
 
-async def run_line(line: BatchLine, serving: OpenAIServing, log: RequestLog) -> dict[str, Any]:
+async def run_line(line: BatchLine, serving: OpenAIServing) -> dict[str, Any]:
     """The output record of one line."""
     if line.error is not None:
         return error_record(line, line.error)
     assert line.endpoint is not None
     request_id = line.request.request_id or random_id(line.endpoint.id_prefix)
-    log(request_id, line.request)
     handler: Any = serving
     for name in line.endpoint.handler.split("."):
         handler = getattr(handler, name)
@@ -163,13 +161,12 @@ async def run_line(line: BatchLine, serving: OpenAIServing, log: RequestLog) -> 
 async def run_batch(
     lines: list[BatchLine],
     serving: OpenAIServing,
-    log: RequestLog,
     on_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every line concurrently (so they batch in the engine); records in input order."""
 
     async def one(line: BatchLine) -> dict[str, Any]:
-        record = await run_line(line, serving, log)
+        record = await run_line(line, serving)
         if on_done is not None:
             on_done(record)
         return record

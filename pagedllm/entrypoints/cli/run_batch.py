@@ -45,6 +45,8 @@ class RunBatchSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        from pagedllm.entrypoints.openai.serving_setup import check_request_logging
+
         batch_args = RunBatchArgs(**dataclass_kwargs(RunBatchArgs, args))
         for option, value in (
             ("-i/--input-file", batch_args.input_file),
@@ -58,6 +60,7 @@ class RunBatchSubcommand(CLISubcommand):
                     f"writes local files only); download/upload the file and give its path"
                 )
         check_output_path(batch_args)
+        check_request_logging(batch_args.serving_options(), logger)
         engine_args = EngineArgs.from_cli_args(args)
         texts = read_input(batch_args.input_file)
         return run_batch_file(batch_args, engine_args, texts, pm)
@@ -117,14 +120,12 @@ def _run(lines: list[Any], serving: Any, batch_args: RunBatchArgs) -> list[dict[
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from pagedllm.entrypoints.cli.batch_runner import run_batch
-    from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
-    log = RequestLog.for_options(batch_args.serving_options(), logger)
     with (
         logging_redirect_tqdm(),
         tqdm(total=len(lines), desc="Running batch", unit="req", file=sys.stderr) as bar,
     ):
-        return asyncio.run(run_batch(lines, serving, log, on_done=lambda _: bar.update()))
+        return asyncio.run(run_batch(lines, serving, on_done=lambda _: bar.update()))
 
 
 @contextlib.contextmanager

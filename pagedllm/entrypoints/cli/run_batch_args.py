@@ -17,6 +17,7 @@ SERVER_OPTIONS = (
     "response_role",
     "max_log_len",
     "enable_prompt_tokens_details",
+    "enable_log_requests",
     "disable_log_requests",
 )
 
@@ -72,6 +73,7 @@ class RunBatchArgs:
     )
     max_log_len: int | None = _server_option("max_log_len")
     enable_prompt_tokens_details: bool = _server_option("enable_prompt_tokens_details")
+    enable_log_requests: bool = _server_option("enable_log_requests")
     disable_log_requests: bool = _server_option("disable_log_requests")
 
     def serving_options(self) -> FrontendArgs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING
 
 from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs, refused_fields
@@ -14,6 +15,8 @@ from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
 if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager
+
+logger = logging.getLogger("pagedllm.server")
 
 
 class ServeSubcommand(CLISubcommand):
@@ -113,9 +116,12 @@ def check_one_process(engine_args: EngineArgs, frontend_args: FrontendArgs) -> N
 
 
 def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:
+    from pagedllm.entrypoints.openai.serving_setup import check_request_logging
+
     problems = refused_fields(frontend_args)
     if problems:
         raise ConfigError("; ".join(problems))
+    check_request_logging(frontend_args, logger)
     if frontend_args.tool_parser_plugin:
         pm.load_plugin_file(frontend_args.tool_parser_plugin)
     parser_name = frontend_args.tool_call_parser

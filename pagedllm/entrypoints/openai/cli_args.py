@@ -186,8 +186,9 @@ class FrontendArgs:
     max_log_len: int | None = arg(
         None,
         group="Frontend",
-        help="Largest number of prompt characters or token ids written to the log. Unlimited "
-        "by default.",
+        min=0,
+        help="Largest number of prompt characters or token ids written to the log for each "
+        "request --enable-log-requests logs. Unlimited by default.",
     )
     disable_fastapi_docs: bool = arg(
         False,
@@ -237,9 +238,18 @@ class FrontendArgs:
         min=0,
         help="Index of the first data-parallel replica of a --headless node.",
     )
+    enable_log_requests: bool = arg(
+        False,
+        group="Frontend",
+        bool_style="store_true",
+        help="Log each request the engine accepts: its prompt and token ids (capped by "
+        "--max-log-len) and its sampling parameters, at INFO. Off by default: request "
+        "contents are user data. A refused request's body is never logged.",
+    )
     disable_log_requests: bool = arg(
         False,
         group="Frontend",
         bool_style="store_true",
+        deprecated="requests are logged only with --enable-log-requests",
         help="Do not log incoming requests.",
     )

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
 from pagedllm.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_fields
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 # Far above any sensible request; a bound keeps absurd values from being attempted.
 MAX_N = 128
+
+
+# Token ids are JSON integers: true, 1.0 and "1" are refused, not read as ids.
+TokenIds = list[StrictInt]
 
 
 # Longest request id (the body's request_id, or the X-Request-Id header) accepted.
@@ -133,18 +137,18 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = None
     user: str | None = None
     # vLLM's extras
-    best_of: int | None = Field(None, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     priority: int = 0
@@ -155,7 +159,7 @@ class SamplingFields(OpenAIModel):
     # Guided decoding (vLLM's extra fields, or OpenAI's response_format).
     guided_json: Any = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
@@ -300,7 +304,12 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[TokenIds, Field(min_length=1)]
+        | Annotated[list[Annotated[TokenIds, Field(min_length=1)]], Field(min_length=1)]
+    )
     # 0 only with echo: the prompt is scored and nothing is generated.
     max_tokens: int | None = 16
     echo: bool = False
@@ -308,11 +317,19 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _non_empty(cls, value: Any) -> Any:
+    def _check_shape(cls, value: Any) -> Any:
+        # (before the union's own checks, whose messages name every arm)
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(item == [] for item in value):
+            raise ValueError(f"prompt[{value.index([])}] must not be empty")
+        if isinstance(value, list):
+            items = [i for item in value for i in (item if isinstance(item, list) else [item])]
+            wrong = next((i for i in items if isinstance(i, bool | float)), None)
+            if wrong is not None:
+                raise ValueError(f"prompt: token ids must be integers, got {wrong!r}")
         return value
 
     @model_validator(mode="after")
@@ -374,7 +391,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -391,7 +408,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]

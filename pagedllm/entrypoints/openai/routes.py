@@ -41,7 +41,6 @@ from pagedllm.entrypoints.openai.serving_pooling import (
     RerankRequest,
     ScoreRequest,
 )
-from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
@@ -60,8 +59,6 @@ def add_routes(
     metrics: Metrics | ReplicaMetrics,
     model_path: str,
 ) -> None:
-    log_request = RequestLog.for_options(options, logger)
-
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy else 503)
@@ -142,14 +139,12 @@ def add_routes(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "cmpl")
-        log_request(request_id, body)
         work = serving.create_completion(body, request_id)
         return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "chatcmpl")
-        log_request(request_id, body)
         work = serving.create_chat_completion(body, request_id)
         return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
@@ -158,7 +153,6 @@ def add_routes(
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "resp")
-        log_request(request_id, body)
         work = responses.create(body, request_id)
         return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
 
@@ -204,7 +198,6 @@ def add_routes(
     def pooled(path_prefix: str, handler: Any, body_cls: type) -> Any:
         async def endpoint(body: Any, request: Request) -> Response:
             request_id = _request_id(request, body.request_id, path_prefix)
-            log_request(request_id, body)
             result = await _until_disconnect(request, handler(body, request_id))
             return _note_ignored(body, await _respond(result))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
@@ -71,6 +73,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.request_log = RequestLog.for_options(options, logging.getLogger("pagedllm.server"))
         self.prompts = PromptPreparer(
             self.tokenizer,
             self.max_model_len,
@@ -212,10 +215,13 @@ class OpenAIServing:
         params_list: list[SamplingParams] | list[PoolingParams],
         priority: int,
         model: str | None = None,
+        log: bool = True,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt, interleaved as they come, tagged with the prompt index
         (pooling requests' too). The prompts are queued together, so an invalid one queues
-        none. ``model`` (the request's) picks a LoRA adapter when it names one."""
+        none. ``model`` (the request's) picks a LoRA adapter when it names one. With
+        ``log`` (and ``--enable-log-requests``) the prompts are logged once the engine has
+        accepted them: a refused request's contents are never logged."""
         lora = self.loras.get(model) if model is not None else None
         ids = [request_id]
         if len(prompts) > 1:
@@ -230,7 +236,14 @@ class OpenAIServing:
             )
             for i, prompt in enumerate(prompts)
         ]
+        unlogged = log
         async for item in self.engine.generate_many(requests):
+            if unlogged:  # (an output means every request was accepted)
+                unlogged = False
+                for request, prompt in zip(requests, prompts, strict=True):
+                    self.request_log.accepted(
+                        request.request_id, prompt.text, prompt.token_ids, request.params
+                    )
             yield item
 
     # --------------------------------------------------------------- handlers

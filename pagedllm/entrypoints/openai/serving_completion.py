@@ -195,6 +195,7 @@ async def beam_search_completion(
             step_prompts,
             [search.step_params] * len(beams),
             request.priority,
+            log=step == 0,
         ):
             if output.finished:
                 outputs[index] = output
