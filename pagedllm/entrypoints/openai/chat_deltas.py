@@ -114,6 +114,8 @@ class MessageBuilder:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        # The deprecated function-calling shape (see .legacy_functions): one call.
+        self.function_call: dict[str, str] | None = None
         self.logprobs: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
@@ -134,6 +136,12 @@ class MessageBuilder:
             if function.get("name") is not None:
                 entry["function"]["name"] = function["name"]
             entry["function"]["arguments"] += function.get("arguments") or ""
+        function_call = delta.get("function_call")
+        if function_call is not None:
+            if self.function_call is None:
+                self.function_call = {"name": "", "arguments": ""}
+            self.function_call["name"] += function_call.get("name") or ""
+            self.function_call["arguments"] += function_call.get("arguments") or ""
         if chunk.get("logprobs") is not None:
             if self.logprobs is None:
                 self.logprobs = {"content": []}
@@ -146,11 +154,14 @@ class MessageBuilder:
         tool_calls = [self.calls[i] for i in sorted(self.calls)]
         content: str | None = "".join(self.content)
         # An answer that is all reasoning or all tool calls has no content (null).
-        if not content and (self.with_reasoning or tool_calls):
+        if not content and (self.with_reasoning or tool_calls or self.function_call):
             content = None
         message: dict[str, Any] = {"role": self.role, "content": content, "tool_calls": tool_calls}
+        if self.function_call is not None:
+            message["function_call"] = self.function_call
         if self.with_reasoning:
-            message["reasoning_content"] = "".join(self.reasoning) or None
+            # vLLM's newer name, and the older one it still sends (the same text).
+            message["reasoning"] = message["reasoning_content"] = "".join(self.reasoning) or None
         return {
             "index": self.index,
             "message": message,

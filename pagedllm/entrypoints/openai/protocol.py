@@ -16,9 +16,22 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from pagedllm.core.sampling import GuidedDecodingParams, RequestOutputKind, SamplingParams
+from pagedllm.entrypoints.openai.legacy_functions import (
+    function_messages_as_tools,
+    functions_as_tools,
+    uses_functions,
+)
 from pagedllm.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_fields
 
 if TYPE_CHECKING:
@@ -358,26 +371,26 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
 
-    @model_validator(mode="before")
+    # The request asked the deprecated way (functions/function_call): see .legacy_functions.
+    _legacy_functions: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _legacy_functions(cls, data: Any) -> Any:
-        # OpenAI's deprecated functions/function_call are tools/tool_choice by older names.
-        if not isinstance(data, dict) or not ({"functions", "function_call"} & data.keys()):
-            return data
-        if "tools" in data or "tool_choice" in data:
-            raise ValueError("give either functions/function_call or tools/tool_choice, not both")
-        data = dict(data)
-        functions = data.pop("functions", None)
-        if functions is not None:
-            if not isinstance(functions, list):
-                raise ValueError("functions must be a list of function definitions")
-            data["tools"] = [{"type": "function", "function": f} for f in functions]
-        choice = data.pop("function_call", None)
-        if isinstance(choice, dict):
-            choice = {"type": "function", "function": choice}
-        if choice is not None:
-            data["tool_choice"] = choice
-        return data
+    def _functions_as_tools(cls, data: Any, handler: Any) -> ChatCompletionRequest:
+        legacy = isinstance(data, dict) and uses_functions(data)
+        if isinstance(data, dict):
+            if legacy:
+                data = functions_as_tools(data)
+            if "messages" in data:
+                data = dict(data, messages=function_messages_as_tools(data["messages"]))
+        request = handler(data)
+        request._legacy_functions = legacy
+        return request
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the reply takes the deprecated ``function_call`` shape."""
+        return self._legacy_functions
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.chat_deltas import ChoiceDeltas, MessageBuilder
+from pagedllm.entrypoints.openai.legacy_functions import as_function_call
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now
@@ -123,6 +124,11 @@ class ChatReply:
                 delta, finish_reason = self._choices[index].step(
                     completion.text, completion.token_ids, completion.finish_reason, whole
                 )
+                if "reasoning_content" in delta:
+                    # vLLM's newer name beside the older one it still sends.
+                    delta["reasoning"] = delta["reasoning_content"]
+                if self.request.legacy_functions:
+                    delta, finish_reason = as_function_call(delta, finish_reason)
                 yield {
                     "index": index,
                     "delta": delta,

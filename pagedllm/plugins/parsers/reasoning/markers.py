@@ -42,18 +42,18 @@ class MarkerReasoningParser(ReasoningParser):
         tail = prompt.rstrip()
         return any(tail.endswith(m) for m in self.end_markers)
 
-    def opening_token_ids(self) -> frozenset[int] | None:
-        """The opening markers that are one token each (``<think>`` is one in the
-        models that use it); None when the output's role is known from the prompt, or
-        when any output opens the reasoning (``unmarked_is_reasoning``)."""
+    def opening_token_sequences(self) -> tuple[tuple[int, ...], ...] | None:
+        """Each opening marker's tokens (``<think>`` is one token in the models that use
+        it, several in others: SmolLM2 reads ``<``, ``think``, ``>``); None when the
+        output's role is known from the prompt, or when any output opens the reasoning
+        (``unmarked_is_reasoning``)."""
         if self.starts_in_reasoning or self.starts_after_reasoning or self.unmarked_is_reasoning:
             return None
-        ids = set()
-        for marker in self.start_markers:
-            encoded = self.tokenizer.encode(marker, add_special_tokens=False)
-            if len(encoded) == 1:
-                ids.add(encoded[0])
-        return frozenset(ids) or None
+        encoded = {
+            tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+            for marker in self.start_markers
+        }
+        return tuple(sorted(s for s in encoded if s)) or None
 
     # ------------------------------------------------------------------ splitting
 
