@@ -360,3 +360,29 @@ def test_server_reasoning_content(server):
                 reasoning += extra.get("reasoning") or ""
                 content += choice.delta.content or ""
         assert (reasoning, content) == (thought, "")
+
+
+def test_a_parser_written_for_the_single_token_hook_keeps_working():
+    """A third-party parser from before ``opening_token_sequences`` defines
+    ``opening_token_ids``: its tokens still open the reasoning (as one-token markers)."""
+    from pagedllm.core.interfaces import ReasoningParser
+
+    class OldParser(ReasoningParser):
+        def is_reasoning_end(self, token_ids):
+            return 9 in token_ids
+
+        def opening_token_ids(self):
+            return frozenset({5, 3})
+
+        def extract_reasoning_content(self, model_output, request):
+            return None, model_output
+
+        def extract_reasoning_content_streaming(self, *args):
+            return None
+
+    assert OldParser(None).opening_token_sequences() == ((3,), (5,))
+
+    class Plain(OldParser):
+        opening_token_ids = None
+
+    assert Plain(None).opening_token_sequences() is None

@@ -150,7 +150,15 @@ class ReasoningParser(ABC):
         with a token the constraint allows (the answer starts at the first token): a
         marker of several tokens is allowed as a whole, never in part. With None the
         output is free until :meth:`is_reasoning_end` first holds.
+
+        The default reads the older hook ``opening_token_ids()`` (single opening tokens)
+        where a parser written for it still defines it.
         """
+        legacy = getattr(self, "opening_token_ids", None)
+        if callable(legacy):
+            tokens = legacy()
+            if tokens is not None:
+                return tuple((int(token),) for token in sorted(tokens))
         return None
 
     @abstractmethod
