@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Literal
 
 import jsonschema
 import openai
@@ -37,7 +38,9 @@ CHAT_TOOLS = [
 
 
 class Answer(BaseModel):
-    answer: int
+    # (bounded: a sampled answer always completes within the tokens given)
+    colour: Literal["red", "green", "blue"]
+    sure: bool
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +170,9 @@ def test_text_format_json_schema_parses(server: RemoteServer, model) -> None:
         for seed in range(3):
             parsed = client.responses.parse(
                 model=model,
-                input=f"A number, please ({seed})",
+                input=f"A colour, please ({seed})",
                 text_format=Answer,
-                max_output_tokens=40,
+                max_output_tokens=80,
                 temperature=1.0,
                 extra_body={"seed": seed},
             )
@@ -305,7 +308,7 @@ def test_streamed_events_add_up_to_the_response(server: RemoteServer, model) -> 
 def test_the_sdk_stream_helper_builds_the_final_response(server: RemoteServer, model) -> None:
     with server.client() as client:
         with client.responses.stream(
-            model=model, input="A number", text_format=Answer, max_output_tokens=40
+            model=model, input="A colour", text_format=Answer, max_output_tokens=80
         ) as stream:
             deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
             final = stream.get_final_response()
