@@ -25,6 +25,7 @@ from pagedllm.core.args.validate import (
     scheduler_class,
     validate_engine_args,
 )
+from pagedllm.core.batch_invariance import batch_invariant_setting, check_batch_invariant_options
 from pagedllm.core.compilation import CompilationConfig, compilation_config
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
@@ -94,6 +95,8 @@ class ModelConfig:
     logits_processor_pattern: str | None = _flag("logits_processor_pattern")
     config_format: str = _flag("config_format")
     enforce_eager: bool = _flag("enforce_eager")
+    # --batch-invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT=1).
+    batch_invariant: bool = _flag("batch_invariant")
     quantization: str | None = _flag("quantization")
     model_impl: str = _flag("model_impl")
     runner: str = _flag("runner")
@@ -448,6 +451,7 @@ def create_engine_config(
             logits_processor_pattern=args.logits_processor_pattern,
             config_format=args.config_format,
             enforce_eager=bool(args.enforce_eager),
+            batch_invariant=batch_invariant_setting(args),
             quantization=args.quantization,
             model_impl=args.model_impl,
             runner=args.runner,
@@ -511,6 +515,7 @@ def create_engine_config(
     config.compilation_config = compilation_config(args, config.scheduler_config.max_num_seqs)
     pm.hook.pagedllm_update_config(config=config)
     _check_data_parallel(config, usage_context)
+    check_batch_invariant_options(config)
     return config
 
 

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
+from pagedllm.core.batch_invariance import check_batch_invariance
 from pagedllm.core.compilation import compile_model
 from pagedllm.core.config import ParallelConfig, scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
@@ -154,6 +155,8 @@ class LLMEngine:
                 f"--kv-cache-dtype {cache.kv_cache_dtype}: the {backend_cls.name} attention "
                 f"backend of this device stores {', '.join(backend_cls.kv_cache_dtypes)} only"
             )
+        if config.model_config.batch_invariant:  # (what can be said before the load)
+            check_batch_invariance(config, backend_cls())
         parallel = config.parallel_config
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         # What the other ranks reported once built (RankLoaded), and when each rank
@@ -187,6 +190,7 @@ class LLMEngine:
         compile_model(loaded.model, config.compilation_config.level)
         device = config.device_config.device
         backend = backend_cls()
+        check_batch_invariance(config, backend, loaded.model, spec.dtype)
         # Decode steps replayed from graphs: generation without adapters, on a device that
         # captures them, unless --enforce-eager (then capture_sizes is empty).
         use_graphs = (
@@ -280,6 +284,7 @@ class LLMEngine:
             config.device_config.torch_device,
             backend,
             reserved_blocks=int(use_graphs),
+            batch_invariant=config.model_config.batch_invariant,
         )
         if self.workers is not None:
             self.workers.send("cache", (spec, num_blocks, cache.block_size, self.vocab_size))

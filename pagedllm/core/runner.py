@@ -20,6 +20,7 @@ from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_log
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.transfer import host_tensor
 from pagedllm.distributed.parallel_state import pipeline_parallel
+from pagedllm.kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
     from pagedllm.core.step_data import SchedulerOutput
@@ -144,8 +145,11 @@ class ModelRunner:
         device: torch.device,
         attention_backend: Any,
         reserved_blocks: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        # --batch-invariant: each step computed in the kernels' batch-invariant mode.
+        self.batch_invariant = batch_invariant
         self.attention_backend = attention_backend
         self.device = device
         self.block_size = block_size
@@ -171,7 +175,6 @@ class ModelRunner:
         self.hidden_size = self.output_size = 0
         self.hidden_dtype = torch.float32
 
-    @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, token_mask: torch.Tensor | None = None
     ) -> RunnerOutput:
@@ -182,6 +185,11 @@ class ModelRunner:
         With tensor-parallel workers (``self.workers``), the step's :class:`StepInput` goes
         to them first; they compute the same forward pass and logits (:meth:`follow`),
         joining this process's collectives."""
+        with batch_invariant_mode(self.batch_invariant):
+            return self._execute(output, token_mask)
+
+    @torch.inference_mode()
+    def _execute(self, output: SchedulerOutput, token_mask: torch.Tensor | None) -> RunnerOutput:
         step = StepInput(blocks_to_copy=list(output.blocks_to_copy))
         sampling_requests = []
         prompt_rows: list[tuple[Any, list[int]]] = []
@@ -311,7 +319,6 @@ class ModelRunner:
             f"rank 0 failed within a step, out of step with the other ranks: {exc!r}"
         )
 
-    @torch.inference_mode()
     def follow(self, step: Any) -> None:
         """A worker's part of a step. A tensor-parallel rank computes the forward pass and
         the logits of the row blocks rank 0 computes them for, in its order (each takes
@@ -319,6 +326,11 @@ class ModelRunner:
         ``PipelineStep``), a rank of a later stage runs its layers on each micro-batch;
         a tensor-parallel rank of stage 0 runs the first stage as rank 0 does, then
         computes the logits with it."""
+        with batch_invariant_mode(self.batch_invariant):
+            self._follow(step)
+
+    @torch.inference_mode()
+    def _follow(self, step: Any) -> None:
         from pagedllm.distributed.pipeline import PipelineStep, first_stage, follow_stage
 
         if isinstance(step, PipelineStep):

@@ -9,7 +9,8 @@ products and attention cache), else None. Calling it runs the layer for a step o
 :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
 the module then computes op by op. The native call runs the very kernels of that path in
-the same order, so both give bit-identical results.
+the same order, so both give bit-identical results (in batch-invariant mode too, where
+both take the panel products at every row count).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from pagedllm.distributed.parallel_state import tp_size
+from pagedllm.kernels.batch_invariant import batch_invariant
 from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, cpu_ops
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
@@ -49,6 +51,7 @@ class _StepArgs(ctypes.Structure):
         ("bt_stride", _i64),
         ("int8", _i64),
         ("nthreads", _i64),
+        ("invariant", _i64),
     ]
 
 
@@ -224,6 +227,8 @@ class NativeDecoderLayer:
         # From how many rows the products take 8-bit activations (0: never).
         step.int8 = int8_min_rows(self.dtype) or 0
         step.nthreads = torch.get_num_threads()
+        # Batch-invariant mode: the products in panels at every row count, as the modules'.
+        step.invariant = int(batch_invariant())
         # The tensors whose pointers the arguments hold stay referenced with them.
         return step, ranges, tables, metadata.slot_mapping
 

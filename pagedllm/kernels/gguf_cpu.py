@@ -42,6 +42,11 @@ class GGUFCpuKernels:
         lib.pagedllm_gguf_matmul_q8p.restype = i32
         lib.pagedllm_gguf_matmul_bf16.argtypes = [*lib.pagedllm_gguf_matmul.argtypes, i32]
         lib.pagedllm_gguf_matmul_bf16.restype = i32
+        lib.pagedllm_gguf_matmul_panels.argtypes = [*lib.pagedllm_gguf_matmul.argtypes, i32, i32]
+        lib.pagedllm_gguf_matmul_panels.restype = i32
+        lib.pagedllm_dense_matmul_panels.argtypes = [ptr, i32, i64, i64, ptr, i64, i64, ptr]
+        lib.pagedllm_dense_matmul_panels.argtypes += [i64, i32, i32, i32]
+        lib.pagedllm_dense_matmul_panels.restype = i32
         lib.pagedllm_gguf_features.argtypes = []
         lib.pagedllm_gguf_features.restype = i32
         features = lib.pagedllm_gguf_features()
@@ -148,6 +153,75 @@ class GGUFCpuKernels:
             k,
             out_dtype,
         )
+
+    def matmul_panels(
+        self,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        qtype: int,
+        n: int,
+        k: int,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
+        """``x @ W.T`` in panels at every row count, one row included (the product of
+        :meth:`matmul` or :meth:`matmul_bf16` from a few rows on): each output one chain of
+        multiply-adds over ``k`` whatever rows share the call. float32 ``x`` into float32,
+        or bfloat16 ``x`` (AVX512-BF16) into float32 or bfloat16; None where it does not
+        apply (not Q4_0/Q4_1/Q8_0, or no panels in this build)."""
+        bf16 = x.dtype == torch.bfloat16
+        return self._rows_product(
+            self.lib.pagedllm_gguf_matmul_panels,
+            "matmul_panels",
+            "panel",
+            (torch.float32, torch.bfloat16),
+            x,
+            raw,
+            qtype,
+            n,
+            k,
+            out_dtype,
+            int(bf16),
+        )
+
+    def matmul_dense(
+        self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | None:
+        """``x @ weight.T`` for a dense float32 or bfloat16 ``weight`` ``[n, k]`` in the
+        panels of :meth:`matmul_panels` (each output one chain of multiply-adds over ``k``,
+        whatever rows share the call): float32 ``x`` into float32, or bfloat16 ``x`` with a
+        bfloat16 weight of even ``k`` (AVX512-BF16) into float32 or bfloat16. None where it
+        does not apply (no panels in this build, or those dtypes there)."""
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+            raise TypeError(f"matmul_dense takes a float32 or bfloat16 matrix, not {weight.dtype}")
+        if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (
+            torch.float32,
+            torch.bfloat16,
+        ):
+            raise TypeError("matmul_dense takes and gives float32 or bfloat16 rows")
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"activations of shape {tuple(x.shape)} for {k} input features")
+        weight, x = weight.contiguous(), x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=out_dtype)
+        status = self.lib.pagedllm_dense_matmul_panels(
+            weight.data_ptr(),
+            int(weight.dtype == torch.bfloat16),
+            n,
+            k,
+            x.data_ptr(),
+            x.shape[0],
+            k,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+            int(x.dtype == torch.bfloat16),
+            int(out_dtype == torch.bfloat16),
+        )
+        if status == -1:
+            return None
+        if status != 0:
+            raise MemoryError("the dense panel product could not allocate its panels")
+        return y
 
     def _rows_product(
         self,

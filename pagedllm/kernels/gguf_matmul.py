@@ -15,6 +15,10 @@ Two ways, numerically the same dot products as ``F.linear(x, dequantize(W), bias
 
 Results agree with the reference to within matmul-kernel rounding.
 
+Batch-invariant mode (:mod:`pagedllm.kernels.batch_invariant`): Q4_0/Q4_1/Q8_0 products
+take the panels at every row count, one row included, with activations chosen by dtype
+alone; other types are dequantized by chunks and multiplied in the same panels.
+
 8-bit activations (``PAGEDLLM_GGUF_ACTIVATIONS``): CPU products with Q4_0, Q4_1 and Q8_0
 weights can quantize the activations to 8 bits (one scale per 32 values) and take integer
 dot products, as llama.cpp and vLLM's GGUF kernels do: within about 1% of the float
@@ -34,8 +38,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.batch_invariant import batch_invariant, linear
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
-from pagedllm.kernels.gguf_cpu import FUSED_TYPES, cpu_kernels
+from pagedllm.kernels.gguf_cpu import FUSED_TYPES, GGUFCpuKernels, cpu_kernels
 from pagedllm.kernels.gguf_dequant import bytes_per_row, dequantize
 
 __all__ = [
@@ -149,7 +154,13 @@ def gguf_linear(
 
     kernels = cpu_kernels() if x.device.type == "cpu" and decode is None else None
     out = None
-    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    invariant = batch_invariant() and x.device.type == "cpu"
+    if invariant and kernels is not None and qtype in FUSED_TYPES and kernels.row_tiles:
+        out = _invariant_product(kernels, flat, raw, qtype, out_features, in_features)
+    elif invariant:  # (other types: dequantized chunks, multiplied in panels below)
+        kernels = None
+    float_rows = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if out is None and kernels is not None and float_rows:
         # (16-bit activations: bfloat16 ones multiplied in bfloat16 with float32 sums
         # where the CPU has AVX512-BF16, else the float32 kernels on their exact
         # widening; the result rounded back once. Rows past the kernel's limit take the
@@ -193,10 +204,41 @@ def gguf_linear(
                 raw[start:stop], qtype, stop - start, in_features, x.dtype
             )
             # Writing into a slice of ``out`` avoids a concatenation (a second full copy).
-            out[:, start:stop] = F.linear(flat, w)
+            out[:, start:stop] = linear(flat, w)
     if bias is not None:
         out += bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _invariant_product(
+    kernels: GGUFCpuKernels,
+    flat: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """Batch-invariant mode: the product of Q4_0/Q4_1/Q8_0 weights in panels at every row
+    count, with the activations the mode (``PAGEDLLM_GGUF_ACTIVATIONS``) gives this dtype
+    whatever the row count: 8-bit ones in the VNNI panels (without them, the 8-bit row
+    loop, the same sums for any row count), else bfloat16 pairs (AVX512-BF16) or float32.
+    (The same choices as the native decoder layer's, ``csrc/cpu_layer.c``.)"""
+    bf16 = flat.dtype == torch.bfloat16
+    out = None
+    if int8_min_rows(flat.dtype) is not None:
+        if kernels.q8_panels:
+            rows = flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
+            out_dtype = torch.bfloat16 if bf16 else torch.float32
+            out = kernels.matmul_q8_panels(rows, raw, qtype, out_features, in_features, out_dtype)
+        else:
+            out = kernels.matmul_q8(flat.float(), raw, qtype, out_features, in_features)
+    if out is None and bf16 and kernels.bf16:
+        out = kernels.matmul_panels(flat, raw, qtype, out_features, in_features, torch.bfloat16)
+    if out is None:
+        out = kernels.matmul_panels(flat.float(), raw, qtype, out_features, in_features)
+    if out is None:
+        raise RuntimeError(f"GGML type {qtype}: no panel product in this build")
+    return out.to(flat.dtype)
 
 
 def gguf_embedding(

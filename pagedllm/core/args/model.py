@@ -212,6 +212,17 @@ class ModelArgs:
         group="ModelConfig",
         help="Always run the model in eager PyTorch mode: no CUDA graphs (-O still compiles).",
     )
+    batch_invariant: bool = arg(
+        False,
+        group="ModelConfig",
+        help="Compute every request's tokens and logprobs bit-identically whatever else is "
+        "in the batch (alone, or among any concurrent requests; greedy or seeded): the same "
+        "kernels and summation order for every row count, attention over each request's "
+        "own context, prompts computed the same way however they are chunked. Costs "
+        "throughput (see README). Also on with PAGEDLLM_BATCH_INVARIANT=1 or vLLM's "
+        "VLLM_BATCH_INVARIANT=1. The cpu device, Llama-family models, unquantized or GGUF; "
+        "other configurations are refused at start-up, naming why.",
+    )
     max_seq_len_to_capture: int = arg(
         8192,
         group="ModelConfig",

@@ -29,6 +29,17 @@ class AttentionBackend(ABC):
     # models with such layers on a backend that does not.
     logits_soft_cap: ClassVar[bool] = False
 
+    def batch_invariant_refusal(
+        self, layers: list[Any], kv_cache_dtype: torch.dtype | None
+    ) -> str | None:
+        """Why this backend cannot attend the query tokens of these attention ``layers``
+        (over a KV cache of ``kv_cache_dtype``; before the model loads, no layers and None)
+        the same way whatever else is in the step, as ``--batch-invariant`` asks, or None
+        when it can: in that mode (``pagedllm.kernels.batch_invariant``), a query token's
+        result depends only on its request's context, not on the step's other requests or
+        on how its prompt was split into chunks. The default: no such promise."""
+        return f"the {self.name} attention backend does not attend each request independently"
+
     @abstractmethod
     def build_metadata(
         self,

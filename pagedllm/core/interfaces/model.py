@@ -57,11 +57,17 @@ class ModelArchitecture(ABC):
     # Whether its layers can be split over pipeline stages (``--pipeline-parallel-size``):
     # inherited, as the decoder that holds a stage's layers is shared by the subclasses.
     supports_pipeline_parallel: ClassVar[bool] = False
+    # Whether every product of its forward pass goes through pagedllm's layers (``Linear``,
+    # ``LinearGroup``, ``VocabEmbedding``) and every other op works row by row, so that
+    # ``--batch-invariant`` holds for it. Not inherited either (a subclass may add
+    # mixture-of-experts layers, whose products group the batch's rows by expert).
+    supports_batch_invariance: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "supports_tensor_parallel" not in cls.__dict__:
-            cls.supports_tensor_parallel = False
+        for name in ("supports_tensor_parallel", "supports_batch_invariance"):
+            if name not in cls.__dict__:
+                setattr(cls, name, False)
 
     @classmethod
     def check_tensor_parallel(cls, config: Any, size: int, *, experts: bool = False) -> None:

@@ -19,6 +19,11 @@ class LinearMethod(ABC):
     layers that read the same input (Q/K/V, gate/up) can be computed as one.
     """
 
+    # Whether :meth:`apply` (and the module :meth:`fuse` returns) computes each row the
+    # same way whatever rows share the call while ``pagedllm.kernels.batch_invariant``'s
+    # mode is on (``--batch-invariant`` refuses layers of methods that do not).
+    batch_invariant: ClassVar[bool] = False
+
     @abstractmethod
     def create_weights(
         self, layer: torch.nn.Module, input_size: int, output_size: int, params_dtype: Any

@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.linear import mark_shard
 from pagedllm.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
+from pagedllm.kernels.batch_invariant import linear
 
 if TYPE_CHECKING:
     from pagedllm.core.interfaces import QuantizationConfig
@@ -111,13 +112,13 @@ class VocabEmbedding(nn.Module):
         """``x @ weight.T``: the logits of a head tied to this embedding (with several
         ranks, each rank's logits gathered and the padding rows' dropped)."""
         if self.vocab_parallel:
-            local = F.linear(x, self.weight) if self.method is None else self.method.apply(self, x)
+            local = linear(x, self.weight) if self.method is None else self.method.apply(self, x)
             logits = all_gather(local, dim=-1)
             if logits.shape[-1] != self.num_embeddings:
                 logits = logits[..., : self.num_embeddings].contiguous()
             return logits
         if self.method is None:
-            return F.linear(x, self.weight)
+            return linear(x, self.weight)
         return self.method.apply(self, x)
 
     def extra_repr(self) -> str:

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
 from pagedllm.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
+from pagedllm.kernels.batch_invariant import linear
 
 if TYPE_CHECKING:
     from pagedllm.core.interfaces import QuantizationConfig
@@ -201,7 +201,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = linear(x, self.weight, self.bias)
         else:
             y = self.method.apply(self, x, self.bias)
         return self.add_lora(y, x)
@@ -211,7 +211,7 @@ class Linear(nn.Module):
         products (each with its LoRA deltas, from its columns of the adapters' A)
         summed, plus the full bias (added once)."""
         if self.method is None:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         else:
             y = self.method.apply(self, x, None)
         y = all_reduce(self.add_lora(y, x))
@@ -359,7 +359,7 @@ class FusedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return list(linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}"

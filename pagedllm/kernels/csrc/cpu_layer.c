@@ -23,6 +23,9 @@ typedef struct {
     int64_t bt_stride;
     int64_t int8; /* 8-bit activations for GGUF products of this many rows or more (0: never) */
     int64_t nthreads;
+    /* Batch-invariant mode: every product in panels, one row included (the modules'
+     * choice then, gguf_matmul.gguf_linear), so a row's result ignores the batch. */
+    int64_t invariant;
 } step_args;
 
 typedef struct {
@@ -40,6 +43,19 @@ typedef struct {
 
 static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                    int64_t row_bytes, int64_t k, const float *x, int64_t m, float *y) {
+    if (S->invariant) { /* (without 8-bit panels, the 8-bit row loop at every count) */
+        int status = -1;
+        if (S->int8 > 0)
+            status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
+                                              (int)S->nthreads, 0, 0);
+        if (status == -1 && S->int8 > 0)
+            status = pagedllm_gguf_matmul_q8((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
+                                             (int)S->nthreads);
+        if (status == -1)
+            status = pagedllm_gguf_matmul_panels((int)qtype, raw, n, row_bytes, k, x, m, k, y, n,
+                                                 (int)S->nthreads, 0, 0);
+        return status;
+    }
     if (S->int8 > 0 && m >= S->int8) {
         const int status = pagedllm_gguf_matmul_q8((int)qtype, raw, n, row_bytes, k, x, m, k, y,
                                                    n, (int)S->nthreads);
@@ -55,6 +71,11 @@ static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_
 static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                         int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
                         uint16_t *y) {
+    if (S->invariant)
+        return S->int8 > 0 ? pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
+                                                      n, (int)S->nthreads, 1, 1)
+                           : pagedllm_gguf_matmul_panels((int)qtype, raw, n, row_bytes, k, x, m,
+                                                         k, y, n, (int)S->nthreads, 1, 1);
     if (S->int8 > 0 && m >= S->int8 && m > 1) {
         const int status = pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
                                                     n, (int)S->nthreads, 1, 1);

@@ -992,6 +992,134 @@ int pagedllm_gguf_matmul_bf16(int qtype, const uint8_t *raw, int64_t n, int64_t 
 }
 #endif
 
+/* ---- Panels at every row count (batch-invariant mode) ------------------------------------
+ *
+ * The panel products above take a call's rows from a few on; fewer rows go to row kernels
+ * that sum in other orders (fused_gemv, small_rows), as do the BLAS GEMMs of dense weights,
+ * whose kernels change with the row count. Here the panels take every row count, one row
+ * included: each output is one chain of multiply-adds over k in order (bfloat16: of pair
+ * products), whatever rows share the call, so a row's result does not depend on the rest
+ * of the batch (pagedllm/kernels/batch_invariant.py). Dense weights (unquantized layers,
+ * and chunks of other GGUF types dequantized) are copied into the same panels: float32, or
+ * bfloat16 widened exactly, or with bfloat16 activations on AVX512-BF16 in bfloat16 pairs.
+ * -1 where this build has no panels, for another type or k not a multiple of 32 (packed
+ * weights), or an odd k (bfloat16 pairs). */
+#if defined(__AVX512F__)
+#define HAVE_PANELS 1
+#define PANEL_WIDTH PANEL
+#define PANEL_TILE_ROWS PANEL_MR
+#define PANEL_DECODE_F32 panel_decode_f32
+#define PANEL_ROWS_F32 panel_rows_f32
+#elif defined(HAVE_FUSED_MATMUL)
+#define HAVE_PANELS 1
+#define PANEL_WIDTH PANEL2
+#define PANEL_TILE_ROWS PANEL2_MR
+#define PANEL_DECODE_F32 panel2_decode
+#define PANEL_ROWS_F32 panel2_rows
+#endif
+
+#ifdef HAVE_PANELS
+/* Rows of a dense weight into a float32 panel, k-major: P[c * PANEL_WIDTH + j] = w[j][c]
+ * (rows past `rows` zeros). `qtype` is 1 for bfloat16 elements (widened), 0 for float32;
+ * row_bytes the weight's row stride in bytes. */
+static void dense_decode_f32(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
+                             int64_t k, int rows, void *out) {
+    float *P = (float *)out;
+    (void)block_bytes;
+    for (int j = 0; j < PANEL_WIDTH; j++) {
+        const uint8_t *row = raw + j * row_bytes;
+        for (int64_t c = 0; c < k; c++) {
+            float v = 0.0f;
+            if (j < rows && qtype) {
+                const uint32_t u = (uint32_t)((const uint16_t *)row)[c] << 16;
+                memcpy(&v, &u, sizeof(v));
+            } else if (j < rows) {
+                v = ((const float *)row)[c];
+            }
+            P[c * PANEL_WIDTH + j] = v;
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Rows of a dense bfloat16 weight into the bfloat16 panel: P[p * PANEL + j] = (w[j][2p],
+ * w[j][2p + 1]) as one 32-bit element, the layout of panel_decode_bf16 (k even). */
+static void dense_decode_bf16(int qtype, int block_bytes, const uint8_t *raw, int64_t row_bytes,
+                              int64_t k, int rows, void *out) {
+    uint32_t *P = (uint32_t *)out;
+    (void)qtype;
+    (void)block_bytes;
+    for (int j = 0; j < PANEL; j++) {
+        const uint16_t *row = (const uint16_t *)(raw + j * row_bytes);
+        for (int64_t p = 0; p < k / 2; p++)
+            P[p * PANEL + j] =
+                j < rows ? (uint32_t)row[2 * p] | ((uint32_t)row[2 * p + 1] << 16) : 0u;
+    }
+}
+#endif
+#endif
+
+/* y[m, n] = x[m, k] . W[n, k] for packed Q4_0/Q4_1/Q8_0 W: the float32 panels (x float32,
+ * y float32), or with x_bfloat16 the bfloat16 ones (AVX512-BF16; y bfloat16 where y_bf16). */
+int pagedllm_gguf_matmul_panels(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes,
+                                int64_t k, const void *x, int64_t m, int64_t x_stride, void *y,
+                                int64_t y_stride, int nthreads, int x_bf16, int y_bf16) {
+#ifdef HAVE_PANELS
+    int block_bytes, qs_off, has_min;
+    if (fused_layout(qtype, &block_bytes, &qs_off, &has_min) != 0 || k % 32) return -1;
+    if (x_bf16) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(uint16_t), m,
+                            x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,
+                            nthreads, sizeof(uint16_t) * (size_t)(k * PANEL), panel_decode_bf16,
+                            panel_rows_bf16, PANEL, PANEL_MR);
+#else
+        return -1;
+#endif
+    }
+    if (y_bf16) return -1;
+    return panel_matmul(qtype, block_bytes, raw, n, row_bytes, k, x, sizeof(float), m, x_stride,
+                        y, sizeof(float), y_stride, nthreads,
+                        sizeof(float) * (size_t)(k * PANEL_WIDTH), PANEL_DECODE_F32,
+                        PANEL_ROWS_F32, PANEL_WIDTH, PANEL_TILE_ROWS);
+#else
+    (void)qtype; (void)raw; (void)n; (void)row_bytes; (void)k; (void)x; (void)m;
+    (void)x_stride; (void)y; (void)y_stride; (void)nthreads; (void)x_bf16; (void)y_bf16;
+    return -1;
+#endif
+}
+
+/* y[m, n] = x[m, k] . W[n, k] for a dense W (contiguous rows; bfloat16 where w_bf16, else
+ * float32): x float32 into float32 y, or with x_bf16 (and a bfloat16 W, k even, on
+ * AVX512-BF16) in bfloat16 pairs, y bfloat16 where y_bf16. */
+int pagedllm_dense_matmul_panels(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
+                                 int64_t m, int64_t x_stride, void *y, int64_t y_stride,
+                                 int nthreads, int x_bf16, int y_bf16) {
+#ifdef HAVE_PANELS
+    const int64_t row_bytes = k * (w_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+    if (x_bf16) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (!w_bf16 || k % 2) return -1;
+        return panel_matmul(1, 0, (const uint8_t *)w, n, row_bytes, k, x, sizeof(uint16_t), m,
+                            x_stride, y, y_bf16 ? sizeof(uint16_t) : sizeof(float), y_stride,
+                            nthreads, sizeof(uint16_t) * (size_t)(k * PANEL), dense_decode_bf16,
+                            panel_rows_bf16, PANEL, PANEL_MR);
+#else
+        return -1;
+#endif
+    }
+    if (y_bf16) return -1;
+    return panel_matmul(w_bf16 ? 1 : 0, 0, (const uint8_t *)w, n, row_bytes, k, x, sizeof(float), m,
+                        x_stride, y, sizeof(float), y_stride, nthreads,
+                        sizeof(float) * (size_t)(k * PANEL_WIDTH), dense_decode_f32, PANEL_ROWS_F32,
+                        PANEL_WIDTH, PANEL_TILE_ROWS);
+#else
+    (void)w; (void)w_bf16; (void)n; (void)k; (void)x; (void)m; (void)x_stride; (void)y;
+    (void)y_stride; (void)nthreads; (void)x_bf16; (void)y_bf16;
+    return -1;
+#endif
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] for the n x k weight W given packed, m activation
  * rows (row strides in elements). Each thread decodes whole weight rows into its own
  * buffer. */

@@ -26,7 +26,8 @@ from pagedllm.core.attention.torch_backend import (
     soft_cap,
 )
 from pagedllm.kernels.attention import write_kv_cache
-from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
+from pagedllm.kernels.batch_invariant import batch_invariant
+from pagedllm.kernels.cpu_ops import BF16_HEAD_DIMS, MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 
@@ -59,6 +60,40 @@ class PagedMetadata:
 class CpuPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
 
+    def batch_invariant_refusal(
+        self, layers: list[Any], kv_cache_dtype: torch.dtype | None
+    ) -> str | None:
+        """The kernel attends each (query token, KV head) over the token's context in
+        chunks of keys in a fixed order, whatever the step holds (on the bfloat16
+        dot-product path, a token's KV heads in turn over each chunk or each head alone,
+        by the step's size: the same sums, each head's state kept between chunks), and in
+        batch-invariant mode it takes prefills of every length. It needs the compiled
+        kernels and, for every layer, what the kernel computes."""
+        ops = cpu_ops()
+        if ops is None:
+            return "the paged-attention kernel is not available (no C compiler, or disabled)"
+        if kv_cache_dtype is None:  # (before the model loads: the kernel itself)
+            return None
+        if kv_cache_dtype not in (torch.float32, torch.bfloat16) or (
+            kv_cache_dtype == torch.bfloat16 and not ops.bf16_cache
+        ):
+            return f"the paged-attention kernel reads no {kv_cache_dtype} KV cache on this CPU"
+        for layer in layers:
+            if soft_cap(layer) is not None:
+                return "the paged-attention kernel does not soft-cap attention scores"
+            if layer.head_dim > MAX_HEAD_DIM or layer.num_heads // layer.num_kv_heads > MAX_GROUP:
+                return (
+                    f"the paged-attention kernel takes head sizes up to {MAX_HEAD_DIM} and up "
+                    f"to {MAX_GROUP} query heads per KV head, not {layer.head_dim} and "
+                    f"{layer.num_heads // layer.num_kv_heads}"
+                )
+            if kv_cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(layer.head_dim):
+                return (
+                    f"the paged-attention kernel reads a bfloat16 cache for head sizes "
+                    f"{sorted(BF16_HEAD_DIMS)}, not {layer.head_dim}"
+                )
+        return None
+
     def build_metadata(
         self,
         query_lens: list[int],
@@ -75,9 +110,10 @@ class CpuPagedBackend(TorchSDPABackend):
             return super().build_metadata(
                 query_lens, context_lens, block_tables, block_size, kv_caches, device
             )
-        step = kernel_step(
-            query_lens, context_lens, block_tables, block_size, max_query=KERNEL_MAX_QUERY
-        )
+        # (batch-invariant mode: every query through the kernel, whose result for a token
+        # ignores how its prompt was chunked; SDPA's blocks follow the query length)
+        max_query = None if batch_invariant() else KERNEL_MAX_QUERY
+        step = kernel_step(query_lens, context_lens, block_tables, block_size, max_query=max_query)
         prefills = [
             PrefillSequence(
                 offset,

@@ -21,6 +21,7 @@ from pagedllm.distributed.parallel_state import (
     tp_size,
 )
 from pagedllm.kernels import triton_rows
+from pagedllm.kernels.batch_invariant import linear
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.triton_attention import triton_rms_norm
@@ -458,7 +459,7 @@ class CausalLM(nn.Module, ModelArchitecture):
             return logits[..., : self.vocab_size].float().contiguous()
         if isinstance(head, Linear):
             return head(hidden_states).float()
-        return torch.nn.functional.linear(hidden_states, head.weight).float()
+        return linear(hidden_states, head.weight).float()
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills (None drops the tensor)."""

@@ -26,6 +26,7 @@ from pagedllm.core.layers.linear import Linear, LinearGroup
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
+from pagedllm.kernels.batch_invariant import batch_invariant
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
@@ -164,6 +165,8 @@ class LlamaMLP(nn.Module):
         # float32 rows (prefill) torch's own vectorised SiLU is faster, over bfloat16 ones
         # (which torch widens and narrows op by op) the kernel.
         fits = gate.shape[0] <= SILU_KERNEL_MAX_ROWS or gate.dtype == torch.bfloat16
+        # (batch-invariant mode: one SiLU whatever the row count; torch's rounds otherwise)
+        fits = fits or batch_invariant()
         use = gate.dim() == 2 and fits and self.silu
         ops = cpu_ops_for(gate) if use else None
         if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
@@ -263,6 +266,7 @@ class LlamaModel(DecoderStack):
 class LlamaForCausalLM(CausalLM):
     model_cls: type[nn.Module] = LlamaModel
     supports_tensor_parallel = True
+    supports_batch_invariance = True
 
     def __init__(
         self,
@@ -286,6 +290,7 @@ class LlamaForCausalLM(CausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     supports_tensor_parallel = True
+    supports_batch_invariance = True
 
 
 class Qwen2Attention(LlamaAttention):
@@ -306,6 +311,7 @@ class Qwen2Model(LlamaModel):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen2Model
     supports_tensor_parallel = True
+    supports_batch_invariance = True
 
 
 class Qwen3Attention(LlamaAttention):
@@ -325,3 +331,4 @@ class Qwen3Model(LlamaModel):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model
     supports_tensor_parallel = True
+    supports_batch_invariance = True

@@ -24,6 +24,9 @@ from pagedllm.kernels.gguf_matmul import activation_mode, gguf_embedding, gguf_l
 class GGUFLinearMethod(LinearMethod):
     """One packed GGML weight; ``x @ W.T`` through :func:`gguf_linear`."""
 
+    # (gguf_linear takes the panel kernels at every row count in batch-invariant mode)
+    batch_invariant = True
+
     def __init__(self, qtype: GGMLQuantizationType) -> None:
         self.qtype = qtype
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import restack_rows
+from pagedllm.kernels.batch_invariant import linear
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_matmul import gguf_linear
 from pagedllm.plugins.quantization.common import checkpoint_param, left_in_floats
@@ -203,7 +204,7 @@ class Int4LinearMethod(GGUFLinearMethod):
         if layer.int4_perm is not None:
             x = x.index_select(-1, layer.int4_perm)
         if self.qtype is None:
-            return torch.nn.functional.linear(x, layer.weight, bias)
+            return linear(x, layer.weight, bias)
         out_features, in_features = layer.gguf_shape
         return gguf_linear(x, layer.weight, self.qtype, out_features, in_features, bias)
 
