@@ -17,7 +17,6 @@ token over its context in a fixed order of chunks.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -27,24 +26,25 @@ from pagedllm.kernels.gguf_cpu import cpu_kernels
 
 __all__ = ["batch_invariant", "batch_invariant_mode", "linear", "unavailable_reason"]
 
-_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "pagedllm_batch_invariant", default=False
-)
+# The mode of the step being computed: a module global, which torch.compile reads as a
+# guarded constant (a ContextVar would break its graphs). One engine computes steps at a
+# time per process, on its engine thread.
+_MODE = [False]
 
 
 def batch_invariant() -> bool:
     """Whether the step being computed is in batch-invariant mode."""
-    return _MODE.get()
+    return _MODE[0]
 
 
 @contextlib.contextmanager
 def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     """Computes within the block in batch-invariant mode (or not: ``enabled=False``)."""
-    token = _MODE.set(enabled)
+    previous, _MODE[0] = _MODE[0], enabled
     try:
         yield
     finally:
-        _MODE.reset(token)
+        _MODE[0] = previous
 
 
 def unavailable_reason() -> str | None:
@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``; in batch-invariant mode, for CPU tensors, the panel
     product (bfloat16 activations with a bfloat16 weight in bfloat16 pairs on CPUs with
     AVX512-BF16, else in float32 on the exact widening, rounded once to ``x``'s dtype)."""
-    if not _MODE.get() or x.device.type != "cpu":
+    if not _MODE[0] or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     kernels = cpu_kernels()
     if kernels is None:
