@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
+    from pagedllm.entrypoints.openai.response_size import ResponseLimit
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
@@ -61,6 +62,11 @@ def add_routes(
     model_path: str,
 ) -> None:
     log_request = RequestLog.for_options(options, logger)
+    limit = serving.response_limit
+
+    async def respond(result: Any) -> Response:
+        """A generation's response, its body within --max-response-mb."""
+        return await _respond(result, limit)
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,14 +150,14 @@ def add_routes(
         request_id = _request_id(request, body.request_id, "cmpl")
         log_request(request_id, body)
         work = serving.create_completion(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "chatcmpl")
         log_request(request_id, body)
         work = serving.create_chat_completion(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     responses = serving.responses  # (a bad PAGEDLLM_RESPONSES_STORE_MB fails the start)
 
@@ -160,7 +166,7 @@ def add_routes(
         request_id = _request_id(request, body.request_id, "resp")
         log_request(request_id, body)
         work = responses.create(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -263,7 +269,7 @@ def _note_ignored(body: OpenAIModel, response: Response) -> Response:
     return response
 
 
-async def _respond(result: Any) -> Response:
+async def _respond(result: Any, limit: ResponseLimit | None = None) -> Response:
     if isinstance(result, Response):
         return result
     if inspect.isasyncgen(result):
@@ -273,6 +279,8 @@ async def _respond(result: Any) -> Response:
         return StreamingResponse(
             stream_errors(_prepend(first, result)), media_type="text/event-stream"
         )
+    if limit is not None:  # (serialized on a worker thread)
+        return await limit.json_response(result)
     return JSONResponse(result)
 
 

@@ -6,6 +6,7 @@ preparer, the checks a request passes before it reaches the engine, and ``/token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.response_size import ResponseLimit
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
@@ -71,6 +73,10 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
+        # --max-response-mb: the bound on one non-streaming response.
+        self.response_limit = ResponseLimit(
+            options.max_response_mb, self.tokenizer, engine.config.model_config.max_logprobs
+        )
         self.prompts = PromptPreparer(
             self.tokenizer,
             self.max_model_len,
@@ -230,8 +236,10 @@ class OpenAIServing:
             )
             for i, prompt in enumerate(prompts)
         ]
-        async for item in self.engine.generate_many(requests):
-            yield item
+        # (closed with this generator: a reply that stops reading aborts its requests)
+        async with contextlib.aclosing(self.engine.generate_many(requests)) as outputs:
+            async for item in outputs:
+                yield item
 
     # --------------------------------------------------------------- handlers
 
