@@ -317,6 +317,50 @@ def test_compile_cache_keeps_the_most_recently_used(tmp_path_factory):
     assert manager.submit(second) is not futures["b+"]  # compiled afresh
 
 
+def test_compile_cache_is_bounded_in_memory(tmp_path_factory):
+    llm = LLM(
+        str(tiny_llama(tmp_path_factory)),
+        disable_log_stats=True,
+        guided_decoding_cache_memory=1,
+    )
+    manager = llm.llm_engine.guided
+    bound = 1 << 20
+
+    def regex(letters: str, length: int = 80) -> GuidedDecodingParams:
+        return GuidedDecodingParams(regex=f"[{letters} ]{{1,{length}}}", backend="xgrammar")
+
+    first, second, third = regex("a-z"), regex("b-z"), regex("c-z")
+    futures = {}
+    for params in (first, second):
+        futures[params.regex] = manager.submit(params)
+        futures[params.regex].result()
+        assert manager.cached_bytes <= bound
+    sizes = [f.result().memory_size_bytes() for f in futures.values()]
+    # (As loaded from a compile worker, each holds about 0.38 MiB: two fit, three do not.)
+    assert 2 * max(sizes) <= bound < 3 * min(sizes), sizes
+    assert manager.cached_bytes == sum(sizes)
+    assert manager.submit(first) is futures[first.regex]  # a hit: now the most recent
+    manager.submit(third).result()  # evicts the least recently used, the second
+    assert manager.cached_bytes <= bound
+    assert manager.submit(first) is futures[first.regex]
+    # The evicted one compiles afresh, and constrains as before.
+    assert manager.submit(second) is not futures[second.regex]
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=0, guided_decoding=second)
+    for completion in llm.generate(["x", "y"], params, use_tqdm=False):
+        text = completion.outputs[0].text
+        assert re.fullmatch("[b-z ]{1,80}", text), text
+    assert manager.cached_bytes <= bound
+    # One larger than the whole bound is used, but not kept.
+    large = regex("a-z", 200)
+    used = manager.submit(large)
+    assert used.result().memory_size_bytes() > bound
+    assert manager.cached_bytes <= bound
+    assert manager.submit(first) is futures[first.regex]
+    again = manager.submit(large)
+    assert again is not used
+    again.result()
+
+
 def test_compile_in_process_with_no_workers(tmp_path_factory):
     llm = LLM(
         str(tiny_llama(tmp_path_factory)),

@@ -209,6 +209,7 @@ class DecodingConfig:
     compile_timeout: float = _flag("guided_decoding_compile_timeout")
     compile_memory_mib: int = _flag("guided_decoding_compile_memory")
     compile_cache_size: int = _flag("guided_decoding_cache_size")
+    compile_cache_memory_mib: float = _flag("guided_decoding_cache_memory")
 
 
 @dataclasses.dataclass(slots=True)
@@ -506,6 +507,7 @@ def create_engine_config(
             compile_timeout=args.guided_decoding_compile_timeout,
             compile_memory_mib=args.guided_decoding_compile_memory,
             compile_cache_size=args.guided_decoding_cache_size,
+            compile_cache_memory_mib=args.guided_decoding_cache_memory,
             reasoning_parser=args.reasoning_parser,
         ),
         observability_config=ObservabilityConfig(disable_log_stats=args.disable_log_stats),

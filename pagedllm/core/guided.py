@@ -52,11 +52,18 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 @dataclasses.dataclass(slots=True)
 class _Entry:
-    """A constraint compiling or compiled: its future, and how many callers wait on it."""
+    """A constraint compiling or compiled: its future, how many callers wait on it, and
+    (once compiled) the memory it holds."""
 
     future: Future[CompiledConstraint]
     cancelled: threading.Event
     waiters: int = 0
+    size: int | None = None
+
+    @property
+    def evictable(self) -> bool:
+        # (A compile that is measured is done but for setting its future.)
+        return self.size is not None or self.future.done()
 
 
 class GuidedDecodingManager:
@@ -85,9 +92,11 @@ class GuidedDecodingManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._backends: dict[str, GuidedBackend] = {}
-        # Compiled constraints, least recently used first (--guided-decoding-cache-size).
+        # Compiled constraints, least recently used first, bounded in number
+        # (--guided-decoding-cache-size) and in memory (--guided-decoding-cache-memory).
         self._cache: OrderedDict[Any, _Entry] = OrderedDict()
         self.cache_size = config.compile_cache_size
+        self.cache_bytes = int(config.compile_cache_memory_mib * (1 << 20))
         self._lock = threading.Lock()
         workers = config.compile_workers
         # --guided-decoding-compile-workers 0: compile in threads of this process.
@@ -143,24 +152,31 @@ class GuidedDecodingManager:
         return self._entry(guided, wait=False).future
 
     def acquire(self, guided: GuidedDecodingParams) -> tuple[Any, Future[CompiledConstraint]]:
-        """``(key, future)`` of the compiled constraint for a caller that waits on it; the
-        caller gives it back with :meth:`release`."""
+        """``(handle, future)`` of the compiled constraint for a caller that waits on it;
+        the caller gives the handle back with :meth:`release`."""
         key = self._key(guided)
-        return key, self._entry(guided, wait=True, key=key).future
+        entry = self._entry(guided, wait=True, key=key)
+        return (key, entry), entry.future
 
-    def release(self, key: Any) -> None:
+    def release(self, handle: Any) -> None:
         """A caller stopped waiting: a compile nobody waits for any more is stopped (and
-        forgotten, so that a later request compiles it afresh)."""
+        forgotten, so that a later request compiles it afresh). The handle names the
+        entry itself: the cache may have dropped it and compiled the key anew meanwhile."""
+        key, entry = handle
         with self._lock:
-            entry = self._cache.get(key)
-            if entry is None:
-                return
             entry.waiters -= 1
             if entry.waiters > 0 or entry.future.done():
                 return
-            del self._cache[key]
+            if self._cache.get(key) is entry:
+                del self._cache[key]
         entry.cancelled.set()
         entry.future.cancel()
+
+    @property
+    def cached_bytes(self) -> int:
+        """The memory the compiled constraints in the cache hold (as measured)."""
+        with self._lock:
+            return sum(entry.size or 0 for entry in self._cache.values())
 
     def _key(self, guided: GuidedDecodingParams) -> Any:
         constraint = guided.constraint()
@@ -173,7 +189,7 @@ class GuidedDecodingManager:
             entry = self._cache.get(key)
             if entry is None:
                 cancelled = threading.Event()
-                future = self._executor.submit(self._compile, *key, cancelled)
+                future = self._executor.submit(self._compile_measured, key, cancelled)
                 entry = self._cache[key] = _Entry(future, cancelled)
                 self._evict()
             else:
@@ -182,14 +198,46 @@ class GuidedDecodingManager:
         return entry
 
     def _evict(self) -> None:
-        """Drop the least recently used finished entries past the cache size."""
+        """Drop the least recently used finished entries past the cache's size or memory.
+        (Requests using a dropped one keep it until they finish.)"""
         excess = len(self._cache) - self.cache_size
+        excess_bytes = sum(entry.size or 0 for entry in self._cache.values()) - self.cache_bytes
         for key in list(self._cache):
-            if excess <= 0:
+            if excess <= 0 and excess_bytes <= 0:
                 break
-            if self._cache[key].future.done():
+            entry = self._cache[key]
+            if entry.evictable:
                 del self._cache[key]
                 excess -= 1
+                excess_bytes -= entry.size or 0
+
+    def _compile_measured(self, key: Any, cancelled: threading.Event) -> CompiledConstraint:
+        """Compile (on a compile thread), then count what the result holds in the cache."""
+        compiled = self._compile(*key, cancelled)
+        try:
+            size = compiled.memory_size_bytes()
+        except Exception:  # a plugin's measure must not cost the request its constraint
+            logger.warning("cannot measure a compiled %s constraint", key[1].kind, exc_info=True)
+            size = 0
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.cancelled is not cancelled:
+                return compiled  # released meanwhile: not cached
+            entry.size = size
+            if size > self.cache_bytes:
+                # Used by the requests that wait for it, but not kept: it would push
+                # every other constraint out.
+                del self._cache[key]
+                logger.info(
+                    "a compiled %s constraint of %.1f MiB is not cached: it is more than "
+                    "--guided-decoding-cache-memory (%.1f MiB)",
+                    key[1].kind,
+                    size / (1 << 20),
+                    self.cache_bytes / (1 << 20),
+                )
+            else:
+                self._evict()
+        return compiled
 
     def _compile(self, names, constraint, options, cancelled) -> CompiledConstraint:
         errors: list[str] = []

@@ -72,6 +72,15 @@ class RuntimeArgs:
         help="Compiled guided-decoding constraints kept for reuse; the least recently used "
         "are dropped first.",
     )
+    guided_decoding_cache_memory: float = arg(
+        512.0,
+        group="DecodingConfig",
+        min=0,
+        range_hint="it must be 0 MiB or more",
+        help="MiB of memory the compiled guided-decoding constraints kept for reuse may hold "
+        "(each as its backend measures or estimates it); the least recently used are "
+        "dropped first, and one larger than this is used but not kept.",
+    )
     reasoning_parser: str | None = arg(
         None,
         group="DecodingConfig",

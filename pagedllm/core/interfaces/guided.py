@@ -81,6 +81,13 @@ class CompiledConstraint(ABC):
     def matcher(self) -> Grammar:
         """A fresh matcher at the start of the constraint."""
 
+    def memory_size_bytes(self) -> int:
+        """About how much memory this holds, which the engine's compile cache counts
+        against ``--guided-decoding-cache-memory``. By default the length of its pickle;
+        a backend that can measure its own structures overrides it. Called once, on a
+        compile thread."""
+        return len(pickle.dumps(self))
+
 
 class GuidedBackend(ABC):
     """Compiles constraints for one tokenizer.

@@ -77,5 +77,7 @@ class RunBatchArgs:
     disable_log_requests: bool = _server_option("disable_log_requests")
 
     def serving_options(self) -> FrontendArgs:
-        """The server options the batch's requests are served with."""
-        return FrontendArgs(**{name: getattr(self, name) for name in SERVER_OPTIONS})
+        """The server options the batch's requests are served with. (No
+        --max-response-mb: a batch cannot stream, the refusal's remedy.)"""
+        options = {name: getattr(self, name) for name in SERVER_OPTIONS}
+        return FrontendArgs(max_response_mb=0, **options)

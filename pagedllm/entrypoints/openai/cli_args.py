@@ -209,6 +209,16 @@ class FrontendArgs:
         help="Largest number of sequences one request may ask for: its prompts times n (or "
         "best_of). Larger requests are refused with a 400.",
     )
+    max_response_mb: float = arg(
+        64.0,
+        group="Frontend",
+        min=0,
+        range_hint="it must be 0 MiB or more",
+        help="Largest non-streaming response body, in MiB (0: no limit). A completions, chat "
+        "or responses request whose response would be larger is refused with a 400 that "
+        "suggests stream=true: before generating when even its smallest response is, else "
+        "once it grows past the limit (its generation stopped).",
+    )
     enable_server_load_tracking: bool = arg(
         False,
         group="Frontend",

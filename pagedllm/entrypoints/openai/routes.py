@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
+    from pagedllm.entrypoints.openai.response_size import ResponseLimit
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
@@ -59,6 +60,12 @@ def add_routes(
     metrics: Metrics | ReplicaMetrics,
     model_path: str,
 ) -> None:
+    limit = serving.response_limit
+
+    async def respond(result: Any) -> Response:
+        """A generation's response, its body within --max-response-mb."""
+        return await _respond(result, limit)
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy else 503)
@@ -140,13 +147,13 @@ def add_routes(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "cmpl")
         work = serving.create_completion(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "chatcmpl")
         work = serving.create_chat_completion(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     responses = serving.responses  # (a bad PAGEDLLM_RESPONSES_STORE_MB fails the start)
 
@@ -154,7 +161,7 @@ def add_routes(
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         request_id = _request_id(request, body.request_id, "resp")
         work = responses.create(body, request_id)
-        return _note_ignored(body, await _respond(await _until_disconnect(request, work)))
+        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -256,7 +263,7 @@ def _note_ignored(body: OpenAIModel, response: Response) -> Response:
     return response
 
 
-async def _respond(result: Any) -> Response:
+async def _respond(result: Any, limit: ResponseLimit | None = None) -> Response:
     if isinstance(result, Response):
         return result
     if inspect.isasyncgen(result):
@@ -266,6 +273,8 @@ async def _respond(result: Any) -> Response:
         return StreamingResponse(
             stream_errors(_prepend(first, result)), media_type="text/event-stream"
         )
+    if limit is not None:  # (serialized on a worker thread)
+        return await limit.json_response(result)
     return JSONResponse(result)
 
 

@@ -6,6 +6,7 @@ preparer, the checks a request passes before it reaches the engine, and ``/token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.response_size import ResponseLimit
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
@@ -74,6 +76,10 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.request_log = RequestLog.for_options(options, logging.getLogger("pagedllm.server"))
+        # --max-response-mb: the bound on one non-streaming response.
+        self.response_limit = ResponseLimit(
+            options.max_response_mb, self.tokenizer, engine.config.model_config.max_logprobs
+        )
         self.prompts = PromptPreparer(
             self.tokenizer,
             self.max_model_len,
@@ -237,14 +243,16 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts)
         ]
         unlogged = log
-        async for item in self.engine.generate_many(requests):
-            if unlogged:  # (an output means every request was accepted)
-                unlogged = False
-                for request, prompt in zip(requests, prompts, strict=True):
-                    self.request_log.accepted(
-                        request.request_id, prompt.text, prompt.token_ids, request.params
-                    )
-            yield item
+        # (closed with this generator: a reply that stops reading aborts its requests)
+        async with contextlib.aclosing(self.engine.generate_many(requests)) as outputs:
+            async for item in outputs:
+                if unlogged:  # (an output means every request was accepted)
+                    unlogged = False
+                    for request, prompt in zip(requests, prompts, strict=True):
+                        self.request_log.accepted(
+                            request.request_id, prompt.text, prompt.token_ids, request.params
+                        )
+                yield item
 
     # --------------------------------------------------------------- handlers
 

@@ -4,6 +4,7 @@ response."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from pagedllm.entrypoints.openai.legacy_functions import as_function_call
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, now
+from pagedllm.entrypoints.openai.response_size import ResponseShape
 from pagedllm.entrypoints.openai.responses import Outputs, sse_stream
 from pagedllm.entrypoints.openai.tool_choice import ToolCallPlan, plan_tool_calls
 
@@ -54,8 +56,17 @@ async def start_chat(
         serving.options.enable_auto_tool_choice,
         serving.tokenizer,
     )
-    generator = serving.generate_all(
-        request_id, [prompt], [params], request.priority, request.model
+    as_ids = serving.as_ids(request)
+    shape = ResponseShape(
+        (lambda ids, positions: serving.logprobs.chat(ids, positions, top, as_ids))
+        if request.logprobs
+        else None,
+        top,
+        prompt_copies=1 if request.prompt_logprobs else 0,
+    )
+    bounded = serving.response_limit.watch([len(prompt.token_ids)], [params], shape)
+    generator = bounded(
+        serving.generate_all(request_id, [prompt], [params], request.priority, request.model)
     )
     return ChatReply(serving, tools.request, request_id, prompt, tools), generator
 
@@ -108,34 +119,49 @@ class ChatReply:
 
     async def chunks(self, generator: Outputs, whole: bool) -> AsyncIterator[dict[str, Any]]:
         """Each choice's deltas as chunk choices: first its role (and the echo), then
-        what each output adds. ``whole``: each output is a complete one."""
+        what each output adds. ``whole``: each output is a complete one, whose chunks
+        (megabytes, with log probabilities) are made on a worker thread."""
         async for _, output in generator:
-            self.final = output
-            self.usage.add_output(0, output)
-            for completion in output.outputs:
-                self.usage.add_completion_tokens(len(completion.token_ids))
-                index = completion.index
-                if index not in self._choices:
-                    self._choices[index] = self._new_choice(index)
-                    first = {"role": self.role, "content": self.echo_text}
-                    yield {"index": index, "delta": first, "logprobs": None, "finish_reason": None}
-                if not (completion.text or completion.token_ids or completion.finish_reason):
-                    continue
-                delta, finish_reason = self._choices[index].step(
-                    completion.text, completion.token_ids, completion.finish_reason, whole
+            if whole:
+                choices = await asyncio.to_thread(self._output_chunks, output, whole)
+            else:
+                choices = self._output_chunks(output, whole)
+            for choice in choices:
+                yield choice
+
+    def _output_chunks(self, output: RequestOutput, whole: bool) -> list[dict[str, Any]]:
+        self.final = output
+        self.usage.add_output(0, output)
+        chunks = []
+        for completion in output.outputs:
+            self.usage.add_completion_tokens(len(completion.token_ids))
+            index = completion.index
+            if index not in self._choices:
+                self._choices[index] = self._new_choice(index)
+                first = {"role": self.role, "content": self.echo_text}
+                chunks.append(
+                    {"index": index, "delta": first, "logprobs": None, "finish_reason": None}
                 )
-                if "reasoning_content" in delta:
-                    # vLLM's newer name beside the older one it still sends.
-                    delta["reasoning"] = delta["reasoning_content"]
-                if self.request.legacy_functions:
-                    delta, finish_reason = as_function_call(delta, finish_reason)
-                yield {
+            if not (completion.text or completion.token_ids or completion.finish_reason):
+                continue
+            delta, finish_reason = self._choices[index].step(
+                completion.text, completion.token_ids, completion.finish_reason, whole
+            )
+            if "reasoning_content" in delta:
+                # vLLM's newer name beside the older one it still sends.
+                delta["reasoning"] = delta["reasoning_content"]
+            if self.request.legacy_functions:
+                delta, finish_reason = as_function_call(delta, finish_reason)
+            chunks.append(
+                {
                     "index": index,
                     "delta": delta,
                     "logprobs": self._logprobs(completion),
                     "finish_reason": finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
+            )
+        return chunks
 
     def _logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
         request = self.request
@@ -170,7 +196,7 @@ class ChatReply:
         )
         response["usage"] = self.usage.json()
         if self.request.prompt_logprobs:
-            response["prompt_logprobs"] = prompt_logprobs_json(self.final)
+            response["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, self.final)
         return response
 
 

@@ -3,6 +3,7 @@ merged into the full response, so both carry the same text, logprobs and offsets
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from pagedllm.core.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.openai.logprobs import prompt_logprobs_json
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, now
+from pagedllm.entrypoints.openai.response_size import ResponseShape
 from pagedllm.entrypoints.openai.responses import Outputs, sse_stream
 
 if TYPE_CHECKING:
@@ -38,8 +40,18 @@ async def create_completion(
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = request.logprobs
         params_list.append(params)
-    generator = serving.generate_all(
-        request_id, prompts, params_list, request.priority, request.model
+    top, as_ids = request.logprobs, serving.as_ids(request)
+    shape = ResponseShape(
+        (lambda ids, positions: serving.logprobs.completion(ids, positions, top, 0, as_ids))
+        if top is not None
+        else None,
+        top or 0,
+        prompt_copies=request.n if request.prompt_logprobs else 0,
+        echo_copies=request.n if request.echo else 0,
+    )
+    bounded = serving.response_limit.watch([len(p.token_ids) for p in prompts], params_list, shape)
+    generator = bounded(
+        serving.generate_all(request_id, prompts, params_list, request.priority, request.model)
     )
     reply = CompletionReply(serving, request, request_id, prompts)
     if request.stream:
@@ -77,22 +89,41 @@ class CompletionReply:
             "choices": choices,
         }
 
-    async def choices(self, generator: Outputs) -> AsyncIterator[tuple[ChoiceKey, dict[str, Any]]]:
-        """Each output's new part as a choice; the first one of a choice carries the echo."""
-        request = self.request
+    async def choices(
+        self, generator: Outputs, whole: bool = False
+    ) -> AsyncIterator[tuple[ChoiceKey, dict[str, Any]]]:
+        """Each output's new part as a choice; the first one of a choice carries the echo.
+        ``whole``: each output is a complete one, whose choices (megabytes, with log
+        probabilities) are made on a worker thread."""
         async for index, output in generator:
-            self.usage.add_output(index, output)
-            for completion in output.outputs:
-                key = (index, completion.index)
-                generated = 0 if _echo_only(request) else len(completion.token_ids)
-                self.usage.add_completion_tokens(generated)
-                echo = request.echo and key not in self._echoed
-                self._echoed.add(key)
-                choice = self._choice(index, output, completion, echo, self._offsets.get(key, 0))
-                logprobs = choice["logprobs"]
-                if logprobs is not None and logprobs["tokens"]:
-                    self._offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                yield key, choice
+            if whole:
+                choices = await asyncio.to_thread(self._output_choices, index, output)
+            else:
+                choices = self._output_choices(index, output)
+            for choice in choices:
+                yield choice
+
+    def _output_choices(
+        self, index: int, output: RequestOutput
+    ) -> list[tuple[ChoiceKey, dict[str, Any]]]:
+        request = self.request
+        self.usage.add_output(index, output)
+        # (the same list in every choice of the prompt)
+        prompt_logprobs = prompt_logprobs_json(output) if request.prompt_logprobs else None
+        choices = []
+        for completion in output.outputs:
+            key = (index, completion.index)
+            generated = 0 if _echo_only(request) else len(completion.token_ids)
+            self.usage.add_completion_tokens(generated)
+            echo = request.echo and key not in self._echoed
+            self._echoed.add(key)
+            offset = self._offsets.get(key, 0)
+            choice = self._choice(index, output, completion, echo, offset, prompt_logprobs)
+            logprobs = choice["logprobs"]
+            if logprobs is not None and logprobs["tokens"]:
+                self._offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            choices.append((key, choice))
+        return choices
 
     def _choice(
         self,
@@ -101,6 +132,7 @@ class CompletionReply:
         completion: CompletionOutput,
         echo: bool,
         text_offset: int,
+        prompt_logprobs: list[Any] | None,
     ) -> dict[str, Any]:
         request = self.request
         text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
@@ -123,7 +155,7 @@ class CompletionReply:
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-            "prompt_logprobs": prompt_logprobs_json(output) if request.prompt_logprobs else None,
+            "prompt_logprobs": prompt_logprobs,
         }
 
     def stream(self, generator: Outputs) -> AsyncIterator[str]:
@@ -132,7 +164,7 @@ class CompletionReply:
 
     async def full(self, generator: Outputs) -> dict[str, Any]:
         merged: dict[ChoiceKey, dict[str, Any]] = {}
-        async for key, choice in self.choices(generator):
+        async for key, choice in self.choices(generator, whole=True):
             merged[key] = _merge_choice(merged[key], choice) if key in merged else choice
         response = self._envelope([merged[key] for key in sorted(merged)])
         response["usage"] = self.usage.json()
