@@ -143,25 +143,26 @@ def add_routes(
             done = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
             return _note_ignored(body, Response(done))
 
+    async def run(body: Any, request: Request, prefix: str, handler: Any, reply: Any) -> Response:
+        """A request's work: its id, the handler's result unless the client disconnects
+        first, sent by ``reply``, its ignored fields named."""
+        request_id = _request_id(request, body.request_id, prefix)
+        result = await _until_disconnect(request, handler(body, request_id))
+        return _note_ignored(body, await reply(result))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        request_id = _request_id(request, body.request_id, "cmpl")
-        work = serving.create_completion(body, request_id)
-        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
+        return await run(body, request, "cmpl", serving.create_completion, respond)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        request_id = _request_id(request, body.request_id, "chatcmpl")
-        work = serving.create_chat_completion(body, request_id)
-        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
+        return await run(body, request, "chatcmpl", serving.create_chat_completion, respond)
 
     responses = serving.responses  # (a bad PAGEDLLM_RESPONSES_STORE_MB fails the start)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        request_id = _request_id(request, body.request_id, "resp")
-        work = responses.create(body, request_id)
-        return _note_ignored(body, await respond(await _until_disconnect(request, work)))
+        return await run(body, request, "resp", responses.create, respond)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -204,9 +205,7 @@ def add_routes(
 
     def pooled(path_prefix: str, handler: Any, body_cls: type) -> Any:
         async def endpoint(body: Any, request: Request) -> Response:
-            request_id = _request_id(request, body.request_id, path_prefix)
-            result = await _until_disconnect(request, handler(body, request_id))
-            return _note_ignored(body, await _respond(result))
+            return await run(body, request, path_prefix, handler, _respond)
 
         # (FastAPI reads the body's model from the annotation)
         endpoint.__annotations__ = {"body": body_cls, "request": Request, "return": Response}
