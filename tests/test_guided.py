@@ -199,7 +199,9 @@ def test_options_apply(tmp_path):
         guided_decoding_disable_additional_properties=True,
         guided_decoding_disable_fallback=True,
     )
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    # Bounded so the answer closes within max_tokens on any CPU's kernels.
+    bounded = {"type": "integer", "minimum": 0, "maximum": 999}
+    schema = {"type": "object", "properties": {"a": bounded}, "required": ["a"]}
     params = SamplingParams(
         temperature=0, max_tokens=30, guided_decoding=GuidedDecodingParams(json=schema)
     )
