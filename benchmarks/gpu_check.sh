@@ -2,7 +2,7 @@
 # The cuda device's checks on a GPU machine (issue 13), as one script for the device tool:
 # installs pagedllm (editable, no dependencies: the machine has torch, triton and
 # transformers) with the carried wheels of what it lacks (.whl, see the issue's note),
-# runs tests/test_cuda.py with Triton compiling (TESTS=none: not), then
+# runs tests/kernels/test_cuda.py with Triton compiling (TESTS=none: not), then
 # benchmarks/gpu_check.py (GPU_CHECK_SKIP: its steps to leave out).
 # Everything it reports lands in $OUT (or ./gpu-out).
 set -u
@@ -22,9 +22,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 lscpu | grep 'Model name' | tee -a "$OUT/gpu.txt"
 python3 -m pagedllm.entrypoints.cli.main collect-env >>"$OUT/gpu.txt" 2>&1
 start=$(date +%s)
-if [ "${TESTS:-tests/test_cuda.py}" != none ]; then
+if [ "${TESTS:-tests/kernels/test_cuda.py}" != none ]; then
   timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -q -p no:cacheprovider -o timeout=90 \
-    ${TESTS:-tests/test_cuda.py} "$@" >"$OUT/pytest.txt" 2>&1
+    ${TESTS:-tests/kernels/test_cuda.py} "$@" >"$OUT/pytest.txt" 2>&1
   tail -n 60 "$OUT/pytest.txt"
   echo "tests: $(( $(date +%s) - start )) s"
 fi

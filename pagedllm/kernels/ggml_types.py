@@ -2,7 +2,7 @@
 
 The ``gguf`` package has the same constants, but importing it builds its whole writer,
 reader and metadata machinery (about 30 ms), which the start of a server should not pay
-for an enum. ``tests/test_gguf_dequant.py`` checks these against the package.
+for an enum. ``tests/kernels/test_gguf_dequant.py`` checks these against the package.
 """
 
 from __future__ import annotations

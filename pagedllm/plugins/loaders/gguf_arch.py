@@ -118,7 +118,7 @@ def _with_rope(params: dict[str, Any] | None, theta: float) -> dict[str, Any]:
 # LlamaConfig's fields and defaults (transformers 5), so that the default model's config
 # needs no transformers import (about 0.6 s and 25 MB at start-up; LlamaConfig itself
 # pulls in activations, hub kernels and torch._dynamo, 2 s more).
-# tests/test_gguf_model.py checks the result against LlamaConfig itself.
+# tests/plugins/loaders/test_gguf_model.py checks the result against LlamaConfig itself.
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
     "initializer_range": 0.02,

@@ -92,7 +92,7 @@ SILU_NAMES = frozenset({"silu", "swish"})
 
 # The common activations, computed as transformers' ACT2FN computes them (the same
 # torch functions), without importing transformers.activations, which pulls in
-# torch._dynamo and hub kernels at start-up. tests/test_parity.py checks the table.
+# torch._dynamo and hub kernels at start-up. tests/plugins/models/test_parity.py checks the table.
 _ACTIVATIONS: dict[str, Any] = {
     "silu": nn.SiLU,
     "swish": nn.SiLU,

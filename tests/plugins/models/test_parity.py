@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_settings import SETTINGS
 from tiny_models import ARCHITECTURES, load_reference, make_checkpoint, reference_greedy
 
 from pagedllm import LLM, SamplingParams
 
 NEW_TOKENS = 24
 NUM_LOGPROBS = 5
-
-SETTINGS = {
-    "prefix_caching": dict(enable_prefix_caching=True),
-    "no_prefix_caching": dict(enable_prefix_caching=False),
-    "chunked_prefill_small_budget": dict(
-        enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4
-    ),
-    "preemption": dict(num_gpu_blocks_override=14, block_size=8),
-}
 
 
 def _prompts() -> list[list[int]]:

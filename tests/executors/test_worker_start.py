@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import clean_env
+from repo_paths import ROOT
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 
 from pagedllm.core.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 8
 
 # Starts an engine at the script's top level: no `if __name__ == "__main__":`.

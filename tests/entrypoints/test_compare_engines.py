@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_engines.py"
+SCRIPT = ROOT / "benchmarks" / "compare_engines.py"
 
 
 @pytest.fixture(scope="module")

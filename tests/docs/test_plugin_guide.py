@@ -16,6 +16,7 @@ import torch
 import transformers
 from conftest import DUMMY_PLUGIN, run_cli
 from openai_server import RemoteServer, start_servers, tiny_llama
+from repo_paths import ROOT
 from tiny_models import load_reference, reference_greedy
 from tokenizer_fixtures import TOKENIZER_VOCAB_SIZE, make_tokenizer
 
@@ -23,8 +24,8 @@ from pagedllm import LLM, GuidedDecodingParams, SamplingParams
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.hookspecs import REGISTRATION_HOOKS
 
-GUIDE = Path(__file__).parents[1] / "docs" / "plugins.md"
-README = Path(__file__).parents[1] / "README.md"
+GUIDE = ROOT / "docs" / "plugins.md"
+README = ROOT / "README.md"
 PLUGIN_SOURCES = DUMMY_PLUGIN / "pagedllm_dummy_plugin"
 KINDS = {
     # guide section -> (registry kind, name the dummy plugin registers)

@@ -81,7 +81,7 @@ OTHER_ARCHITECTURES: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 # Architectures pagedllm also implements natively (auto would pick that one, which
-# tests/test_parity.py checks): run with --model-impl transformers.
+# tests/plugins/models/test_parity.py checks): run with --model-impl transformers.
 NATIVE = {"gemma2", "stablelm"}
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from engine_settings import SETTINGS
+from engine_settings import SPECULATION_PROMPTS as PROMPTS
 from openai_server import RemoteServer, start_servers
-from test_parity import SETTINGS
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams
@@ -17,13 +18,6 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.spec_decode import NgramProposer, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-# Repetitive prompts (prompt lookup finds their n-grams) and one that is not.
-PROMPTS = [
-    [1, 5, 9, 23, 42, 77, 30, 5, 9, 23, 42],
-    [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4],
-    [1, 7, 7, 7, 33, 100, 12, 64, 8, 19, 2],
-    [6, 60, 61, 62, 63, 64, 65, 6, 60, 61] * 4,
-]
 
 
 @pytest.fixture(scope="module")

@@ -439,7 +439,7 @@ def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
     """Drafts (prompt lookup, or a draft model whole on rank 0: the target itself, so
     every draft is kept) verified by the model over two ranks: the greedy tokens of one
     rank without speculation (prompt lookup in a cache small enough to preempt)."""
-    from test_spec_decode import PROMPTS
+    from engine_settings import SPECULATION_PROMPTS as PROMPTS
 
     directory = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=1)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

@@ -6,7 +6,7 @@ GGUF kernels.
 
 Skipped without a CUDA GPU. Run it there with Triton compiling (the test suite's
 conftest otherwise sets TRITON_INTERPRET=1 for the CPU tests):
-``TRITON_INTERPRET=0 python -m pytest tests/test_cuda.py``.
+``TRITON_INTERPRET=0 python -m pytest tests/kernels/test_cuda.py``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 from openai_server import RemoteServer
+from repo_paths import TESTS
 from tiny_models import make_checkpoint
 
 from pagedllm.core.args.refusals import NO_OP, SPEC_KEYS_REFUSED, DeprecatedArgs
@@ -25,7 +26,6 @@ from pagedllm.entrypoints.cli.main import build_parser
 from pagedllm.entrypoints.cli.serve import validate_frontend_args
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
-TESTS = Path(__file__).parent
 # The model configuration template of seed 000 (vLLM's deployment guide), verbatim.
 SEED_000_TEMPLATE = TESTS / "data" / "seed000_deployment_template.yaml"
 README = TESTS.parent / "README.md"

@@ -172,7 +172,7 @@ def test_unquantized_requests_alone_and_in_a_mixed_batch_are_bit_identical(dense
 
 def test_gptq_requests_alone_and_in_a_mixed_batch_are_bit_identical(dense_model, tmp_path):
     """GPTQ with act-order (columns reordered, repacked as GGML blocks): the same."""
-    from test_int4_checkpoints import _write
+    from int4_writer import _write
 
     target = tmp_path / "gptq"
     _write(dense_model, target, "gptq", 64, False, True)

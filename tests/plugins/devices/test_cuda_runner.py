@@ -1,7 +1,7 @@
 """The cuda device's runner parts that run without a GPU: the decode-graph buffers and
 their padding (run without capturing, on the Triton backend under the interpreter),
 -O levels through torch.compile, the compilation settings and their refusals, and the
-profiled step. tests/test_cuda.py checks the same on a GPU, where there is one."""
+profiled step. tests/kernels/test_cuda.py checks the same on a GPU, where there is one."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from repo_paths import ROOT
 from tiny_causal_lms import causal_lm_types, make_tiny_causal_lm
 from tiny_models import reference_greedy
 
@@ -23,7 +24,7 @@ from pagedllm.core.errors import ConfigError
 
 NEW_TOKENS = 8
 PROMPTS = [[17, 200, 33, 91, 405], [300, 301, 12, 8, 77, 64, 99, 150, 260, 7, 8]]
-README = Path(__file__).parents[1] / "README.md"
+README = ROOT / "README.md"
 
 # model type -> why no tiny model of it is made here
 UNBUILDABLE = {

@@ -1,5 +1,5 @@
 """The native architectures added beside the Llama family (their parity with transformers
-is tests/test_parity.py's): settings they do not implement are refused by name."""
+is tests/plugins/models/test_parity.py's): settings they do not implement are refused by name."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, name, overrides, mes
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_experts_load_from_transformers_fused_layout(tmp_path, name):
-    """``save_pretrained`` writes one tensor per expert (what tests/test_parity.py
+    """``save_pretrained`` writes one tensor per expert (what tests/plugins/models/test_parity.py
     loads); transformers' own modules hold them fused (``experts.gate_up_proj`` ``[E,
     2 * inter, hidden]``, ``experts.down_proj``), which a checkpoint may store too."""
     from safetensors.torch import save_file

@@ -15,11 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 COLORS = ("red", "blue", "green", "yellow", "orange", "purple", "black", "white", "pink")
 
