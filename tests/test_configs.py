@@ -207,3 +207,23 @@ def test_a_third_party_device_checks_the_config_through_device(tmp_path):
     two = run("{'tensor_parallel_size': 2}")
     assert two.returncode != 0
     assert "ConfigError: the dummydev device runs one rank" in two.stderr, two.stderr
+
+
+def test_the_cuda_device_counts_the_gpus_a_config_needs(pm, monkeypatch):
+    """(On this machine's count of GPUs, set to one: the configs are the cpu's.)"""
+    import torch
+
+    from pagedllm.core.config import UsageContext
+    from pagedllm.plugins.devices.cuda import CudaDevice
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = CudaDevice()
+    cuda.check_and_update_config(EngineArgs().create_engine_config(pm))
+    two_ranks = EngineArgs(tensor_parallel_size=2).create_engine_config(pm)
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 needs 2 GPUs; 1 are visible"):
+        cuda.check_and_update_config(two_ranks)
+    replicas = EngineArgs(data_parallel_size=2).create_engine_config(
+        pm, UsageContext.OPENAI_API_SERVER
+    )
+    with pytest.raises(ConfigError, match=r"^2 data-parallel replicas on this node .* need 2 GPUs"):
+        cuda.check_and_update_config(replicas)
