@@ -19,28 +19,21 @@ of ``--cuda-graph-sizes`` (or the config's ``cudagraph_capture_sizes``) unless
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 import torch
 
+from pagedllm.core.configs.scheduling import CompilationConfig
 from pagedllm.core.errors import ConfigError
+
+__all__ = ["COMPILATION_KEYS", "CompilationConfig", "compilation_config", "compile_model"]
 
 logger = logging.getLogger(__name__)
 
 # The keys of a JSON --compilation-config pagedllm acts on (matched without case: the
 # seeds write "CUDAgraph_capture_sizes").
 COMPILATION_KEYS = ("level", "cudagraph_capture_sizes", "use_cudagraph")
-
-
-@dataclasses.dataclass(slots=True)
-class CompilationConfig:
-    level: int = 0
-    # Decode batch sizes captured as graphs, ascending; empty: no graphs.
-    capture_sizes: list[int] = dataclasses.field(default_factory=list)
-    # Decode steps with a longer context than this run eagerly.
-    max_seq_len_to_capture: int = 8192
 
 
 def graph_sizes(values: list[int]) -> list[int]:

@@ -183,6 +183,7 @@ class LLMEngine:
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
+        config, cache = self.config, self.config.cache_config  # (pooling's copy)
         stage = stage_layers(loaded.hf_config.num_hidden_layers) if pp > 1 else None
         kv_dtype = kv_cache_torch_dtype(cache, loaded.dtype)
         spec = kv_cache_spec(loaded.hf_config, kv_dtype, tp, stage, loaded.model)
@@ -414,9 +415,14 @@ class LLMEngine:
         sched = config.scheduler_config
         if config.cache_config.enable_prefix_caching or sched.enable_chunked_prefill:
             logger.info("--task %s: prompts run whole (no prefix caching or chunks)", self.task)
-        config.cache_config.enable_prefix_caching = False
-        sched.enable_chunked_prefill = False
-        sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, self.max_model_len)
+        # (The validated configuration is frozen: the engine runs with a changed copy.)
+        self.config = config.replace(
+            cache_config=config.cache_config.replace(enable_prefix_caching=False),
+            scheduler_config=sched.replace(
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(sched.max_num_batched_tokens, self.max_model_len),
+            ),
+        )
         directory = resolve_model_path(
             config.model_config.model,
             revision=config.model_config.revision,

@@ -1,7 +1,9 @@
 """Engine arguments: every option that configures the engine, shared by the CLI and ``LLM``.
 
 Each field is one ``--flag`` declared with :func:`~pagedllm.core.argspec.arg`; its group
-names the config object it feeds and is what ``--help=GROUP`` shows. The flags, defaults
+names the config object it feeds and is what ``--help=GROUP`` shows, and its default is
+that config's (``ModelConfig.dtype``; see :mod:`pagedllm.core.configs`), or ``None``
+where pagedllm picks the value when the flag is unset. The flags, defaults
 and choices follow the vLLM server-usage chapter, so a vLLM command line works unchanged.
 
 The fields are declared by concern in :mod:`pagedllm.core.args`: the model and its

@@ -25,91 +25,12 @@ target's).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from pagedllm.core.args.refusals import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUSED
+from pagedllm.core.configs.runtime import SpeculativeConfig
 from pagedllm.core.errors import ConfigError
-
-_KNOWN = {
-    "method",
-    "model",
-    "num_speculative_tokens",
-    "prompt_lookup_max",
-    "prompt_lookup_min",
-    "disable_by_batch_size",
-    "draft_tensor_parallel_size",
-    "max_model_len",
-    "quantization",
-    "acceptance_method",
-}
-
-
-@dataclasses.dataclass
-class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 1
-    model: str | None = None
-    disable_by_batch_size: int | None = None
-    # Sequences this long (with their drafts) are not speculated; None: no limit.
-    max_model_len: int | None = None
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
-        def fail(message: str) -> ConfigError:
-            return ConfigError(f"--speculative-config: {message}")
-
-        unknown = sorted(set(values) - _KNOWN - SPEC_KEYS_REFUSED.keys())
-        if unknown:
-            raise fail(f"unknown key(s) {unknown} (known: {sorted(_KNOWN)})")
-        for key, why in SPEC_KEYS_REFUSED.items():
-            if values.get(key) is not None and values[key] is not False:
-                raise fail(f"{key}={values[key]!r} is not supported: {why}")
-        method = values.get("method") or ("draft_model" if values.get("model") else None)
-        if method == "[ngram]":
-            method = "ngram"
-        if method not in ("ngram", "draft_model"):
-            raise fail(
-                f"method {method!r} is not supported (use 'ngram', or a draft 'model'); "
-                "EAGLE and MTP heads are not implemented"
-            )
-        k = values.get("num_speculative_tokens")
-        if not isinstance(k, int) or k < 1:
-            raise fail(f"num_speculative_tokens must be a positive integer, not {k!r}")
-        if values.get("draft_tensor_parallel_size", 1) != 1:
-            raise fail("draft_tensor_parallel_size must be 1")
-        method_name = values.get("acceptance_method", "rejection_sampler")
-        if method_name != "rejection_sampler":
-            raise fail(f"acceptance_method={method_name!r}: {NO_TYPICAL_ACCEPTANCE}")
-        config = cls(method=method, num_speculative_tokens=k, model=values.get("model"))
-        if method == "ngram":
-            if values.get("model"):
-                raise fail("method 'ngram' takes no model")
-            for key in ("prompt_lookup_max", "prompt_lookup_min"):
-                value = values.get(key)
-                # null means the default, as an absent key does.
-                if value is None:
-                    continue
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise fail(f"{key} must be an integer, not {value!r}")
-                setattr(config, key, value)
-            if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
-                raise fail("prompt_lookup_min must be between 1 and prompt_lookup_max")
-        elif not config.model:
-            raise fail("a draft model needs 'model'")
-        limit = values.get("max_model_len")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise fail(f"max_model_len must be a positive integer, not {limit!r}")
-        config.max_model_len = limit
-        limit = values.get("disable_by_batch_size")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise fail(f"disable_by_batch_size must be a positive integer, not {limit!r}")
-        config.disable_by_batch_size = limit
-        return config
 
 
 class NgramProposer:
@@ -154,7 +75,7 @@ def speculation_limit(
             )
     if limit is None and draft_len is not None and draft_len < target_len:
         limit = draft_len
-    return dataclasses.replace(config, max_model_len=limit)
+    return config.replace(max_model_len=limit)
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Any:

@@ -8,7 +8,9 @@ from typing import Any
 
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.argspec import arg, human_int
-from pagedllm.core.default_model import DEFAULT_MODEL, DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT
+from pagedllm.core.configs.model import LoadConfig, ModelConfig
+from pagedllm.core.configs.scheduling import CompilationConfig
+from pagedllm.core.default_model import DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT
 
 
 @dataclasses.dataclass
@@ -17,7 +19,7 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ ModelConfig
     model: str = arg(
-        DEFAULT_MODEL,
+        ModelConfig.model,
         group="ModelConfig",
         help="Name or path of the model to serve: a local directory, a .gguf file, a "
         "Hugging Face id already in the local cache, or owner/repo/file.gguf. The default "
@@ -26,7 +28,7 @@ class ModelArgs:
         "label in metrics when --served-model-name is not given.",
     )
     task: str = arg(
-        "auto",
+        ModelConfig.task,
         group="ModelConfig",
         supported=("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
         unsupported="{option} {value}: not supported by pagedllm (use {supported})",
@@ -47,14 +49,14 @@ class ModelArgs:
         "generation for models that generate, else the model's pooling task.",
     )
     runner: str = arg(
-        "auto",
+        ModelConfig.runner,
         group="ModelConfig",
         choices=("auto", "generate", "pooling"),
         help="vLLM's newer spelling of the task: 'generate' text, or 'pooling' (the model's "
         "pooling task, or the one --convert names); 'auto' follows --task.",
     )
     convert: str = arg(
-        "auto",
+        ModelConfig.convert,
         group="ModelConfig",
         choices=("auto", "none", "embed", "classify", "reward"),
         help="With --runner pooling: the pooling task to serve ('embed' turns a generative "
@@ -66,7 +68,7 @@ class ModelArgs:
         help="Name or path of the Hugging Face tokenizer. Defaults to the model's.",
     )
     tokenizer_mode: str = arg(
-        "auto",
+        ModelConfig.tokenizer_mode,
         group="ModelConfig",
         supported=("auto", "slow"),
         unsupported="{option} {value}: not supported (use {supported})",
@@ -82,13 +84,13 @@ class ModelArgs:
         help="Branch, tag or commit id of the tokenizer to use. Defaults to the latest version.",
     )
     skip_tokenizer_init: bool = arg(
-        False,
+        ModelConfig.skip_tokenizer_init,
         group="ModelConfig",
         help="Do not load a tokenizer or detokenizer. Prompts must then be given as token ids, "
         "and outputs contain token ids only.",
     )
     trust_remote_code: bool = arg(
-        False,
+        ModelConfig.trust_remote_code,
         group="ModelConfig",
         help="Allow running custom model or tokenizer code that ships with the checkpoint.",
     )
@@ -116,12 +118,12 @@ class ModelArgs:
     )
     # From Python, also a callable that takes the Hugging Face config and returns it edited.
     hf_overrides: dict[str, Any] | Callable[[Any], Any] = arg(
-        {},
+        ModelConfig.default("hf_overrides"),
         group="ModelConfig",
         help="JSON object of values that override fields of the model's Hugging Face config.",
     )
     config_format: str = arg(
-        "auto",
+        ModelConfig.config_format,
         group="ModelConfig",
         choices=("auto", "hf", "mistral"),
         help="Format of the model config: 'hf' (config.json), 'mistral' (params.json, "
@@ -129,7 +131,7 @@ class ModelArgs:
         "present, else params.json).",
     )
     dtype: str = arg(
-        "auto",
+        ModelConfig.dtype,
         group="ModelConfig",
         choices=("auto", "bfloat16", "float", "float16", "float32", "half"),
         help="Data type of weights and activations. 'auto' uses float16 for float32 and float16 "
@@ -155,7 +157,7 @@ class ModelArgs:
         "1K=1024, 25.6k=25600.",
     )
     rope_scaling: dict[str, Any] = arg(
-        {},
+        ModelConfig.default("rope_scaling"),
         group="ModelConfig",
         help='RoPE scaling as a JSON object, e.g. {"rope_type": "dynamic", "factor": 2.0}.',
     )
@@ -165,7 +167,7 @@ class ModelArgs:
         help="RoPE theta, used together with --rope-scaling.",
     )
     max_logprobs: int = arg(
-        20,
+        ModelConfig.max_logprobs,
         group="ModelConfig",
         min=-1,
         range_hint="must be >= 0, or -1 for no limit",
@@ -182,7 +184,7 @@ class ModelArgs:
         "logits_processors. By default no processors are allowed.",
     )
     generation_config: str = arg(
-        "auto",
+        ModelConfig.generation_config,
         group="ModelConfig",
         help="Where to read the generation config from: 'auto' (the model's own: its folder's "
         "generation_config.json, a GGUF file's general.sampling.* keys, the default model's "
@@ -191,7 +193,7 @@ class ModelArgs:
         "that do not set them; its max_new_tokens caps every request.",
     )
     override_generation_config: dict[str, Any] = arg(
-        {},
+        ModelConfig.default("override_generation_config"),
         group="ModelConfig",
         help='JSON object of generation-config values to set, e.g. {"temperature": 0.5}; '
         "merged with the config chosen by --generation-config.",
@@ -203,17 +205,17 @@ class ModelArgs:
         "metrics. Defaults to --model.",
     )
     disable_sliding_window: bool = arg(
-        False,
+        ModelConfig.disable_sliding_window,
         group="ModelConfig",
         help="Turn off sliding-window attention and cap the context at the window size.",
     )
     enforce_eager: bool = arg(
-        False,
+        ModelConfig.enforce_eager,
         group="ModelConfig",
         help="Always run the model in eager PyTorch mode: no CUDA graphs (-O still compiles).",
     )
     batch_invariant: bool = arg(
-        False,
+        ModelConfig.batch_invariant,
         group="ModelConfig",
         help="Compute every request's tokens and logprobs bit-identically whatever else is "
         "in the batch (alone, or among any concurrent requests; greedy or seeded): the same "
@@ -224,7 +226,7 @@ class ModelArgs:
         "other configurations are refused at start-up, naming why.",
     )
     max_seq_len_to_capture: int = arg(
-        8192,
+        CompilationConfig.max_seq_len_to_capture,
         group="ModelConfig",
         help="Longest sequence covered by CUDA graphs; longer ones run in eager mode.",
     )
@@ -242,7 +244,7 @@ class ModelArgs:
         no_op=NO_OP["disable_cascade_attn"],
     )
     model_impl: str = arg(
-        "auto",
+        ModelConfig.model_impl,
         group="ModelConfig",
         choices=("auto", "vllm", "pagedllm", "transformers"),
         help="Which model implementation to use: 'pagedllm' (or vLLM's name 'vllm') the "
@@ -294,7 +296,7 @@ class ModelArgs:
 
     # ------------------------------------------------------------------- LoadConfig
     load_format: str = arg(
-        "auto",
+        LoadConfig.load_format,
         group="LoadConfig",
         registry="load_formats",
         help="Format of the weights to load, e.g. 'auto' (safetensors, else PyTorch .bin), "
@@ -314,7 +316,7 @@ class ModelArgs:
         help="Glob patterns of files to skip when loading weights.",
     )
     model_loader_extra_config: dict[str, Any] = arg(
-        {},
+        LoadConfig.default("model_loader_extra_config"),
         group="LoadConfig",
         help="JSON object passed to the loader selected by --load-format.",
     )
@@ -333,7 +335,7 @@ class ModelArgs:
         unbuilt=UNSUPPORTED["pt_load_map_location"],
     )
     use_tqdm_on_load: bool = arg(
-        True,
+        LoadConfig.use_tqdm_on_load,
         group="LoadConfig",
         help="Show a progress bar while loading weights.",
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.argspec import arg, json_or_key_values
+from pagedllm.core.configs.runtime import CacheConfig, DecodingConfig, LoRAConfig, ParallelConfig
 
 
 @dataclasses.dataclass
@@ -16,7 +17,7 @@ class RuntimeArgs:
 
     # --------------------------------------------------------------- DecodingConfig
     guided_decoding_backend: str = arg(
-        "auto",
+        DecodingConfig.guided_decoding_backend,
         group="DecodingConfig",
         registry="guided_backends",
         extra_choices=("auto",),
@@ -24,22 +25,22 @@ class RuntimeArgs:
         "one per request based on what each backend supports.",
     )
     guided_decoding_disable_fallback: bool = arg(
-        False,
+        DecodingConfig.disable_fallback,
         group="DecodingConfig",
         help="Fail instead of falling back to another guided-decoding backend on error.",
     )
     guided_decoding_disable_any_whitespace: bool = arg(
-        False,
+        DecodingConfig.disable_any_whitespace,
         group="DecodingConfig",
         help="Forbid whitespace the grammar does not require during guided decoding.",
     )
     guided_decoding_disable_additional_properties: bool = arg(
-        False,
+        DecodingConfig.disable_additional_properties,
         group="DecodingConfig",
         help="Do not allow additionalProperties in JSON schemas during guided decoding.",
     )
     guided_decoding_compile_timeout: float = arg(
-        5.0,
+        DecodingConfig.compile_timeout,
         group="DecodingConfig",
         min=0,
         min_exclusive=True,
@@ -48,7 +49,7 @@ class RuntimeArgs:
         "stopped and its request refused (or, with fallback, tried on the next backend).",
     )
     guided_decoding_compile_memory: int = arg(
-        512,
+        DecodingConfig.compile_memory_mib,
         group="DecodingConfig",
         min=0,
         min_exclusive=True,
@@ -57,7 +58,7 @@ class RuntimeArgs:
         "compile that needs more is stopped like one past the time limit.",
     )
     guided_decoding_compile_workers: int = arg(
-        2,
+        DecodingConfig.compile_workers,
         group="DecodingConfig",
         min=0,
         range_hint="it must be 0 or more",
@@ -65,7 +66,7 @@ class RuntimeArgs:
         "threads of the engine's process, without the time limit and memory budget.",
     )
     guided_decoding_cache_size: int = arg(
-        256,
+        DecodingConfig.compile_cache_size,
         group="DecodingConfig",
         min=1,
         range_hint="it must be at least 1",
@@ -73,7 +74,7 @@ class RuntimeArgs:
         "are dropped first.",
     )
     guided_decoding_cache_memory: float = arg(
-        512.0,
+        DecodingConfig.compile_cache_memory_mib,
         group="DecodingConfig",
         min=0,
         range_hint="it must be 0 MiB or more",
@@ -91,14 +92,14 @@ class RuntimeArgs:
 
     # --------------------------------------------------------------- ParallelConfig
     tensor_parallel_size: int = arg(
-        1,
+        ParallelConfig.tensor_parallel_size,
         group="ParallelConfig",
         aliases=("-tp",),
         help="Number of tensor-parallel ranks: the model's layers split across this many "
         "processes (devices), which exchange partial results with torch.distributed.",
     )
     pipeline_parallel_size: int = arg(
-        1,
+        ParallelConfig.pipeline_parallel_size,
         group="ParallelConfig",
         aliases=("-pp",),
         help="Number of pipeline stages: the model's layers split across this many "
@@ -106,7 +107,7 @@ class RuntimeArgs:
         "stages.",
     )
     data_parallel_size: int = arg(
-        1,
+        ParallelConfig.data_parallel_size,
         group="ParallelConfig",
         aliases=("-dp",),
         help="Number of data-parallel replicas of the engine (pagedllm serve): each an "
@@ -152,7 +153,7 @@ class RuntimeArgs:
         "otherwise); 'external_launcher' is not supported yet.",
     )
     enable_expert_parallel: bool = arg(
-        False,
+        ParallelConfig.enable_expert_parallel,
         group="ParallelConfig",
         help="Split the experts of MoE layers over the tensor-parallel ranks, each rank "
         "holding whole experts, instead of splitting every expert's rows (the number of "
@@ -210,14 +211,14 @@ class RuntimeArgs:
         "pagedllm decides.",
     )
     prefix_caching_hash_algo: str = arg(
-        "builtin",
+        CacheConfig.prefix_caching_hash_algo,
         group="CacheConfig",
         choices=("builtin", "sha256"),
         help="Hash used to identify cached prefix blocks: Python's 'builtin' hash, or "
         "'sha256', collision resistant but slower.",
     )
     gpu_memory_utilization: float = arg(
-        0.9,
+        CacheConfig.gpu_memory_utilization,
         group="CacheConfig",
         min=0,
         min_exclusive=True,
@@ -233,7 +234,7 @@ class RuntimeArgs:
         "for testing preemption).",
     )
     swap_space: float = arg(
-        4.0,
+        CacheConfig.swap_space_gib,
         group="CacheConfig",
         min=0,
         range_hint="must be >= 0 GiB",
@@ -245,7 +246,7 @@ class RuntimeArgs:
         "other values refused.",
     )
     kv_cache_dtype: str = arg(
-        "auto",
+        CacheConfig.kv_cache_dtype,
         group="CacheConfig",
         choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
         help="Data type of the KV cache. 'auto' uses the model's data type; 'fp8' (= "
@@ -256,7 +257,7 @@ class RuntimeArgs:
         "reads it back in the model's dtype.",
     )
     calculate_kv_scales: bool = arg(
-        False,
+        CacheConfig.calculate_kv_scales,
         group="CacheConfig",
         help="With --kv-cache-dtype fp8: compute each layer's key and value scales from the "
         "first batch it sees (the largest magnitude over 200 for keys, over 100 for values, "
@@ -306,12 +307,12 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["enable_lora_bias"],
     )
     max_loras: int = arg(
-        1,
+        LoRAConfig.max_loras,
         group="LoRAConfig",
         help="Largest number of LoRA adapters in one batch.",
     )
     max_lora_rank: int = arg(
-        16,
+        LoRAConfig.max_lora_rank,
         group="LoRAConfig",
         help="Largest LoRA rank.",
     )
@@ -322,7 +323,7 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["lora_extra_vocab_size"],
     )
     lora_dtype: str = arg(
-        "auto",
+        LoRAConfig.lora_dtype,
         group="LoRAConfig",
         choices=("auto", "bfloat16", "float16"),
         help="Data type of LoRA weights; 'auto' uses the model's.",

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.argspec import arg, json_dict
+from pagedllm.core.configs.scheduling import ObservabilityConfig, SchedulerConfig
 
 _COMPILATION_LEVELS = ("0", "1", "2", "3")
 
@@ -44,7 +45,7 @@ class SchedulingArgs:
 
     # ---------------------------------------------------------- ObservabilityConfig
     disable_log_stats: bool = arg(
-        False,
+        ObservabilityConfig.disable_log_stats,
         group="ObservabilityConfig",
         bool_style="store_true",
         help="Do not log engine statistics periodically.",
@@ -94,13 +95,13 @@ class SchedulingArgs:
         "--max-num-batched-tokens. If unset, pagedllm decides.",
     )
     max_num_partial_prefills: int = arg(
-        1,
+        SchedulerConfig.max_num_partial_prefills,
         group="SchedulerConfig",
         min=1,
         help="With chunked prefill, the largest number of requests partially prefilled at once.",
     )
     max_long_partial_prefills: int = arg(
-        1,
+        SchedulerConfig.max_long_partial_prefills,
         group="SchedulerConfig",
         min=1,
         max="max_num_partial_prefills",
@@ -108,14 +109,14 @@ class SchedulingArgs:
         "value below --max-num-partial-prefills lets short prompts overtake long ones.",
     )
     long_prefill_token_threshold: int = arg(
-        0,
+        SchedulerConfig.long_prefill_token_threshold,
         group="SchedulerConfig",
         min=0,
         range_hint="must be >= 0",
         help="With chunked prefill, prompts longer than this many tokens count as long.",
     )
     scheduling_policy: str = arg(
-        "fcfs",
+        SchedulerConfig.policy,
         group="SchedulerConfig",
         choices=("fcfs", "priority"),
         help="'fcfs' serves requests in arrival order; 'priority' by their priority (lower "
@@ -131,7 +132,7 @@ class SchedulingArgs:
         "later or 'swap' it to CPU memory. If unset, recompute.",
     )
     scheduler_delay_factor: float = arg(
-        0.0,
+        SchedulerConfig.delay_factor,
         group="SchedulerConfig",
         min=0,
         range_hint="must be >= 0",
@@ -139,7 +140,7 @@ class SchedulingArgs:
         "prompt.",
     )
     scheduler_cls: str | type = arg(
-        "pagedllm.core.scheduler.Scheduler",
+        SchedulerConfig.scheduler_cls,
         group="SchedulerConfig",
         help="Import path ('module.Class') of the scheduler class to use (from Python, the "
         "class itself too): a subclass of pagedllm.core.scheduler.Scheduler.",

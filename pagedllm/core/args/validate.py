@@ -21,10 +21,10 @@ from pagedllm.core.args.checks import (
     no_op_fields,
     refused_fields,
 )
-from pagedllm.core.args.scheduling import SchedulingArgs
-from pagedllm.core.args.spec import declared_default, is_default, option_name
+from pagedllm.core.args.spec import is_default, option_name
+from pagedllm.core.configs.runtime import DEFAULT_CPU_KVCACHE_SPACE_GIB
+from pagedllm.core.configs.scheduling import SchedulerConfig
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.sampling.defaults import check_generation_override
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
@@ -36,12 +36,11 @@ logger = logging.getLogger("pagedllm.config")
 
 # KV-cache space on the cpu device, in GiB (the cpu has no --gpu-memory-utilization).
 ENV_CPU_KVCACHE_SPACE = "PAGEDLLM_CPU_KVCACHE_SPACE"
-DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
 
 # Overrides the device's attention backend (a registered name), as VLLM_ATTENTION_BACKEND.
 ENV_ATTENTION_BACKEND = "PAGEDLLM_ATTENTION_BACKEND"
 
-DEFAULT_SCHEDULER: str = declared_default(SchedulingArgs, "scheduler_cls")
+DEFAULT_SCHEDULER = str(SchedulerConfig.scheduler_cls)
 # vLLM's names for its default scheduler mean ours.
 _SCHEDULER_ALIASES = ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler")
 
@@ -71,7 +70,6 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     _raise_if_any(refused_fields(args))
     _raise_if_any(invalid_choices(args, pm.choices))
     _raise_if_any(invalid_values(args))
-    check_generation_override(args.override_generation_config or {})
     for warning in apply_deprecated_aliases(args):
         logger.warning("%s", warning)
     for note in no_op_fields(args):

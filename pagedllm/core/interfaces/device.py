@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.core.config import CacheConfig
+    from pagedllm.core.config import CacheConfig, PagedLLMConfig
 
 
 class KVCacheMemory(NamedTuple):
@@ -38,6 +38,8 @@ class Device(ABC):
       the engine calls it once, before the cache exists, with a step of the largest size.
     - :meth:`decode_graphs` may return a replayer of decode steps (CUDA graphs); the
       model runner hands it the steps it covers and runs the others eagerly.
+    - :meth:`check_and_update_config` sees the configuration before it is frozen: the
+      device refuses (``ConfigError``) what it cannot run, or adjusts it.
     """
 
     name: ClassVar[str]
@@ -56,6 +58,8 @@ class Device(ABC):
     # Whether decode_graphs captures graphs (--cuda-graph-sizes and
     # --max-seq-len-to-capture take part; elsewhere setting them is refused).
     captures_graphs: ClassVar[bool] = False
+    # Whether `pagedllm serve --data-parallel-size N` may run N replicas on it.
+    runs_data_parallel: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -73,6 +77,13 @@ class Device(ABC):
     @abstractmethod
     def memory_info(self) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of the memory the KV cache would live in."""
+
+    def check_and_update_config(self, config: PagedLLMConfig) -> None:
+        """Check the configuration against this device (raise ``ConfigError`` naming the
+        option it cannot run) or adjust it (assign its fields; it is validated again and
+        frozen after this). Called once per engine configuration, after the plugins'
+        ``pagedllm_update_config``. The default changes nothing."""
+        return None
 
     def kv_cache_memory(self, cache_config: CacheConfig) -> KVCacheMemory:
         """The bytes the KV cache may take. The default, for accelerators with their own

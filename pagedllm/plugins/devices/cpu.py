@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.interfaces import Device, KVCacheMemory
 
 if TYPE_CHECKING:
-    from pagedllm.core.config import CacheConfig
+    from pagedllm.core.config import CacheConfig, PagedLLMConfig
 
 
 class CpuDevice(Device):
@@ -26,6 +26,7 @@ class CpuDevice(Device):
     server_step_tokens = 512
     attention_backend = "cpu_paged"
     uses_gpu_memory_utilization = False
+    runs_data_parallel = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -41,6 +42,12 @@ class CpuDevice(Device):
 
         memory = psutil.virtual_memory()
         return memory.available, memory.total
+
+    def check_and_update_config(self, config: PagedLLMConfig) -> None:
+        """The KV cache's space: ``PAGEDLLM_CPU_KVCACHE_SPACE`` GiB (4 when unset)."""
+        from pagedllm.core.config import cpu_kvcache_space_gib
+
+        config.cache_config.cpu_kvcache_space_gib = cpu_kvcache_space_gib()
 
     def kv_cache_memory(self, cache_config: CacheConfig) -> KVCacheMemory:
         from pagedllm.core.config import ENV_CPU_KVCACHE_SPACE

@@ -17,7 +17,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import Device, KVCacheMemory
 
 if TYPE_CHECKING:
-    from pagedllm.core.config import CacheConfig
+    from pagedllm.core.config import CacheConfig, PagedLLMConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class CudaDevice(Device):
     default_block_size = 16
     attention_backend = "triton_paged"
     captures_graphs = True
+    runs_data_parallel = True
 
     def __init__(self) -> None:
         # Set by measure_peak_memory: weights and a largest step's activations.
@@ -50,6 +51,21 @@ class CudaDevice(Device):
         import torch
 
         return torch.device("cuda")
+
+    def check_and_update_config(self, config: PagedLLMConfig) -> None:
+        """One GPU per rank: -tp x -pp of them, for each data-parallel replica on this node."""
+        import torch
+
+        parallel = config.parallel_config
+        ranks, visible = parallel.ranks, torch.cuda.device_count()
+        if ranks > 1 and visible < ranks:
+            raise ConfigError(f"{parallel.sizes_flag()} needs {ranks} GPUs; {visible} are visible")
+        here = parallel.local_replicas
+        if parallel.data_parallel_size > 1 and visible < here * ranks:
+            raise ConfigError(
+                f"{here} data-parallel replicas on this node with {ranks} rank(s) per "
+                f"replica (-tp x -pp) need {here * ranks} GPUs; {visible} are visible"
+            )
 
     def memory_info(self) -> tuple[int, int]:
         import torch

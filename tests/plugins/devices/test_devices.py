@@ -137,10 +137,10 @@ def _config(pm, device: Device, **cache):
     from pagedllm.core.engine_args import EngineArgs
 
     config = EngineArgs(device="cpu").create_engine_config(pm)
-    for key, value in cache.items():
-        setattr(config.cache_config, key, value)
-    config.device_config = DeviceConfig(name=device.name, device=device)
-    return config
+    return config.replace(
+        cache_config=config.cache_config.replace(**cache),
+        device_config=DeviceConfig(name=device.name, device=device),
+    )
 
 
 def test_cpu_kv_cache_is_a_fixed_space_and_threads_fit_the_affinity(pm):
@@ -159,13 +159,13 @@ def test_accelerator_kv_cache_is_a_share_of_its_memory(pm):
     cache = _config(pm, device, gpu_memory_utilization=0.25).cache_config
     assert device.kv_cache_memory(cache) == (2 * 2**30, "--gpu-memory-utilization=0.25")
     # Never more than is free.
-    cache.gpu_memory_utilization = 0.9
+    cache = cache.replace(gpu_memory_utilization=0.9)
     assert device.kv_cache_memory(cache).num_bytes == 3 * 2**30
 
 
 def test_engine_sizes_the_kv_cache_by_asking_the_device(pm):
     config = _config(pm, _OneThreadDevice(), block_size=16)
-    config.scheduler_config.max_num_seqs = 1000
+    config = config.replace(scheduler_config=config.scheduler_config.replace(max_num_seqs=1000))
     # 40 MiB of 1 MiB blocks.
     assert num_kv_blocks(config, 2**20, max_model_len=64) == 40
     with pytest.raises(ConfigError, match=r"the KV cache \(one-thread rule\) holds 640 tokens"):

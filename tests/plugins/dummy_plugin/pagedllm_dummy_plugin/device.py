@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import Device, KVCacheMemory
 
 
@@ -32,6 +33,11 @@ class DummyDevice(Device):
 
     def kv_cache_memory(self, cache_config):
         return KVCacheMemory(256 << 20, "the dummy device's fixed 256 MiB")
+
+    def check_and_update_config(self, config):
+        # Before the configuration is frozen: refuse (or adjust) what the device cannot run.
+        if config.parallel_config.ranks > 1:
+            raise ConfigError("the dummydev device runs one rank: leave out -tp and -pp")
 
 
 # [/docs:device]

@@ -1,0 +1,80 @@
+"""The model and its weights: :class:`ModelConfig` and :class:`LoadConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.core.configs.base import Config, require
+from pagedllm.core.default_model import DEFAULT_MODEL
+
+
+@dataclasses.dataclass
+class ModelConfig(Config):
+    model: str = DEFAULT_MODEL
+    # The model's own tokenizer when unset.
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    dtype: str = "auto"
+    seed: int | None = None
+    max_model_len: int | None = None
+    hf_config_path: str | None = None
+    # A dict of config attributes, or (from Python) a callable that edits the config.
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = dataclasses.field(default_factory=dict)
+    rope_scaling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rope_theta: float | None = None
+    # [model] when unset; one name is taken as a list of one.
+    served_model_name: list[str] | None = None
+    task: str = "auto"
+    skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
+    disable_sliding_window: bool = False
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    logits_processor_pattern: str | None = None
+    config_format: str = "auto"
+    enforce_eager: bool = False
+    # --batch-invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT=1).
+    batch_invariant: bool = False
+    quantization: str | None = None
+    model_impl: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
+    override_pooler_config: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        from pagedllm.core.sampling.defaults import check_generation_override
+
+        if not self.tokenizer:
+            self.tokenizer = self.model
+        served = self.served_model_name
+        if served is None:
+            names = [self.model]
+        elif isinstance(served, str):
+            names = [served]
+        else:
+            names = list(served)
+        require(
+            bool(names) and all(names), "--served-model-name", served, "names must be non-empty"
+        )
+        self.served_model_name = names
+        check_generation_override(self.override_generation_config)
+
+
+@dataclasses.dataclass
+class LoadConfig(Config):
+    load_format: str = "auto"
+    download_dir: str | None = None
+    # Skipped when --ignore-patterns is unset: the extra copies some repositories ship.
+    ignore_patterns: list[str] = dataclasses.field(default_factory=lambda: ["original/**/*"])
+    model_loader_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    use_tqdm_on_load: bool = True
+    qlora_adapter_name_or_path: str | None = None
+
+    def validate(self) -> None:
+        if isinstance(self.ignore_patterns, str):
+            self.ignore_patterns = [self.ignore_patterns]

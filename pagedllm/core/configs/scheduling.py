@@ -1,0 +1,59 @@
+"""How requests are scheduled, what the engine reports, and how the model is compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from pagedllm.core.configs.base import Config
+from pagedllm.core.errors import ConfigError
+
+
+@dataclasses.dataclass
+class SchedulerConfig(Config):
+    # --max-num-batched-tokens depends on the entry point when unset (see
+    # pagedllm.core.config.default_step_tokens); this is the engine's.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    delay_factor: float = 0.0
+    # A Scheduler subclass, or the dotted path to one.
+    scheduler_cls: str | type = "pagedllm.core.scheduler.Scheduler"
+
+    arg_names: ClassVar[dict[str, str]] = {
+        "policy": "scheduling_policy",
+        "delay_factor": "scheduler_delay_factor",
+    }
+
+
+@dataclasses.dataclass
+class ObservabilityConfig(Config):
+    disable_log_stats: bool = False
+
+
+@dataclasses.dataclass
+class CompilationConfig(Config):
+    """-O, --cuda-graph-sizes, --max-seq-len-to-capture, --enforce-eager (see
+    :mod:`pagedllm.core.compilation`)."""
+
+    level: int = 0
+    # Decode batch sizes captured as graphs, ascending; empty: no graphs.
+    capture_sizes: list[int] = dataclasses.field(default_factory=list)
+    # Decode steps with a longer context than this run eagerly.
+    max_seq_len_to_capture: int = 8192
+
+    def validate(self) -> None:
+        if self.level not in (0, 1, 2, 3):
+            raise ConfigError(
+                f"--compilation-config: level {self.level!r} is not one of 0, 1, 2, 3"
+            )
+        if any(n < 1 for n in self.capture_sizes) or self.max_seq_len_to_capture < 1:
+            raise ConfigError(
+                "CUDA graph sizes (--cuda-graph-sizes, cudagraph_capture_sizes) and "
+                "--max-seq-len-to-capture must be positive"
+            )
