@@ -570,6 +570,6 @@ def _check_data_parallel(config: PagedLLMConfig, usage_context: UsageContext) ->
                 f"{torch.cuda.device_count()} are visible"
             )
     if parallel.multi_node:
-        from pagedllm.distributed.replica_nodes import data_parallel_key
+        from pagedllm.entrypoints.data_parallel.replica_nodes import data_parallel_key
 
         data_parallel_key()  # (required: refused by name when unset)

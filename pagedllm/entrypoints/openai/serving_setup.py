@@ -80,7 +80,7 @@ def start_serving(
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     engine: EngineClient
     if config.parallel_config.data_parallel_size > 1:
-        from pagedllm.distributed.replica_client import DataParallelClient
+        from pagedllm.entrypoints.data_parallel.replica_client import DataParallelClient
 
         engine = DataParallelClient.start(config)
     else:

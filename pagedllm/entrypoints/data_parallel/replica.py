@@ -39,7 +39,7 @@ from pagedllm.core.errors import (
     PagedLLMError,
     RequestFailedError,
 )
-from pagedllm.distributed.connections import AuthenticatedListener
+from pagedllm.entrypoints.data_parallel.connections import AuthenticatedListener
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine

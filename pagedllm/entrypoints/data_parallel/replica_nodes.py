@@ -5,7 +5,7 @@ API server, and replicas 0 to L - 1. Every other node runs ``pagedllm serve MODE
 --headless -dp N -dpl K -dpr S -dpa HEAD -dpp PORT``: replicas S to S + K - 1 and no API
 server. A headless node's replicas listen on every interface; once they have loaded, the
 node registers them (their addresses) with the head node at ``HEAD:PORT``, and the head's
-front ends connect to them as to its own (:mod:`pagedllm.distributed.replica_client`):
+front ends connect to them as to its own (:mod:`pagedllm.entrypoints.data_parallel.replica_client`):
 requests go to the least loaded replica of any node.
 
 The connections are authenticated with a secret every node is given,
@@ -14,8 +14,8 @@ may send them). The head node starts serving once every replica has registered; 
 whose replicas differ from the head's (another model or context length) or that claims
 replicas already taken is refused. A headless node stops when the head node stops (or
 is gone), and the head stops serving when a replica of any node is gone, as with one
-node; the connections (:mod:`pagedllm.distributed.connections`) have TCP keep-alive, so
-a node that vanishes without closing them is noticed too.
+node; the connections (:mod:`pagedllm.entrypoints.data_parallel.connections`) have TCP
+keep-alive, so a node that vanishes without closing them is noticed too.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.distributed.connections import AuthenticatedListener, connect
+from pagedllm.entrypoints.data_parallel.connections import AuthenticatedListener, connect
 
 if TYPE_CHECKING:
     from pagedllm.core.config import ParallelConfig
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.plugins import PluginManager
-    from pagedllm.distributed.replica import EngineFacts
+    from pagedllm.entrypoints.data_parallel.replica import EngineFacts
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
 logger = logging.getLogger("pagedllm.replica")
@@ -227,7 +227,7 @@ def serve_headless(engine_args: EngineArgs, options: FrontendArgs, pm: PluginMan
     """``pagedllm serve --headless``: this node's replicas, registered with the head node,
     until the head node stops (0), or is gone or a replica exits (1)."""
     from pagedllm.core.config import UsageContext
-    from pagedllm.distributed.replica_group import LOAD_TIMEOUT_S, ReplicaGroup
+    from pagedllm.entrypoints.data_parallel.replica_group import LOAD_TIMEOUT_S, ReplicaGroup
 
     first, size = options.data_parallel_start_rank, engine_args.data_parallel_size
     if size == 1:
