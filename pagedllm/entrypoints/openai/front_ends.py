@@ -204,10 +204,9 @@ def front_end_main(
     if log_config is not None:
         logging.config.dictConfig(log_config)
     from pagedllm.core.plugins import make_plugin_manager
-    from pagedllm.entrypoints.cli.serve import validate_frontend_args
     from pagedllm.entrypoints.data_parallel.replica_client import DataParallelClient
     from pagedllm.entrypoints.openai.api_server import run_server
-    from pagedllm.entrypoints.openai.serving_setup import PendingServing
+    from pagedllm.entrypoints.openai.serving_setup import PendingServing, validate_frontend_args
 
     pm = make_plugin_manager()
     validate_frontend_args(options, pm)  # (loads --tool-parser-plugin here too)

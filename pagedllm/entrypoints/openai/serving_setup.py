@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.checks import apply_deprecated_aliases
+from pagedllm.core.argspec import refused_fields
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
@@ -224,6 +225,31 @@ class RequestLog:
             shown_ids,
             for_log(params_text),
         )
+
+
+def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:
+    """The front end's options, checked before anything starts (``serve`` and each
+    ``--api-server-count`` front end): refused ones, the request log, the tool parser
+    (loaded now, so a broken one fails by name) and ``--lora-modules``."""
+    problems = refused_fields(frontend_args)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    check_request_logging(frontend_args, logging.getLogger("pagedllm.server"))
+    if frontend_args.tool_parser_plugin:
+        pm.load_plugin_file(frontend_args.tool_parser_plugin)
+    parser_name = frontend_args.tool_call_parser
+    if parser_name is not None and parser_name not in pm.registry("tool_parsers"):
+        raise ConfigError(
+            f"--tool-call-parser: invalid choice {parser_name!r} (choose from "
+            f"{', '.join(pm.choices('tool_parsers')) or 'none installed'}, or a name "
+            f"registered by --tool-parser-plugin)"
+        )
+    if parser_name is not None:
+        pm.load("tool_parsers", parser_name)  # (a broken or disputed one fails now, by name)
+    if frontend_args.enable_auto_tool_choice and parser_name is None:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+    if frontend_args.lora_modules:
+        parse_lora_modules(frontend_args.lora_modules)  # (malformed entries fail now)
 
 
 def check_request_logging(options: FrontendArgs, logger: logging.Logger) -> None:
