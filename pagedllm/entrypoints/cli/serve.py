@@ -59,7 +59,7 @@ class ServeSubcommand(CLISubcommand):
             check_one_process(engine_args, frontend_args)
         log_config = apply_log_config(frontend_args.log_config_file)
         if frontend_args.headless:
-            from pagedllm.entrypoints.data_parallel.replica_nodes import serve_headless
+            from pagedllm.entrypoints.data_parallel.headless import serve_headless
 
             return serve_headless(engine_args, frontend_args, pm)
         if frontend_args.data_parallel_start_rank:
