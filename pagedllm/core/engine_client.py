@@ -1,7 +1,7 @@
 """``EngineClient``: what the OpenAI server asks of an engine, whether the engine runs in
 its own process's thread (:class:`~pagedllm.core.async_engine.AsyncLLMEngine`) or as
 data-parallel replica processes behind a front end
-(:class:`~pagedllm.distributed.replica_client.DataParallelClient`).
+(:class:`~pagedllm.entrypoints.data_parallel.replica_client.DataParallelClient`).
 
 The server reaches nothing else, so that anything it needs from the model (the tokenizer,
 the context length, the generation defaults) is in :class:`EngineInfo`, which a front end

@@ -8,6 +8,9 @@ from pathlib import Path
 from pagedllm.core.default_model import DEFAULT_MODEL, default_model_path
 from pagedllm.core.errors import ConfigError
 
+# (defined with the kernels, the lowest layer that needs it: compiled kernels are cached)
+from pagedllm.kernels.native import cache_dir as cache_dir
+
 
 def resolve_model_path(
     model: str,
@@ -56,15 +59,3 @@ def resolve_model_path(
             f"{model}')"
         ) from exc
     return Path(snapshot)
-
-
-def cache_dir(kind: str) -> Path:
-    """Where pagedllm keeps what it derives once per machine (``kernels``, converted
-    ``tokenizers``): ``$PAGEDLLM_CACHE_ROOT/<kind>``, else
-    ``$XDG_CACHE_HOME/pagedllm/<kind>``, else ``~/.cache/pagedllm/<kind>``."""
-    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
-    if root:
-        return Path(root).expanduser() / kind
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedllm" / kind

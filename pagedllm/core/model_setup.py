@@ -57,7 +57,8 @@ class LoadedModel:
 
 def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) -> Any:
     """The model's HF config: ``--hf-config-path`` when given, else the config the
-    checkpoint carries (``loader.hf_config``, e.g. GGUF metadata), else ``config.json``."""
+    checkpoint carries (``loader.hf_config``: GGUF metadata, Mistral's ``params.json``),
+    else ``config.json``."""
     mc = config.model_config
     hf_config = None
     if loader is not None and not mc.hf_config_path:
@@ -68,20 +69,20 @@ def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) ->
             revision=mc.revision,
             download_dir=config.load_config.download_dir,
         )
-        fmt = mc.config_format
-        if fmt == "auto" and path.is_dir() and not (path / "config.json").exists():
-            fmt = "mistral" if (path / "params.json").exists() else "hf"
-        if fmt == "mistral":
-            from pagedllm.plugins.loaders.mistral import mistral_hf_config
+        if mc.config_format not in ("auto", "hf"):
+            # (a format of its own is read by the loader made for it, as its hf_config)
+            raise ConfigError(
+                f"--config-format {mc.config_format}: --load-format "
+                f"{config.load_config.load_format} does not read it"
+                + (" (nor is it read from --hf-config-path)" if mc.hf_config_path else "")
+                + "; use the load format of that checkpoint layout, or --config-format hf"
+            )
+        from transformers import AutoConfig
 
-            hf_config = mistral_hf_config(path)
-        else:
-            from transformers import AutoConfig
-
-            try:
-                hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=mc.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the model config of {mc.model!r}: {exc}") from exc
         if loader is not None and mc.hf_config_path:
             # The checkpoint may still say how its weights are stored (GGUF types), which
             # a config.json from elsewhere cannot know.

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import decoded_by_triton
 from pagedllm.kernels.native import load_kernel_library
+from pagedllm.kernels.quant_layouts import check_4bit
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -42,22 +43,6 @@ __all__ = [
 ]
 
 GEMV_MAX_ROWS = 8
-
-
-def check_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor) -> int:
-    """The weight's column count; a ValueError when the pieces do not fit together."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise TypeError(f"4-bit weights are uint8 [n, k / 2], not {packed.dtype} {packed.dim()}-d")
-    n, half = packed.shape
-    k = 2 * half
-    if absmax.dim() != 2 or absmax.shape[0] != n or not absmax.shape[1] or k % absmax.shape[1]:
-        raise ValueError(
-            f"absmax of shape {tuple(absmax.shape)} does not fit a [{n}, {k}] weight in "
-            f"whole blocks of each row"
-        )
-    if code.numel() != 16:
-        raise ValueError(f"a 4-bit codebook has 16 entries, not {code.numel()}")
-    return k
 
 
 def dequantize_4bit_reference(

@@ -11,6 +11,11 @@ paged-attention kernel (decodes and short chunks), and returns None for any othe
 the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results (in batch-invariant mode too, where
 both take the panel products at every row count).
+
+The kernels sit below the plugins that build those parts, so they are recognised by what
+they hold, not by class: a packed product by its GGML type (a fused group of packed layers,
+pagedllm.plugins.quantization.gguf's ``PackedFusedLinear``, or a layer whose method holds
+one, its ``GGUFLinearMethod``), the cpu device's attention step by its :class:`PagedMetadata`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ import torch
 
 from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels.batch_invariant import batch_invariant
-from pagedllm.kernels.cpu_ops import MAX_GROUP, MAX_HEAD_DIM, cpu_ops
+from pagedllm.kernels.cpu_ops import (
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    SILU_KERNEL_MAX_ROWS,
+    PagedMetadata,
+    cpu_ops,
+)
+from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
 from pagedllm.kernels.native import load_kernel_library
@@ -83,13 +95,14 @@ def _library() -> ctypes.CDLL | None:
 
 def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, int] | None:
     """(raw weight, GGML type) of a bias-free packed GGUF product of a fused type."""
-    from pagedllm.plugins.quantization.gguf import GGUFLinearMethod, PackedFusedLinear
-
-    if isinstance(module, PackedFusedLinear):
+    if isinstance(getattr(module, "qtype", None), GGMLQuantizationType):  # (a fused group)
         if module.bias is not None or (sizes is not None and module.sizes != sizes):
             return None
         weight, qtype = module.weight, module.qtype
-    elif isinstance(getattr(module, "method", None), GGUFLinearMethod) and sizes is None:
+    elif (
+        isinstance(getattr(getattr(module, "method", None), "qtype", None), GGMLQuantizationType)
+        and sizes is None
+    ):
         if module.bias is not None or getattr(module, "int4_perm", None) is not None:
             return None  # (a GPTQ layer whose columns are reordered: not a plain product)
         weight, qtype = module.weight, module.method.qtype
@@ -152,8 +165,6 @@ class NativeDecoderLayer:
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: Any
     ) -> torch.Tensor | None:
-        from pagedllm.plugins.devices.cpu_attention import PagedMetadata
-
         if (
             not isinstance(metadata, PagedMetadata)
             or metadata.prefills
@@ -204,8 +215,6 @@ class NativeDecoderLayer:
     def max_tokens(self) -> int:
         """The most tokens of a step this layer takes natively."""
         if self._max_tokens is None:
-            from pagedllm.plugins.models.llama import SILU_KERNEL_MAX_ROWS
-
             limit = fused_max_rows() or MAX_STEP_TOKENS
             bf16 = self.dtype == torch.bfloat16
             self._max_tokens = limit if bf16 else min(limit, SILU_KERNEL_MAX_ROWS)

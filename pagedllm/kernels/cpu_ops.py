@@ -13,19 +13,58 @@ dimension dense); :meth:`CpuOps.rows_ok` checks it for callers that dispatch.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedllm.kernels.native import load_kernel_library
 
-__all__ = ["BF16_HEAD_DIMS", "MAX_GROUP", "MAX_HEAD_DIM", "CpuOps", "cpu_ops"]
+if TYPE_CHECKING:
+    from pagedllm.core.attention.metadata import PrefillSequence
+
+__all__ = [
+    "BF16_HEAD_DIMS",
+    "MAX_GROUP",
+    "MAX_HEAD_DIM",
+    "SILU_KERNEL_MAX_ROWS",
+    "CpuOps",
+    "PagedMetadata",
+    "cpu_ops",
+]
 
 # Limits of the paged-attention kernel (csrc/cpu_ops.c).
 MAX_HEAD_DIM = 512
 MAX_GROUP = 16
 # Head sizes whose bfloat16 cache the kernel reads (its AVX-512 register tiles).
 BF16_HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
+# The most float32 rows the models give the SiLU kernel (past that torch's vectorised SiLU
+# is faster); the native decoder layer (pagedllm.kernels.cpu_layer) keeps to it too, so
+# that both paths agree bit for bit.
+SILU_KERNEL_MAX_ROWS = 64
+
+
+@dataclasses.dataclass(slots=True)
+class PagedMetadata:
+    """A step as the paged-attention kernel takes it (built by the cpu device's backend,
+    pagedllm.plugins.devices.cpu_attention; read by the native decoder layer too)."""
+
+    num_tokens: int
+    # Cache slot of every token of the flat batch.
+    slot_mapping: torch.Tensor
+    # The kernel's requests: int64 [3, S] (first token, end token, context length) and
+    # their block tables, int32 [S, max_blocks].
+    seq_ranges: torch.Tensor
+    block_tables: torch.Tensor
+    # Longer prefills, through SDPA.
+    prefills: list[PrefillSequence]
+    kv_caches: list[torch.Tensor]
+    ops: CpuOps
+    backend: Any = None
+    # Per-step arguments of the native decoder layer (pagedllm.kernels.cpu_layer), built
+    # by the first layer that runs it.
+    native_step: Any = None
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import decoded_by_triton
 from pagedllm.kernels.native import load_kernel_library
+from pagedllm.kernels.quant_layouts import FP8_DTYPE, check_fp8
 
 __all__ = [
     "FP8_DTYPE",
@@ -36,7 +37,6 @@ __all__ = [
     "quantize_fp8",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 GEMV_MAX_ROWS = 8
 
@@ -53,17 +53,6 @@ def quantize_fp8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor,
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).contiguous()
     quantized = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scale
-
-
-def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
-    n, k = weight.shape
-    if weight.dtype != FP8_DTYPE:
-        raise TypeError(f"fp8 weights are {FP8_DTYPE}, not {weight.dtype}")
-    if group_size < 1 or scale.dim() != 2 or tuple(scale.shape) != (n, -(-k // group_size)):
-        raise ValueError(
-            f"scales of shape {tuple(scale.shape)} do not fit a [{n}, {k}] weight in "
-            f"groups of {group_size} columns"
-        )
 
 
 def dequantize_fp8_reference(

@@ -50,6 +50,7 @@ __all__ = [
     "gguf_embedding",
     "gguf_linear",
     "gguf_linear_reference",
+    "triton_gguf_linear",
 ]
 
 # 1024 rows of a 4096-wide layer is 16 MiB of float32: small next to activations, large
@@ -208,6 +209,30 @@ def gguf_linear(
     if bias is not None:
         out += bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def triton_gguf_linear(
+    x: torch.Tensor,
+    raw_weight: torch.Tensor,
+    qtype: int | GGMLQuantizationType,
+    out_features: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
+    """``x @ dequantize(W).T + bias``, ``W`` packed GGML rows decoded by the Triton kernels
+    ``chunk_rows`` rows at a time (the extra memory is one chunk, not the float weight).
+
+    ``x``: ``[..., in_features]``; ``raw_weight``: uint8 ``[out_features, bytes_per_row]``.
+    """
+    from pagedllm.kernels.triton_gguf import triton_dequantize
+
+    def decode(raw: torch.Tensor, qt: int, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        return triton_dequantize(raw, qt, (rows, k), dtype)
+
+    return gguf_linear(
+        x, raw_weight, qtype, out_features, in_features, bias, chunk_rows, decode=decode
+    )
 
 
 def _invariant_product(

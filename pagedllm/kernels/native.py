@@ -44,9 +44,19 @@ def kernels_disabled() -> bool:
     return os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS", "") not in ("", "0")
 
 
-def _cache_dir() -> Path:
-    from pagedllm.core.model_files import cache_dir
+def cache_dir(kind: str) -> Path:
+    """Where pagedllm keeps what it derives once per machine (``kernels``, converted
+    ``tokenizers``): ``$PAGEDLLM_CACHE_ROOT/<kind>``, else
+    ``$XDG_CACHE_HOME/pagedllm/<kind>``, else ``~/.cache/pagedllm/<kind>``."""
+    root = os.environ.get("PAGEDLLM_CACHE_ROOT")
+    if root:
+        return Path(root).expanduser() / kind
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedllm" / kind
 
+
+def _cache_dir() -> Path:
     return cache_dir("kernels")
 
 

@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-__all__ = ["triton_available", "triton_dequantize", "triton_gguf_linear"]
+__all__ = ["triton_available", "triton_dequantize"]
 
 _T = GGMLQuantizationType
 
@@ -34,8 +34,6 @@ _T = GGMLQuantizationType
 _BLOCKS_PER_PROGRAM = 8
 _PLAIN_ELEMS = 1024
 _PLAIN_TYPES = (_T.F32, _T.F16, _T.BF16)
-# Weight rows dequantized at a time by triton_gguf_linear (16 MiB of a 4096-wide layer).
-DEFAULT_CHUNK_ROWS = 1024
 
 
 def triton_available() -> bool:
@@ -304,27 +302,3 @@ def triton_dequantize(
     if out.numel():
         _launch(raw.contiguous().reshape(-1), qt, out)
     return out.to(dtype)
-
-
-def triton_gguf_linear(
-    x: torch.Tensor,
-    raw_weight: torch.Tensor,
-    qtype: int | GGMLQuantizationType,
-    out_features: int,
-    in_features: int,
-    bias: torch.Tensor | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> torch.Tensor:
-    """``x @ dequantize(W).T + bias``, ``W`` packed GGML rows decoded by the Triton kernels
-    ``chunk_rows`` rows at a time (the extra memory is one chunk, not the float weight).
-
-    ``x``: ``[..., in_features]``; ``raw_weight``: uint8 ``[out_features, bytes_per_row]``.
-    """
-    from pagedllm.kernels.gguf_matmul import gguf_linear
-
-    def decode(raw: torch.Tensor, qt: int, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        return triton_dequantize(raw, qt, (rows, k), dtype)
-
-    return gguf_linear(
-        x, raw_weight, qtype, out_features, in_features, bias, chunk_rows, decode=decode
-    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.kernels.quant_layouts import check_4bit, check_fp8
 from pagedllm.kernels.triton_gguf import triton_available
 
 try:
@@ -89,8 +90,6 @@ def triton_dequantize_fp8(
 ) -> torch.Tensor:
     """:func:`pagedllm.kernels.fp8.dequantize_fp8_reference` by a Triton kernel (same
     float32 bits, then ``dtype``)."""
-    from pagedllm.kernels.fp8 import check_fp8
-
     check_fp8(weight, scale, group_size)
     n, k = weight.shape
     out, grid = _output(n, k, weight)
@@ -107,8 +106,6 @@ def triton_dequantize_4bit(
 ) -> torch.Tensor:
     """:func:`pagedllm.kernels.bnb.dequantize_4bit_reference` by a Triton kernel (same
     float32 bits, then ``dtype``)."""
-    from pagedllm.kernels.bnb import check_4bit
-
     k = check_4bit(packed, absmax, code)
     n, groups = absmax.shape
     out, grid = _output(n, k, packed)

@@ -23,8 +23,8 @@ from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.spec_decode import SpeculativeConfig
 from pagedllm.entrypoints.cli.main import build_parser
-from pagedllm.entrypoints.cli.serve import validate_frontend_args
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+from pagedllm.entrypoints.openai.serving_setup import validate_frontend_args
 
 # The model configuration template of seed 000 (vLLM's deployment guide), verbatim.
 SEED_000_TEMPLATE = TESTS / "data" / "seed000_deployment_template.yaml"

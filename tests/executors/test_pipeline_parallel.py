@@ -22,11 +22,12 @@ from torch import nn
 from pagedllm import LLM, EngineArgs
 from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.layers.weights import HeldElsewhere
 from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.runner import StepInput
 from pagedllm.distributed.parallel_state import stage_layers
 from pagedllm.distributed.pipeline import split_micro_batches
-from pagedllm.plugins.models.common import DecoderStack, HeldElsewhere
+from pagedllm.plugins.models.common import DecoderStack
 
 
 def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():

@@ -391,7 +391,7 @@ def test_prompt_logprobs_beams_and_an_fp8_cache_over_two_ranks(parallel, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from pagedllm import BeamSearchParams
-    from pagedllm.plugins.models.common import HeldElsewhere
+    from pagedllm.core.layers.weights import HeldElsewhere
 
     directory = make_checkpoint(tmp_path / "llama", "llama")
     # The checkpoint's own KV-cache scales (every rank must store with them).
@@ -499,8 +499,8 @@ def test_a_weight_too_small_for_its_shard_is_refused(tmp_path):
     """Only the vocabulary's padding rows are zero-filled; any other tensor too short for
     a rank's range is an error naming it."""
     from pagedllm.core.layers.linear import Linear
+    from pagedllm.core.layers.weights import copy_weights
     from pagedllm.distributed import parallel_state
-    from pagedllm.plugins.models.common import copy_weights
 
     parallel_state.set_tensor_parallel(1, 2)
     try:

@@ -25,12 +25,8 @@ from test_gguf_dequant import (
 )
 
 from pagedllm.kernels.gguf_dequant import SUPPORTED_TYPES, dequantize
-from pagedllm.kernels.gguf_matmul import gguf_linear_reference
-from pagedllm.kernels.triton_gguf import (
-    triton_available,
-    triton_dequantize,
-    triton_gguf_linear,
-)
+from pagedllm.kernels.gguf_matmul import gguf_linear_reference, triton_gguf_linear
+from pagedllm.kernels.triton_gguf import triton_available, triton_dequantize
 
 T = GGMLQuantizationType
 PLAIN = (T.F32, T.F16, T.BF16)

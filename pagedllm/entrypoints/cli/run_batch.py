@@ -45,7 +45,7 @@ class RunBatchSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
-        from pagedllm.entrypoints.openai.serving_setup import check_request_logging
+        from pagedllm.entrypoints.openai.request_log import check_request_logging
 
         batch_args = RunBatchArgs(**dataclass_kwargs(RunBatchArgs, args))
         for option, value in (

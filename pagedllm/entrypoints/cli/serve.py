@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import TYPE_CHECKING
 
-from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs, refused_fields
+from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
@@ -15,8 +14,6 @@ from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
 if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager
-
-logger = logging.getLogger("pagedllm.server")
 
 
 class ServeSubcommand(CLISubcommand):
@@ -47,7 +44,11 @@ class ServeSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
-        from pagedllm.entrypoints.openai.serving_setup import apply_log_config, start_serving
+        from pagedllm.entrypoints.openai.serving_setup import (
+            apply_log_config,
+            start_serving,
+            validate_frontend_args,
+        )
 
         engine_args = engine_args_from_serve(args)
         frontend_args = FrontendArgs(**dataclass_kwargs(FrontendArgs, args))
@@ -58,7 +59,7 @@ class ServeSubcommand(CLISubcommand):
             check_one_process(engine_args, frontend_args)
         log_config = apply_log_config(frontend_args.log_config_file)
         if frontend_args.headless:
-            from pagedllm.distributed.replica_nodes import serve_headless
+            from pagedllm.entrypoints.data_parallel.headless import serve_headless
 
             return serve_headless(engine_args, frontend_args, pm)
         if frontend_args.data_parallel_start_rank:
@@ -113,29 +114,3 @@ def check_one_process(engine_args: EngineArgs, frontend_args: FrontendArgs) -> N
             "API server processes in front of an engine process of its own; they cannot "
             "share one process (drop one of the flags)"
         )
-
-
-def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:
-    from pagedllm.entrypoints.openai.serving_setup import check_request_logging
-
-    problems = refused_fields(frontend_args)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    check_request_logging(frontend_args, logger)
-    if frontend_args.tool_parser_plugin:
-        pm.load_plugin_file(frontend_args.tool_parser_plugin)
-    parser_name = frontend_args.tool_call_parser
-    if parser_name is not None and parser_name not in pm.registry("tool_parsers"):
-        raise ConfigError(
-            f"--tool-call-parser: invalid choice {parser_name!r} (choose from "
-            f"{', '.join(pm.choices('tool_parsers')) or 'none installed'}, or a name "
-            f"registered by --tool-parser-plugin)"
-        )
-    if parser_name is not None:
-        pm.load("tool_parsers", parser_name)  # (a broken or disputed one fails now, by name)
-    if frontend_args.enable_auto_tool_choice and parser_name is None:
-        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
-    if frontend_args.lora_modules:
-        from pagedllm.entrypoints.openai.serving_setup import parse_lora_modules
-
-        parse_lora_modules(frontend_args.lora_modules)  # (malformed entries fail now)

@@ -13,9 +13,9 @@ from fastapi import FastAPI
 
 from pagedllm import __version__
 from pagedllm.core.engine_client import EngineClient
+from pagedllm.entrypoints.metrics import Metrics, ReplicaMetrics
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.errors import add_exception_handlers, document_errors
-from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
 from pagedllm.entrypoints.openai.middleware import OPEN_PATHS, add_middleware, api_key
 from pagedllm.entrypoints.openai.routes import add_routes
 from pagedllm.entrypoints.openai.serving import OpenAIServing

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.plugins import PluginManager
-    from pagedllm.distributed.replica_client import ReplicaAddresses
+    from pagedllm.entrypoints.data_parallel.replica_client import ReplicaAddresses
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
 logger = logging.getLogger("pagedllm.server")
@@ -68,8 +68,8 @@ def serve_front_ends(
     (0) or until a front end or a replica exits (1)."""
     from pagedllm.core.args.checks import invalid_values
     from pagedllm.core.config import UsageContext
-    from pagedllm.distributed.replica_client import ReplicaAddresses
-    from pagedllm.distributed.replica_group import ReplicaGroup
+    from pagedllm.entrypoints.data_parallel.replica_client import ReplicaAddresses
+    from pagedllm.entrypoints.data_parallel.replica_group import ReplicaGroup
     from pagedllm.entrypoints.openai.chat_utils import load_chat_template
 
     problems = invalid_values(options)
@@ -162,7 +162,7 @@ def _supervise(
         return 0
     logger.critical("the %s exited; stopping the server", gone)
     # (After a replica, the front ends answer 503 for a moment and exit on their own.)
-    from pagedllm.distributed.replica_client import DEAD_GRACE_S
+    from pagedllm.entrypoints.data_parallel.replica_client import DEAD_GRACE_S
 
     _stop(procs, DEAD_GRACE_S + 5.0 if gone.startswith("data-parallel") else 0.0)
     return 1
@@ -204,10 +204,9 @@ def front_end_main(
     if log_config is not None:
         logging.config.dictConfig(log_config)
     from pagedllm.core.plugins import make_plugin_manager
-    from pagedllm.distributed.replica_client import DataParallelClient
-    from pagedllm.entrypoints.cli.serve import validate_frontend_args
+    from pagedllm.entrypoints.data_parallel.replica_client import DataParallelClient
     from pagedllm.entrypoints.openai.api_server import run_server
-    from pagedllm.entrypoints.openai.serving_setup import PendingServing
+    from pagedllm.entrypoints.openai.serving_setup import PendingServing, validate_frontend_args
 
     pm = make_plugin_manager()
     validate_frontend_args(options, pm)  # (loads --tool-parser-plugin here too)

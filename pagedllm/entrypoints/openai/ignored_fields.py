@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pagedllm.entrypoints.openai.protocol import IGNORED_FIELD_NOTES, OpenAIModel
-from pagedllm.entrypoints.openai.serving_setup import for_log
+from pagedllm.entrypoints.openai.request_log import for_log
 
 # Names the unknown (ignored) top-level fields of a request body, comma-separated.
 IGNORED_FIELDS_HEADER = "x-pagedllm-ignored-fields"

@@ -44,8 +44,8 @@ from pagedllm.entrypoints.openai.serving_pooling import (
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
+    from pagedllm.entrypoints.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-    from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.response_size import ResponseLimit
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 

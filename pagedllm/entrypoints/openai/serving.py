@@ -27,11 +27,11 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.request_log import RequestLog
 from pagedllm.entrypoints.openai.response_size import ResponseLimit
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
-from pagedllm.entrypoints.openai.serving_setup import RequestLog
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient

@@ -9,21 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import re
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.args.checks import apply_deprecated_aliases
+from pagedllm.core.argspec import refused_fields
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.request_log import check_request_logging
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.engine_client import EngineClient
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.entrypoints.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-    from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 
@@ -80,7 +79,7 @@ def start_serving(
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
     engine: EngineClient
     if config.parallel_config.data_parallel_size > 1:
-        from pagedllm.distributed.replica_client import DataParallelClient
+        from pagedllm.entrypoints.data_parallel.replica_client import DataParallelClient
 
         engine = DataParallelClient.start(config)
     else:
@@ -111,7 +110,7 @@ class PendingServing:
 
     def _build(self) -> ServingStack:
         from pagedllm.core.async_engine import AsyncLLMEngine
-        from pagedllm.entrypoints.openai.metrics import Metrics, ReplicaMetrics
+        from pagedllm.entrypoints.metrics import Metrics, ReplicaMetrics, metrics_label
         from pagedllm.entrypoints.openai.serving import OpenAIServing
 
         engine, options, pm, config = self.engine, self.options, self.pm, self.config
@@ -180,75 +179,26 @@ def parse_lora_modules(entries: list[str]) -> list[tuple[str, str, str | None]]:
     return modules
 
 
-def metrics_label(name: str) -> str:
-    """The model's name in ``/metrics``, which stays open with --api-key: a served name
-    that is a filesystem path (the default: the model argument) shows its last part."""
-    if os.path.isabs(name) or (os.sep in name and os.path.exists(name)):
-        return os.path.basename(os.path.normpath(name))
-    return name
-
-
-@dataclasses.dataclass(slots=True)
-class RequestLog:
-    """``--enable-log-requests`` / ``--max-log-len``: each request the engine accepted is
-    logged once, with its prompt, token ids and sampling parameters (each capped at
-    ``max_len``). Nothing is logged by default, and nothing of a refused request ever:
-    request contents are user data."""
-
-    enabled: bool = False
-    max_len: int | None = None
-    logger: logging.Logger = dataclasses.field(
-        default_factory=lambda: logging.getLogger("pagedllm.server")
-    )
-
-    @classmethod
-    def for_options(cls, options: FrontendArgs, logger: logging.Logger) -> RequestLog:
-        enabled = options.enable_log_requests and not options.disable_log_requests
-        return cls(enabled, options.max_log_len, logger)
-
-    def accepted(
-        self, request_id: str, text: str | None, token_ids: list[int], params: Any
-    ) -> None:
-        if not self.enabled:
-            return
-        shown_ids: Any = token_ids
-        params_text = repr(params)
-        if self.max_len is not None:
-            text = None if text is None else text[: self.max_len]
-            shown_ids = token_ids[: self.max_len]
-            params_text = params_text[: self.max_len]
-        self.logger.info(
-            "received request %s: prompt: %s, prompt_token_ids: %s, params: %s",
-            for_log(request_id),
-            for_log(repr(text)),
-            shown_ids,
-            for_log(params_text),
-        )
-
-
-def check_request_logging(options: FrontendArgs, logger: logging.Logger) -> None:
-    """Refuse ``--enable-log-requests`` beside its deprecated opposite; warn of the flags
-    that change nothing here."""
-    if options.enable_log_requests and options.disable_log_requests:
+def validate_frontend_args(frontend_args: FrontendArgs, pm: PluginManager) -> None:
+    """The front end's options, checked before anything starts (``serve`` and each
+    ``--api-server-count`` front end): refused ones, the request log, the tool parser
+    (loaded now, so a broken one fails by name) and ``--lora-modules``."""
+    problems = refused_fields(frontend_args)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    check_request_logging(frontend_args, logging.getLogger("pagedllm.server"))
+    if frontend_args.tool_parser_plugin:
+        pm.load_plugin_file(frontend_args.tool_parser_plugin)
+    parser_name = frontend_args.tool_call_parser
+    if parser_name is not None and parser_name not in pm.registry("tool_parsers"):
         raise ConfigError(
-            "--enable-log-requests and --disable-log-requests contradict each other; give "
-            "one (--disable-log-requests is deprecated: requests are not logged unless "
-            "--enable-log-requests is given)"
+            f"--tool-call-parser: invalid choice {parser_name!r} (choose from "
+            f"{', '.join(pm.choices('tool_parsers')) or 'none installed'}, or a name "
+            f"registered by --tool-parser-plugin)"
         )
-    for warning in apply_deprecated_aliases(options):
-        logger.warning("%s", warning)
-    if options.max_log_len is not None and not options.enable_log_requests:
-        logger.warning(
-            "--max-log-len %s changes nothing without --enable-log-requests (no request is logged)",
-            options.max_log_len,
-        )
-
-
-# Characters that could forge or garble a log line: controls (newlines, terminal escape
-# sequences), line and paragraph separators, bidirectional overrides.
-_UNSAFE_IN_LOGS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def for_log(text: str) -> str:
-    """``text`` with every character that could forge or garble a log line escaped."""
-    return _UNSAFE_IN_LOGS.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    if parser_name is not None:
+        pm.load("tool_parsers", parser_name)  # (a broken or disputed one fails now, by name)
+    if frontend_args.enable_auto_tool_choice and parser_name is None:
+        raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+    if frontend_args.lora_modules:
+        parse_lora_modules(frontend_args.lora_modules)  # (malformed entries fail now)

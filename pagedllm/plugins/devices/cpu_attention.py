@@ -13,7 +13,6 @@ with soft-capped attention scores (Gemma 2), which the kernel does not compute.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -27,7 +26,14 @@ from pagedllm.core.attention.torch_backend import (
 )
 from pagedllm.kernels.attention import write_kv_cache
 from pagedllm.kernels.batch_invariant import batch_invariant
-from pagedllm.kernels.cpu_ops import BF16_HEAD_DIMS, MAX_GROUP, MAX_HEAD_DIM, CpuOps, cpu_ops
+from pagedllm.kernels.cpu_ops import (
+    BF16_HEAD_DIMS,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    CpuOps,
+    PagedMetadata,
+    cpu_ops,
+)
 
 __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 
@@ -36,25 +42,6 @@ __all__ = ["KERNEL_MAX_QUERY", "CpuPagedBackend", "PagedMetadata"]
 # 64 prompts of 128 tokens 4.3-4.8 / 4.6-5.2 s (attention alone 0.6 / 1.1 s), 16 x 256
 # 2.32 / 2.42 s, 4 x 512 1.44 / 1.55 s, 2 x 1024 1.74 / 1.67 s, 1 x 2048 2.44 / 2.16 s.
 KERNEL_MAX_QUERY = 256
-
-
-@dataclasses.dataclass(slots=True)
-class PagedMetadata:
-    num_tokens: int
-    # Cache slot of every token of the flat batch.
-    slot_mapping: torch.Tensor
-    # The kernel's requests: int64 [3, S] (first token, end token, context length) and
-    # their block tables, int32 [S, max_blocks].
-    seq_ranges: torch.Tensor
-    block_tables: torch.Tensor
-    # Longer prefills, through SDPA.
-    prefills: list[PrefillSequence]
-    kv_caches: list[torch.Tensor]
-    ops: CpuOps
-    backend: Any = None
-    # Per-step arguments of the native decoder layer (pagedllm.kernels.cpu_layer), built
-    # by the first layer that runs it.
-    native_step: Any = None
 
 
 class CpuPagedBackend(TorchSDPABackend):

@@ -6,7 +6,7 @@ A 4-bit layer ``X`` is saved as ``X.weight`` (uint8, flat) and its quantization 
 ``X.weight.absmax``, ``X.weight.quant_map``, ``X.weight.nested_absmax``,
 ``X.weight.nested_quant_map`` and ``X.weight.quant_state.bitsandbytes__<type>`` (a JSON
 description). This loader gathers each layer's pieces, wherever they are in the stream,
-and hands the model the three tensors :func:`~pagedllm.plugins.quantization.bitsandbytes.read_4bit`
+and hands the model the three tensors :func:`~pagedllm.kernels.quant_layouts.read_4bit`
 makes of them. 8-bit layers (``X.weight`` int8, ``X.SCB``) pass through; their
 ``X.weight_format`` marker is checked and dropped. Everything else passes through.
 """
@@ -34,7 +34,7 @@ class BitsAndBytesLoader(SafetensorsLoader):
     def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         import torch
 
-        from pagedllm.plugins.quantization.bitsandbytes import (
+        from pagedllm.kernels.quant_layouts import (
             QUANT_STATE,
             needed_parts,
             read_4bit,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.model_files import resolve_model_path
 from pagedllm.plugins.loaders.base import check_all_loaded
 from pagedllm.plugins.loaders.default import SafetensorsLoader
 
@@ -103,7 +104,17 @@ class MistralLoader(SafetensorsLoader):
     index_name = "consolidated.safetensors.index.json"
 
     def hf_config(self, model_config: ModelConfig) -> Any:
-        return None  # (``--config-format`` decides: see load_hf_config)
+        """``params.json`` with ``--config-format mistral``, and with ``auto`` where the
+        directory has no ``config.json`` (else None: ``config.json``, read as usual)."""
+        path = resolve_model_path(
+            model_config.model,
+            revision=model_config.revision,
+            download_dir=self.load_config.download_dir,
+        )
+        fmt = model_config.config_format
+        if fmt == "auto" and path.is_dir() and not (path / "config.json").exists():
+            fmt = "mistral" if (path / "params.json").exists() else "hf"
+        return mistral_hf_config(path) if fmt == "mistral" else None
 
     def load_weights(self, model: Any, model_config: ModelConfig) -> None:
         config = model.config

@@ -108,7 +108,7 @@ class ShardedStateLoader(FileLoader):
 
     def load_weights(self, model: Any, model_config: ModelConfig) -> None:
         from pagedllm.core.attention.layer import Attention
-        from pagedllm.plugins.models.common import copy_weights
+        from pagedllm.core.layers.weights import copy_weights
 
         attentions = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
         seen: set[str] = set()

@@ -20,9 +20,10 @@ from torch import nn
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import ModelArchitecture
 from pagedllm.core.layers.linear import Linear
+from pagedllm.core.layers.weights import copy_weights
 from pagedllm.core.pooling import PoolerConfig
 from pagedllm.distributed.parallel_state import tp_size
-from pagedllm.plugins.models.common import activation, copy_weights
+from pagedllm.plugins.models.common import activation
 
 
 class BertEmbeddings(nn.Module):

@@ -27,7 +27,7 @@ from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.batch_invariant import batch_invariant
-from pagedllm.kernels.cpu_ops import cpu_ops_for
+from pagedllm.kernels.cpu_ops import SILU_KERNEL_MAX_ROWS, cpu_ops_for
 from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
     SILU_NAMES,
@@ -136,9 +136,6 @@ class LlamaAttention(nn.Module):
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
         return getattr(self, self.o_proj_name)(out)
-
-
-SILU_KERNEL_MAX_ROWS = 64
 
 
 class LlamaMLP(nn.Module):

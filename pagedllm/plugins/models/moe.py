@@ -21,8 +21,9 @@ from torch import nn
 
 from pagedllm.core.layers.linear import Linear
 from pagedllm.core.layers.moe import FusedMoE
+from pagedllm.core.layers.weights import copy_weights
 from pagedllm.kernels.moe import select_experts
-from pagedllm.plugins.models.common import activation, copy_weights, take_kv_scales
+from pagedllm.plugins.models.common import activation, take_kv_scales
 from pagedllm.plugins.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.plugins.models.common import copy_tensor
+from pagedllm.core.layers.weights import copy_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,11 @@ A 4-bit checkpoint stores each quantized layer's weight as flat blocks with a
 ``quant_state`` beside it (``weight.absmax``, ``weight.quant_map``, the nested statistics
 of double quantization, and a JSON description); ``--load-format bitsandbytes``
 (:mod:`pagedllm.plugins.loaders.bitsandbytes`) turns those into three plain tensors per
-layer, with :func:`read_4bit`: ``weight`` (uint8 ``[out, in / 2]``), ``weight_absmax``
-(float32 ``[out, in / 64]``, double quantization decoded as bitsandbytes decodes it before
-each product) and ``weight_code`` (the 16-entry codebook). An 8-bit layer is ``weight``
-(int8) and ``SCB`` (each row's largest magnitude).
+layer, with :func:`~pagedllm.kernels.quant_layouts.read_4bit`: ``weight`` (uint8
+``[out, in / 2]``), ``weight_absmax`` (float32 ``[out, in / 64]``, double quantization
+decoded as bitsandbytes decodes it before each product) and ``weight_code`` (the 16-entry
+codebook). An 8-bit layer is ``weight`` (int8) and ``SCB`` (each row's largest
+magnitude).
 
 Products are weight-only (:mod:`pagedllm.kernels.bnb`): the weights decode exactly to
 bitsandbytes' values and activations stay in the model's dtype. bitsandbytes' LLM.int8
@@ -34,14 +35,10 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.model_files import resolve_model_path
 from pagedllm.kernels.bnb import int8_row_scale, linear_4bit, linear_int8
+from pagedllm.kernels.quant_layouts import ABSMAX_GROUP, read_4bit
 from pagedllm.plugins.quantization.common import checkpoint_param, left_in_floats
 
 logger = logging.getLogger("pagedllm.quantization")
-
-# Columns per absmax in pagedllm's layout: bitsandbytes' blocks (64 by default, or any
-# multiple of 64) are expanded to it.
-ABSMAX_GROUP = 64
-QUANT_STATE = "quant_state.bitsandbytes__"
 
 _KNOWN = {
     "load_in_4bit",
@@ -57,57 +54,6 @@ _KNOWN = {
     "llm_int8_skip_modules",
     "llm_int8_threshold",
 }
-
-
-def state_meta(tensor: torch.Tensor) -> dict[str, Any]:
-    """The JSON description of a 4-bit layer (its ``quant_state.bitsandbytes__*`` tensor)."""
-    return json.loads(bytes(tensor.to(torch.uint8).tolist()).decode("utf-8"))
-
-
-def needed_parts(state: torch.Tensor) -> set[str]:
-    """The pieces of a 4-bit layer whose description is ``state``: with double
-    quantization, the nested statistics too."""
-    parts = {"weight", "absmax", "quant_map"}
-    if "nested_blocksize" in state_meta(state):
-        parts |= {"nested_absmax", "nested_quant_map"}
-    return parts
-
-
-def read_4bit(prefix: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One 4-bit layer's tensors in pagedllm's layout, from bitsandbytes' serialized form:
-    ``parts`` maps ``weight`` and the ``weight.<state>`` suffixes (``absmax``,
-    ``quant_map``, ``nested_absmax``, ``nested_quant_map``,
-    ``quant_state.bitsandbytes__nf4``) to their tensors. ``prefix`` names the layer in
-    errors."""
-    states = [name for name in parts if name.startswith(QUANT_STATE)]
-    if len(states) != 1:
-        raise ValueError(f"{prefix}: expected one {QUANT_STATE}* tensor, found {states}")
-    meta = state_meta(parts[states[0]])
-    out_features, in_features = meta["shape"]
-    block = int(meta["blocksize"])
-    if block % ABSMAX_GROUP or in_features % ABSMAX_GROUP:
-        raise ValueError(
-            f"{prefix}: 4-bit blocks of {block} weights over rows of {in_features}: pagedllm "
-            f"reads blocks and rows that are multiples of {ABSMAX_GROUP} weights"
-        )
-    absmax = parts["absmax"]
-    if "nested_absmax" in parts:  # double quantization: 8-bit absmax, blockwise again
-        nested = int(meta["nested_blocksize"])
-        index = torch.arange(absmax.numel()) // nested
-        absmax = parts["nested_quant_map"].float()[absmax.long()] * parts["nested_absmax"].float()[
-            index
-        ] + float(meta["nested_offset"])
-    absmax = absmax.float().reshape(-1)
-    subblocks = out_features * in_features // ABSMAX_GROUP
-    expanded = absmax[torch.arange(subblocks) * ABSMAX_GROUP // block]
-    weight = parts["weight"]
-    if weight.dtype != torch.uint8:
-        raise ValueError(f"{prefix}: 4-bit weights stored as {weight.dtype}: pagedllm reads uint8")
-    return {
-        "weight": weight.reshape(out_features, in_features // 2),
-        "weight_absmax": expanded.reshape(out_features, in_features // ABSMAX_GROUP),
-        "weight_code": parts["quant_map"].float().reshape(16),
-    }
 
 
 class BitsAndBytesConfig(QuantizationConfig):

@@ -25,11 +25,12 @@ from pagedllm.core.attention.torch_backend import TorchSDPABackend
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.embedding import VocabEmbedding
 from pagedllm.core.layers.linear import Linear, LinearGroup
+from pagedllm.core.layers.weights import copy_weights
 from pagedllm.distributed import parallel_state
 from pagedllm.plugins.models import llama
 from pagedllm.plugins.models.bert import BertModel
 from pagedllm.plugins.models.classification import LlamaForSequenceClassification
-from pagedllm.plugins.models.common import copy_weights, kv_head_share
+from pagedllm.plugins.models.common import kv_head_share
 from pagedllm.plugins.models.gpt2 import GPT2LMHeadModel
 from pagedllm.plugins.models.moe import MixtralForCausalLM
 from pagedllm.plugins.models.phi import PhiForCausalLM

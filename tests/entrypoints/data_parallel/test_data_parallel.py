@@ -247,8 +247,8 @@ def test_the_head_node_takes_only_the_replicas_it_lacks():
     import transformers
 
     from pagedllm.core.sampling.defaults import SamplingDefaults
-    from pagedllm.distributed.replica import EngineFacts, LoadedFacts
-    from pagedllm.distributed.replica_nodes import RemoteReplicas, fingerprint
+    from pagedllm.entrypoints.data_parallel.replica import EngineFacts, LoadedFacts
+    from pagedllm.entrypoints.data_parallel.replica_nodes import RemoteReplicas, fingerprint
 
     def facts(layers: int) -> EngineFacts:
         config = transformers.LlamaConfig(num_hidden_layers=layers)
@@ -329,7 +329,7 @@ def test_a_group_aborted_or_dropped_at_once_leaves_no_load(model):
     from pagedllm.core.engine import NewRequest
     from pagedllm.core.plugins import make_plugin_manager
     from pagedllm.core.sampling import SamplingParams
-    from pagedllm.distributed.replica import Replica, _Peer
+    from pagedllm.entrypoints.data_parallel.replica import Replica, _Peer
 
     pm = make_plugin_manager()
     config = EngineArgs(model=str(model), dtype="float32", disable_log_stats=True)

@@ -12,9 +12,9 @@ from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import LinearMethod, QuantizationConfig
 from pagedllm.core.layers.linear import Linear, LinearGroup
+from pagedllm.core.layers.weights import copy_weights
 from pagedllm.core.loading import get_model_loader, get_quantization_config
 from pagedllm.entrypoints.cli.main import build_parser
-from pagedllm.plugins.models.common import copy_weights
 
 
 class TinyModel(torch.nn.Module):

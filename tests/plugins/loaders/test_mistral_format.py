@@ -114,3 +114,7 @@ def test_refusals(checkpoints, tmp_path):
     (moe / "params.json").write_text(json.dumps({**params, "moe": {"num_experts": 8}}))
     with pytest.raises(ConfigError, match=r"settings \['moe'\]"):
         LLM(str(moe), load_format="mistral", dtype="float32", disable_log_stats=True)
+    # params.json is the mistral loader's to read (core names no checkpoint layout): with
+    # another load format, --config-format mistral is refused by name.
+    with pytest.raises(ConfigError, match="--config-format mistral: --load-format dummy"):
+        LLM(str(native), load_format="dummy", config_format="mistral", disable_log_stats=True)

@@ -27,7 +27,7 @@ from tiny_models import assert_matches_reference, make_checkpoint, reference_gre
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
 from pagedllm.kernels import bnb as k
-from pagedllm.plugins.quantization.bitsandbytes import read_4bit
+from pagedllm.kernels.quant_layouts import read_4bit
 
 transformers = pytest.importorskip("transformers")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")

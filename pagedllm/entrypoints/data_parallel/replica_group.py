@@ -11,7 +11,12 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.distributed.replica import EngineFacts, ReplicaSpec, error_from_wire, replica_main
+from pagedllm.entrypoints.data_parallel.replica import (
+    EngineFacts,
+    ReplicaSpec,
+    error_from_wire,
+    replica_main,
+)
 
 if TYPE_CHECKING:
     import multiprocessing.process
@@ -30,7 +35,7 @@ class ReplicaGroup:
     default all of this node's, from 0), listening on ``host`` (told to front ends as
     ``advertised_host``). On the head node of several (``--data-parallel-size-local``
     below the size), :meth:`wait_ready` also waits for the other nodes' replicas to
-    register (:class:`~pagedllm.distributed.replica_nodes.RemoteReplicas`), and
+    register (:class:`~pagedllm.entrypoints.data_parallel.replica_nodes.RemoteReplicas`), and
     ``addresses`` lists every replica's, in order.
 
     Not daemonic: a replica with ``-tp`` ranks starts their processes, which a daemonic
@@ -47,7 +52,10 @@ class ReplicaGroup:
     ) -> None:
         import multiprocessing
 
-        from pagedllm.distributed.replica_nodes import RemoteReplicas, data_parallel_key
+        from pagedllm.entrypoints.data_parallel.replica_nodes import (
+            RemoteReplicas,
+            data_parallel_key,
+        )
 
         parallel = config.parallel_config
         self.size = parallel.data_parallel_size

@@ -1,5 +1,5 @@
 """``DataParallelClient``: a front end's engine when the engines are data-parallel
-replica processes (:mod:`pagedllm.distributed.replica`), with the interface the server
+replica processes (:mod:`pagedllm.entrypoints.data_parallel.replica`), with the interface the server
 uses (:class:`~pagedllm.core.engine_client.EngineClient`).
 
 Each request group goes to the replica with the least load: what the replica last
@@ -26,9 +26,9 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import EngineDeadError
-from pagedllm.distributed.connections import connect
-from pagedllm.distributed.replica import EngineFacts, error_from_wire
-from pagedllm.distributed.replica_group import ReplicaGroup
+from pagedllm.entrypoints.data_parallel.connections import connect
+from pagedllm.entrypoints.data_parallel.replica import EngineFacts, error_from_wire
+from pagedllm.entrypoints.data_parallel.replica_group import ReplicaGroup
 
 if TYPE_CHECKING:
     from pagedllm.core.config import PagedLLMConfig

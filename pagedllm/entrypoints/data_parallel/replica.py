@@ -39,7 +39,7 @@ from pagedllm.core.errors import (
     PagedLLMError,
     RequestFailedError,
 )
-from pagedllm.distributed.connections import AuthenticatedListener
+from pagedllm.entrypoints.data_parallel.connections import AuthenticatedListener
 
 if TYPE_CHECKING:
     from pagedllm.core.async_engine import AsyncLLMEngine
@@ -213,8 +213,7 @@ class Replica:
     its outputs batched into one message per loop iteration and front end."""
 
     def __init__(self, engine: AsyncLLMEngine, index: int) -> None:
-        from pagedllm.entrypoints.openai.metrics import Metrics
-        from pagedllm.entrypoints.openai.serving_setup import metrics_label
+        from pagedllm.entrypoints.metrics import Metrics, metrics_label
 
         self.engine = engine
         self.index = index

@@ -1,8 +1,11 @@
-"""Prometheus metrics (``/metrics``), named like vLLM's with a ``pagedllm:`` prefix."""
+"""Prometheus metrics (``/metrics``), named like vLLM's with a ``pagedllm:`` prefix:
+recorded by the API server's engine, or by each data-parallel replica and merged by the
+server (so they sit beside both, in the serving layer)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,6 +34,14 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+
+
+def metrics_label(name: str) -> str:
+    """The model's name in ``/metrics``, which stays open with --api-key: a served name
+    that is a filesystem path (the default: the model argument) shows its last part."""
+    if os.path.isabs(name) or (os.sep in name and os.path.exists(name)):
+        return os.path.basename(os.path.normpath(name))
+    return name
 
 
 class Metrics:
