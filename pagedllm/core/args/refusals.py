@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedllm.core.argspec import arg
+from pagedllm.core.configs.runtime import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUSED
 
 _LEAVE_OUT = "; leave this flag out"
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
@@ -92,21 +93,6 @@ NO_OP: dict[str, str] = {
     "size already (sliding-window layers included)",
 }
 
-NO_TYPICAL_ACCEPTANCE = (
-    "pagedllm has no typical acceptance sampler: it accepts draft tokens by rejection "
-    "sampling, which keeps the target model's distribution"
-)
-
-# --speculative-config key -> why pagedllm refuses it when set (to anything but None/false).
-SPEC_KEYS_REFUSED: dict[str, str] = {
-    "quantization": "pagedllm does not support a quantized draft model",
-    "disable_logprobs": "pagedllm does not speculate for a request that asks for logprobs (it "
-    "decodes it a token a step), so their log probabilities are always returned",
-    "disable_mqa_scorer": "pagedllm scores a request's draft tokens in one step of the target "
-    "model; it has no other scorer to choose",
-    "posterior_threshold": NO_TYPICAL_ACCEPTANCE,
-    "posterior_alpha": NO_TYPICAL_ACCEPTANCE,
-}
 
 _GROUP = "Deprecated"
 _SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}'"

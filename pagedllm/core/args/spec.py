@@ -9,9 +9,11 @@ know whether a user set an option compares with :func:`declared_default`, not a 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any, Literal
+
+# (an option's value as a user writes it: the configs format their errors with it too)
+from pagedllm.core.configs.base import format_value as format_value
 
 META_KEY = "pagedllm"
 
@@ -113,9 +115,3 @@ def is_default(instance: Any, name: str) -> bool:
 
 def option_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
-
-
-def format_value(value: Any) -> str:
-    if isinstance(value, dict | list):
-        return json.dumps(value)
-    return str(value)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from typing import Any, ClassVar, Self
 
-from pagedllm.core.args.spec import format_value
 from pagedllm.core.errors import ConfigError
+
+
+def format_value(value: Any) -> str:
+    """An option's value as a user writes it (JSON for a dict or a list)."""
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
 
 
 def require(condition: bool, option: str, value: Any, why: str) -> None:

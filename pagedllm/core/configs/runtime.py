@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pagedllm.core.args.refusals import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUSED
 from pagedllm.core.configs.base import Config, require
 from pagedllm.core.errors import ConfigError
 
@@ -15,6 +14,23 @@ if TYPE_CHECKING:
 
 # KV-cache space on the cpu device, in GiB (the cpu has no --gpu-memory-utilization).
 DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0
+
+
+NO_TYPICAL_ACCEPTANCE = (
+    "pagedllm has no typical acceptance sampler: it accepts draft tokens by rejection "
+    "sampling, which keeps the target model's distribution"
+)
+
+# --speculative-config key -> why pagedllm refuses it when set (to anything but None/false).
+SPEC_KEYS_REFUSED: dict[str, str] = {
+    "quantization": "pagedllm does not support a quantized draft model",
+    "disable_logprobs": "pagedllm does not speculate for a request that asks for logprobs (it "
+    "decodes it a token a step), so their log probabilities are always returned",
+    "disable_mqa_scorer": "pagedllm scores a request's draft tokens in one step of the target "
+    "model; it has no other scorer to choose",
+    "posterior_threshold": NO_TYPICAL_ACCEPTANCE,
+    "posterior_alpha": NO_TYPICAL_ACCEPTANCE,
+}
 
 
 @dataclasses.dataclass
