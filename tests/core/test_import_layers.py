@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_paths import ROOT
+
 LINT = "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 
