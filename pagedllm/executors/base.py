@@ -10,13 +10,7 @@ from typing import Any
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces.executor import Executor, executor_class
 
-__all__ = ["Executor", "check_parallel_support", "executor_class", "world_size"]
-
-
-def world_size(config: Any) -> int:
-    """The engine's ranks: its tensor-parallel ranks times its pipeline stages."""
-    parallel = config.parallel_config
-    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+__all__ = ["Executor", "check_parallel_support", "executor_class"]
 
 
 def check_parallel_support(config: Any, pm: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.executors.base import check_parallel_support, world_size
+from pagedllm.executors.base import check_parallel_support
 from pagedllm.executors.uni import UniProcExecutor
 from pagedllm.executors.worker import Worker, collective_backend, rank_name
 from pagedllm.executors.worker_start import LoadGate, RankStarter
@@ -181,7 +181,7 @@ class MultiprocExecutor(UniProcExecutor):
         self.group: Any = None
         # Pipeline parallelism: stage 0's driver of the stages (PipelineStages).
         self.pipeline: Any = None
-        self.size = world_size(config)
+        self.size = self.num_ranks
         if self.size == 1:
             return
         # (A missing model or an architecture that cannot be split is refused before

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.executors.base import Executor, world_size
+from pagedllm.executors.base import Executor
 from pagedllm.executors.worker import Worker
 
 
@@ -16,7 +16,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: Any, pm: Any) -> None:
         super().__init__(config, pm)
-        ranks = world_size(config)
+        ranks = self.num_ranks
         if self.single_process and ranks > 1:
             backend = config.parallel_config.distributed_executor_backend
             raise ConfigError(
@@ -24,7 +24,6 @@ class UniProcExecutor(Executor):
                 f"hold {ranks} ranks; use mp"
             )
         self.worker = Worker(config, pm=pm)
-        self.runner: Any = None
 
     def load_model(self) -> Any:
         self.worker.load()

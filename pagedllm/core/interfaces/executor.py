@@ -47,6 +47,8 @@ class Executor(abc.ABC):
         # weight-loading (start, end) wall-clock times, rank 0 first.
         self.lora: Any = None
         self.rank_loading: list[tuple[float, float]] = []
+        # Rank 0's model runner (set by init_cache).
+        self.runner: ModelRunner | None = None
 
     @property
     def num_ranks(self) -> int:
