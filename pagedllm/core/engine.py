@@ -13,16 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.batch_invariance import check_batch_invariance
-from pagedllm.core.compilation import compile_model
 from pagedllm.core.config import ParallelConfig, scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
+from pagedllm.core.interfaces.executor import Executor, executor_class
 from pagedllm.core.kv_cache import KVCacheManager
-from pagedllm.core.loading import get_model_loader
 from pagedllm.core.model_files import resolve_model_path
 from pagedllm.core.model_setup import (
-    choose_implementation,
-    load_hf_config,
     load_model,
     num_kv_blocks,
 )
@@ -36,18 +33,11 @@ from pagedllm.core.pooling import (
     sentence_transformers_pooler,
 )
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner import (
-    ModelRunner,
-    kv_cache_spec,
-    kv_cache_torch_dtype,
-    profile_step,
-    set_kv_scales,
-)
+from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
-from pagedllm.distributed.parallel_state import stage_layers
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -57,37 +47,6 @@ if TYPE_CHECKING:
     from pagedllm.inputs import PromptType
 
 logger = logging.getLogger("pagedllm.engine")
-
-
-def _check_expert_parallel(architecture: Any, hf_config: Any, tp: int) -> None:
-    """The architecture's tensor-parallel check with its experts split by expert; an
-    architecture plugin whose check predates the ``experts`` keyword is refused."""
-    import inspect
-
-    if "experts" not in inspect.signature(architecture.check_tensor_parallel).parameters:
-        raise ConfigError(
-            f"{architecture.__name__} does not support --enable-expert-parallel (its "
-            "check_tensor_parallel takes no experts keyword); leave the flag out"
-        )
-    architecture.check_tensor_parallel(hf_config, tp, experts=True)
-
-
-def _warn_if_no_experts_split(model: Any, tp: int) -> None:
-    """--enable-expert-parallel changes nothing without several ranks or experts: say so
-    (as vLLM, it is accepted)."""
-    from pagedllm.core.layers.moe import FusedMoE
-
-    if tp == 1:
-        logger.warning(
-            "--enable-expert-parallel with one tensor-parallel rank: every expert stays on "
-            "it (use --tensor-parallel-size N to split the experts over N ranks)"
-        )
-    elif not any(isinstance(module, FusedMoE) for module in model.modules()):
-        logger.warning(
-            "--enable-expert-parallel: %s has no mixture-of-experts layers, so there are "
-            "no experts to split; its layers are split by --tensor-parallel-size as usual",
-            type(model).__name__,
-        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,34 +68,21 @@ class LLMEngine:
     output processor (which holds the live requests) turns them into outputs."""
 
     def __init__(self, config: PagedLLMConfig, pm: PluginManager) -> None:
-        # -tp N / -pp N: ranks 1..N-1 are worker processes, started first (they build
-        # their shards or stages of the model while this process, rank 0, builds its own).
-        self.workers: Any = None
-        parallel = config.parallel_config
-        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        if tp * pp > 1:
-            from pagedllm.distributed.executor import start_workers
-
-            # (A missing model or an architecture that cannot be split is refused before
-            # any process starts.)
-            hf_config = load_hf_config(config, get_model_loader(config.load_config, pm))
-            _, name = choose_implementation(
-                list(getattr(hf_config, "architectures", None) or []),
-                config.model_config.model_impl,
-                pm.registry("models"),
-            )
-            architecture = pm.registry("models").load(name)
-            if parallel.enable_expert_parallel:
-                _check_expert_parallel(architecture, hf_config, tp)
-            else:
-                architecture.check_tensor_parallel(hf_config, tp)
-            architecture.check_pipeline_parallel(hf_config, pp)
-            self.workers = start_workers(config)
+        # The ranks that compute the model (--distributed-executor-backend): with -tp N /
+        # -pp N, ranks 1..N-1 start first (they build their shards or stages of the model
+        # while this process, rank 0, builds its own).
+        backend = config.parallel_config.distributed_executor_backend
+        self.executor: Executor = executor_class(backend, pm)(config, pm)
         try:
             self._build(config, pm)
         except BaseException:
-            self._stop_workers()
+            self.executor.shutdown()
             raise
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (its KV cache, its model)."""
+        return self.executor.runner
 
     def _build(self, config: PagedLLMConfig, pm: PluginManager) -> None:
         import torch
@@ -157,25 +103,10 @@ class LLMEngine:
             )
         if config.model_config.batch_invariant:  # (what can be said before the load)
             check_batch_invariance(config, backend_cls())
-        parallel = config.parallel_config
-        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        # What the other ranks reported once built (RankLoaded), and when each rank
-        # loaded its weights (rank 0 first).
-        ranks: list[Any] = []
-        self.rank_loading: list[tuple[float, float]] = []
-        if self.workers is None:
-            loaded = load_model(config, pm)
-        else:
-            from pagedllm.distributed.executor import loading_turn
-
-            with loading_turn(getattr(self.workers, "load_gate", None)) as loading:
-                loaded = load_model(config, pm)
-            ranks = self.workers.wait("loaded")
-            self.rank_loading = [(loading[0], loading[1])] + [r.loading for r in ranks]
-            # (the ranks share the machine's cores)
-            torch.set_num_threads(max(1, config.device_config.device.num_threads() // (tp * pp)))
-        if parallel.enable_expert_parallel:
-            _warn_if_no_experts_split(loaded.model, tp)
+        loaded = self.executor.load_model()
+        # When each rank loaded its weights (rank 0 first; empty with one rank).
+        self.rank_loading = self.executor.rank_loading
+        self.lora = self.executor.lora
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -184,14 +115,10 @@ class LLMEngine:
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
         config, cache = self.config, self.config.cache_config  # (pooling's copy)
-        stage = stage_layers(loaded.hf_config.num_hidden_layers) if pp > 1 else None
-        kv_dtype = kv_cache_torch_dtype(cache, loaded.dtype)
-        spec = kv_cache_spec(loaded.hf_config, kv_dtype, tp, stage, loaded.model)
-        set_kv_scales(loaded.model, cache, spec.dtype)
-        compile_model(loaded.model, config.compilation_config.level)
+        # (every rank holds num_blocks blocks of its KV cache)
+        spec, bytes_per_block = self.executor.kv_cache_layout(loaded)
         device = config.device_config.device
-        backend = backend_cls()
-        check_batch_invariance(config, backend, loaded.model, spec.dtype)
+        check_batch_invariance(config, backend_cls(), loaded.model, spec.dtype)
         # Decode steps replayed from graphs: generation without adapters, on a device that
         # captures them, unless --enforce-eager (then capture_sizes is empty).
         use_graphs = (
@@ -199,19 +126,10 @@ class LLMEngine:
             and bool(config.compilation_config.capture_sizes)
             and not self.is_pooling
             and config.lora_config is None
-            and tp * pp == 1
+            and self.executor.num_ranks == 1
         )
-        # Adapters' slots and the draft model take their memory before the KV cache is
-        # sized from what is left.
-        self.lora = None
-        if config.lora_config is not None:
-            from pagedllm.lora.manager import make_lora_manager
-
-            self.lora = make_lora_manager(
-                loaded.model, config.lora_config, loaded.dtype, config.device_config.torch_device
-            )
-            for rank in ranks:  # (the other pipeline stages' layers too)
-                self.lora.sizes.update(rank.lora_layers or {})
+        # The draft model takes its memory before the KV cache is sized from what is left
+        # (as the adapters' slots, which the executor's workers made).
         speculative = config.speculative_config
         draft = None
         if speculative is not None:
@@ -221,32 +139,20 @@ class LLMEngine:
                 draft = self._load_draft(speculative)
             draft_len = None if draft is None else draft[0].max_model_len
             speculative = speculation_limit(speculative, self.max_model_len, draft_len)
-        # (Every stage holds num_blocks blocks of its layers: sized for the deepest, the
-        # last, which stage_layers gives the remainder.)
-        deepest = spec
-        if pp > 1:
-            last = stage_layers(loaded.hf_config.num_hidden_layers, pp - 1, pp)
-            deepest = dataclasses.replace(spec, layers=last)
-        bytes_per_block = deepest.bytes_per_block(cache.block_size)
         if draft is not None:
             bytes_per_block += draft[1].bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
-            profile = dict(
-                spec=spec,
-                block_size=cache.block_size,
-                num_tokens=sched.max_num_batched_tokens,
-                num_seqs=sched.max_num_seqs,
-                max_model_len=self.max_model_len,
+            device.measure_peak_memory(
+                functools.partial(
+                    self.executor.profile,
+                    spec,
+                    block_size=cache.block_size,
+                    num_tokens=sched.max_num_batched_tokens,
+                    num_seqs=sched.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                )
             )
-
-            def profile_all_ranks() -> int:
-                if tp > 1:  # (their collectives meet this rank's; a stage runs alone)
-                    self.workers.send("profile", profile)
-                torch_device = config.device_config.torch_device
-                return profile_step(loaded.model, backend, device=torch_device, **profile)
-
-            device.measure_peak_memory(profile_all_ranks)
         num_blocks = num_kv_blocks(
             config, bytes_per_block, self.max_model_len, reserved=int(use_graphs)
         )
@@ -265,47 +171,21 @@ class LLMEngine:
                 self.vocab_size,
                 tuple(loaded.eos_token_ids),
             )
+        self.executor.init_cache(
+            spec, num_blocks, pooler_configs=self.pooler_configs, graphs=use_graphs
+        )
         sched = config.scheduler_config
-        spec_kwargs = {}
+        spec_kwargs: dict[str, Any] = {}
         if config.speculative_config is not None:
             if self.is_pooling:
                 raise ConfigError("--speculative-config applies to text generation")
             spec_kwargs["speculative"] = speculative
         if config.lora_config is not None:
             spec_kwargs["max_loras"] = config.lora_config.max_loras
-        self.scheduler = scheduler_class(sched.scheduler_cls)(
-            sched, self.kv_manager, self.max_model_len, guided=self.guided, **spec_kwargs
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            spec,
-            num_blocks,
-            cache.block_size,
-            self.vocab_size,
-            config.device_config.torch_device,
-            backend,
-            reserved_blocks=int(use_graphs),
-            batch_invariant=config.model_config.batch_invariant,
-        )
-        if self.workers is not None:
-            self.workers.send("cache", (spec, num_blocks, cache.block_size, self.vocab_size))
-            self.workers.wait("ready")
-            self.runner.workers = self.workers
-            if pp > 1:
-                from pagedllm.distributed.pipeline import PipelineStages
-
-                self.runner.pipeline = PipelineStages(pp)
-                self.runner.set_stage_io(loaded)
-        self.runner.pooler_configs = self.pooler_configs
-        self.runner.lora = self.lora
-        if self.lora is not None:
-            self.lora.in_use = self._adapters_in_use
-        if use_graphs:
-            self.runner.graphs = device.decode_graphs(self.runner, config)
         if draft is not None:
             from pagedllm.core.spec_decode import DraftModelProposer
 
-            self.scheduler.proposer = DraftModelProposer(
+            spec_kwargs["proposer"] = DraftModelProposer(
                 draft[0].model,
                 draft[1],
                 num_blocks,
@@ -314,6 +194,11 @@ class LLMEngine:
                 config.device_config.torch_device,
                 self.vocab_size,
             )
+        self.scheduler = scheduler_class(sched.scheduler_cls)(
+            sched, self.kv_manager, self.max_model_len, guided=self.guided, **spec_kwargs
+        )
+        if self.lora is not None:
+            self.lora.in_use = self._adapters_in_use
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
         )
@@ -449,15 +334,10 @@ class LLMEngine:
         if not scheduler_output.is_empty:
             try:
                 token_mask = self.scheduler.guided_token_mask(scheduler_output)
-                result = self.runner.execute(scheduler_output, token_mask)
+                result = self.executor.execute(scheduler_output, token_mask)
             except EngineDeadError:
                 raise
             except Exception as exc:
-                if self.workers is not None:
-                    # (a collective fails when a worker died: the engine cannot go on)
-                    dead = self.workers.check(exc)
-                    if isinstance(dead, EngineDeadError):
-                        raise dead from exc
                 result = RunnerOutput(error=exc)
         updated = self.scheduler.update_from_output(scheduler_output, result)
         processed = self.output_processor.process(scheduler_output, updated, result)
@@ -717,19 +597,8 @@ class LLMEngine:
         self.abort_request(self.unfinished_request_ids())
         if self.guided is not None:
             self.guided.shutdown()
-        self.runner.kv_caches.clear()
-        self._stop_workers()
+        self.executor.shutdown()
         gc.unfreeze()  # (so that collecting the engine's cycles can free it)
-
-    def _stop_workers(self) -> None:
-        """Stop the workers (tensor-parallel ranks, pipeline stages) and leave their
-        group (no-op without)."""
-        if self.workers is None:
-            return
-        from pagedllm.distributed.parallel_state import destroy_distributed
-
-        self.workers.shutdown()
-        destroy_distributed()
 
     # ------------------------------------------------------------ guided decoding
 

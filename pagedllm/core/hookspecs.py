@@ -85,6 +85,11 @@ class RegistrationSpecs:
     def pagedllm_register_logits_processors(self, registry: Registry) -> None:
         """Add logits processors that requests may name."""
 
+    @hookspec
+    def pagedllm_register_executors(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.executor.Executor` classes
+        (``--distributed-executor-backend``)."""
+
 
 class LifecycleSpecs:
     """Hooks called at a few well-defined moments."""
@@ -123,4 +128,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "cli_subcommands": "pagedllm_register_cli_subcommands",
     "stat_loggers": "pagedllm_register_stat_loggers",
     "logits_processors": "pagedllm_register_logits_processors",
+    "executors": "pagedllm_register_executors",
 }

@@ -239,5 +239,6 @@ REGISTRY_BASES: dict[str, str | None] = {
     "cli_subcommands": "pagedllm.core.interfaces.cli:CLISubcommand",
     "stat_loggers": None,
     "logits_processors": None,
+    "executors": "pagedllm.core.interfaces.executor:Executor",
 }
 assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()

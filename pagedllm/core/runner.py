@@ -9,17 +9,17 @@ logprobs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.core.errors import EngineDeadError
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.transfer import host_tensor
-from pagedllm.distributed.parallel_state import pipeline_parallel
 from pagedllm.kernels.batch_invariant import batch_invariant_mode
 
 if TYPE_CHECKING:
@@ -134,7 +134,24 @@ class StepInput:
     token_type_ids: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(slots=True)
+class StepPlan:
+    """Rank 0's side of a step, beside its :class:`StepInput`: the requests that sample,
+    verify drafts, pool or take prompt logprobs, in the order of their row blocks."""
+
+    sampling_requests: list[Any] = dataclasses.field(default_factory=list)
+    spec_rows: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
+    pooling_rows: list[tuple[Any, int, Any]] = dataclasses.field(default_factory=list)
+    prompt_rows: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
+
+
 class ModelRunner:
+    """One rank's model and KV cache. A step is :meth:`build_step` (rank 0: the flat
+    batch from the scheduler's output), :meth:`hidden_states`, :meth:`logits` of each of
+    :meth:`row_blocks`, then :meth:`finish` (rank 0: sampling and the rest), all within
+    :meth:`step_mode`; :meth:`execute` is all of them. The runner knows nothing of other
+    ranks: an executor sends them the step input (see :mod:`pagedllm.executors`)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -146,6 +163,9 @@ class ModelRunner:
         attention_backend: Any,
         reserved_blocks: int = 0,
         batch_invariant: bool = False,
+        pooler_configs: dict[str, Any] | None = None,
+        lora: Any = None,
+        decode_graphs: Callable[[ModelRunner], Any] | None = None,
     ) -> None:
         self.model = model
         # --batch-invariant: each step computed in the kernels' batch-invariant mode.
@@ -159,42 +179,39 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.kv_caches = spec.allocate(num_blocks + reserved_blocks, block_size, device)
         self.sampler = Sampler()
-        # The pooler of each pooling task the engine serves (set by the engine).
-        self.pooler_configs: dict[str, Any] = {}
-        # --enable-lora: the adapters' manager, told each step's requests (set by the engine).
-        self.lora: Any = None
-        # The device's replayer of decode steps (Device.decode_graphs), set by the engine.
-        self.graphs: Any = None
-        # Tensor parallelism, on rank 0: the other ranks' worker group (its step() sends
-        # them each step's StepInput), set by the engine.
-        self.workers: Any = None
-        # Pipeline parallelism: on rank 0, the stages' driver (PipelineStages); on every
-        # rank, the size and type of the hidden states between stages and of the final
-        # ones (set by the engine and the workers).
-        self.pipeline: Any = None
-        self.hidden_size = self.output_size = 0
-        self.hidden_dtype = torch.float32
+        # The pooler of each pooling task the engine serves.
+        self.pooler_configs: dict[str, Any] = pooler_configs or {}
+        # --enable-lora: the adapters' manager, told each step's requests.
+        self.lora = lora
+        # The device's replayer of decode steps (Device.decode_graphs), built on this
+        # runner's cache.
+        self.graphs = None if decode_graphs is None else decode_graphs(self)
 
     def execute(
         self, output: SchedulerOutput, token_mask: torch.Tensor | None = None
     ) -> RunnerOutput:
         """Compute the scheduled tokens and sample for the requests whose step reaches
         their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
-        in the order of ``output.sampling_requests``) constrains guided requests.
+        in the order of ``output.sampling_requests``) constrains guided requests. Each
+        row block's logits are computed when asked for (one at a time)."""
+        with self.step_mode():
+            step, plan = self.build_step(output)
+            hidden = self.hidden_states(step)
+            blocks = self.row_blocks(step)
+            return self.finish(plan, hidden, lambda i: self.logits(hidden, blocks[i]), token_mask)
 
-        With tensor-parallel workers (``self.workers``), the step's :class:`StepInput` goes
-        to them first; they compute the same forward pass and logits (:meth:`follow`),
-        joining this process's collectives."""
-        with batch_invariant_mode(self.batch_invariant):
-            return self._execute(output, token_mask)
+    @contextlib.contextmanager
+    def step_mode(self) -> Iterator[None]:
+        """Within: a step's computation (inference mode; --batch-invariant's kernels)."""
+        with batch_invariant_mode(self.batch_invariant), torch.inference_mode():
+            yield
 
-    @torch.inference_mode()
-    def _execute(self, output: SchedulerOutput, token_mask: torch.Tensor | None) -> RunnerOutput:
+    def build_step(self, output: SchedulerOutput) -> tuple[StepInput, StepPlan]:
+        """The step's input (what every rank computes) and rank 0's plan of it. With
+        adapters, sets the step's adapter slots (before the input goes to other ranks,
+        which fill the same slots)."""
         step = StepInput(blocks_to_copy=list(output.blocks_to_copy))
-        sampling_requests = []
-        prompt_rows: list[tuple[Any, list[int]]] = []
-        pooling_rows: list[tuple[Any, int, Any]] = []
-        spec_rows: list[tuple[Any, list[int]]] = []
+        plan = StepPlan()
         offset = 0
         for item in output.scheduled:
             request = item.request
@@ -209,31 +226,42 @@ class ModelRunner:
             step.block_tables.append(item.block_ids)
             if request.pooling_params is not None:
                 if item.reaches_end:
-                    pooling_rows.append((request, offset, item))
+                    plan.pooling_rows.append((request, offset, item))
             elif drafts:
                 # The last known token's row and each draft's: k + 1 distributions.
                 first = offset + item.num_new_tokens - 1 - len(drafts)
                 step.spec_rows.append((first, len(drafts) + 1))
-                spec_rows.append((request, drafts))
+                plan.spec_rows.append((request, drafts))
             elif item.reaches_end:
                 step.sample_rows.append(offset + item.num_new_tokens - 1)
-                sampling_requests.append(request)
+                plan.sampling_requests.append(request)
             if request.sampling_params.prompt_logprobs is not None:
                 # Positions predicting the next prompt token: p in [start, num_prompt - 1).
                 last = min(end, request.num_prompt_tokens - 1)
                 if last > start:
                     step.prompt_rows.append((offset, last - start))
-                    prompt_rows.append((request, request.prompt_token_ids[start + 1 : last + 1]))
+                    targets = request.prompt_token_ids[start + 1 : last + 1]
+                    plan.prompt_rows.append((request, targets))
             offset += item.num_new_tokens
         if getattr(self.model, "is_encoder", False):
             step.token_type_ids = self._token_type_ids(output)
         if self.lora is not None:
-            # (before the step goes to the other ranks, which fill the same slots)
             self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
             step.lora_fills, step.lora_slots = self.lora.step_fills, self.lora.step_slots
-        hidden, logits_of = self._compute(step, output)
+        return step, plan
 
+    def finish(
+        self,
+        plan: StepPlan,
+        hidden: torch.Tensor,
+        logits_of: Callable[[int], torch.Tensor],
+        token_mask: torch.Tensor | None = None,
+    ) -> RunnerOutput:
+        """Rank 0's results of a step from its hidden states and ``logits_of(i)``, the
+        logits of row block ``i`` (:meth:`row_blocks`): sampled tokens, verified drafts,
+        pooled results, prompt logprobs."""
         result = RunnerOutput()
+        sampling_requests = plan.sampling_requests
         if sampling_requests:
             logits = logits_of(0)
             sampling = SamplingMetadata.from_requests(
@@ -245,16 +273,16 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
-        blocks = iter(range(1, 1 + len(step.spec_rows) + len(step.prompt_rows)))
-        for request, drafts in spec_rows:
+        blocks = iter(range(1, 1 + len(plan.spec_rows) + len(plan.prompt_rows)))
+        for request, drafts in plan.spec_rows:
             result.spec_token_ids[request.request_id] = self._verify(
                 request, logits_of(next(blocks)), drafts
             )
-        for request, start, item in pooling_rows:
+        for request, start, item in plan.pooling_rows:
             result.pooled[request.request_id] = self._pool(
                 request, hidden[start : start + item.num_new_tokens], item
             )
-        for request, targets in prompt_rows:
+        for request, targets in plan.prompt_rows:
             logits = logits_of(next(blocks))
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits,
@@ -263,14 +291,7 @@ class ModelRunner:
             )
         return result
 
-    def set_stage_io(self, loaded: Any) -> None:
-        """A pipeline rank's hidden states between stages: the model's hidden size and
-        type, and the width of the final ones (the head's input)."""
-        self.hidden_size = loaded.hf_config.hidden_size
-        self.output_size = loaded.model.head_input_size
-        self.hidden_dtype = loaded.dtype
-
-    def _row_blocks(self, step: StepInput) -> list[torch.Tensor | None]:
+    def row_blocks(self, step: StepInput) -> list[torch.Tensor | None]:
         """The rows whose logits a step computes, block by block, in the order every
         rank computes them: the sampled rows (None when none), each verification's, each
         prompt-logprobs request's."""
@@ -281,86 +302,34 @@ class ModelRunner:
             blocks.append(torch.arange(first, first + count, device=self.device))
         return blocks
 
-    def _compute(self, step: StepInput, output: SchedulerOutput) -> tuple[torch.Tensor, Any]:
-        """The step's hidden states and ``logits_of(i)``, the logits of row block ``i``
-        (:meth:`_row_blocks`). With workers (tensor-parallel ranks, pipeline stages) every
-        block is computed here, before any work of rank 0 alone, so the ranks' collectives
-        and transfers stay in step; a failure among them stops the engine (the ranks could
-        not agree on the next step's collectives any more). Without workers each block is
-        computed when asked for (one at a time)."""
-        if self.workers is None:
-            hidden = self._hidden(step, output)
-            blocks = self._row_blocks(step)
-            return hidden, lambda i: self._logits(hidden, blocks[i])
-        message = step if self.pipeline is None else self.pipeline.split(step)
-        self.workers.step(message)
-        try:
-            if self.pipeline is None:
-                hidden = self._hidden(step, output)
-            else:
-                hidden = self.pipeline.hidden(self, message)
-                self._whole_step_adapters(step)
-            computed = [
-                None if rows is None else self._logits(hidden, rows)
-                for rows in self._row_blocks(step)
-            ]
-        except Exception as exc:
-            raise self._stopped(exc) from exc
-        return hidden, computed.__getitem__
+    def follow(self, step: StepInput) -> None:
+        """A tensor-parallel rank's part of a step rank 0 built: the forward pass and the
+        logits of the row blocks rank 0 computes them for, in its order (each takes part
+        in collectives); rank 0 samples."""
+        with self.step_mode():
+            hidden = self.hidden_states(step, follow_adapters=step.lora_fills)
+            for rows in self.row_blocks(step):
+                if rows is not None:
+                    self.logits(hidden, rows)
 
-    def _stopped(self, exc: Exception) -> EngineDeadError:
-        """The error that stops the engine after ``exc`` within a step shared with the
-        other ranks: a worker that died names itself; else rank 0 is out of step with
-        them (they could not agree on the next step's collectives or transfers)."""
-        dead = self.workers.check(exc)
-        if isinstance(dead, EngineDeadError):
-            return dead
-        return EngineDeadError(
-            f"rank 0 failed within a step, out of step with the other ranks: {exc!r}"
-        )
-
-    def follow(self, step: Any) -> None:
-        """A worker's part of a step. A tensor-parallel rank computes the forward pass and
-        the logits of the row blocks rank 0 computes them for, in its order (each takes
-        part in collectives); rank 0 samples. With pipeline stages (``step`` a
-        ``PipelineStep``), a rank of a later stage runs its layers on each micro-batch;
-        a tensor-parallel rank of stage 0 runs the first stage as rank 0 does, then
-        computes the logits with it."""
-        with batch_invariant_mode(self.batch_invariant):
-            self._follow(step)
-
-    @torch.inference_mode()
-    def _follow(self, step: Any) -> None:
-        from pagedllm.distributed.pipeline import PipelineStep, first_stage, follow_stage
-
-        if isinstance(step, PipelineStep):
-            if pipeline_parallel().rank > 0:
-                follow_stage(self, step)
-                return
-            hidden = first_stage(self, step)
-            step = step.step
-            self._whole_step_adapters(step)
-        else:
-            hidden = self._hidden(step, None)
-        for rows in self._row_blocks(step):
-            if rows is not None:
-                self._logits(hidden, rows)
-
-    def _whole_step_adapters(self, step: StepInput) -> None:
+    def whole_step_adapters(self, step: StepInput) -> None:
         """After a pipeline's micro-batches: the step's adapters by row again (the
         vocabulary head's adapter applies to rows of every micro-batch)."""
         if self.lora is not None:
             self.lora.follow_step([], step.lora_slots, step.query_lens)
 
-    def _hidden(
+    def hidden_states(
         self,
         step: StepInput,
-        output: SchedulerOutput | None,
         intermediate: torch.Tensor | None = None,
+        *,
+        follow_adapters: list[tuple[int, Any]] | None = None,
     ) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one covers the step,
         else computed eagerly (``intermediate``: a pipeline stage's input, the previous
-        stage's hidden states)."""
+        stage's hidden states). ``follow_adapters``: for a step rank 0 did not build
+        here (another rank's, a pipeline's micro-batch), the adapter slots to fill
+        before the step's adapters are set by row (None: :meth:`build_step` set them)."""
         if step.blocks_to_copy:
             self._copy_blocks(step.blocks_to_copy)
         graphs = self.graphs
@@ -370,7 +339,7 @@ class ModelRunner:
             and graphs.covers(len(step.token_ids), max(step.context_lens))
         ):
             return graphs.run(step.token_ids, step.positions, step.context_lens, step.block_tables)
-        return self._forward(output, step, intermediate)
+        return self._forward(step, intermediate, follow_adapters)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer's cache."""
@@ -382,13 +351,11 @@ class ModelRunner:
 
     def _forward(
         self,
-        output: SchedulerOutput | None,
         step: StepInput,
-        intermediate: torch.Tensor | None = None,
+        intermediate: torch.Tensor | None,
+        follow_adapters: list[tuple[int, Any]] | None,
     ) -> torch.Tensor:
-        """The step's hidden states, computed eagerly (``output``: the scheduler's, on
-        rank 0; None on a worker, which follows the adapters rank 0 chose, and for a
-        pipeline's micro-batch)."""
+        """The step's hidden states, computed eagerly."""
         metadata = self.attention_backend.build_metadata(
             step.query_lens,
             step.context_lens,
@@ -399,11 +366,8 @@ class ModelRunner:
         )
         input_ids = host_tensor(step.token_ids, torch.long, self.device)
         input_positions = host_tensor(step.positions, torch.long, self.device)
-        if self.lora is not None and output is None:
-            # A rank above 0, or a pipeline's micro-batch (rank 0 set the step's adapters
-            # and filled their slots in execute).
-            fills = step.lora_fills if self.workers is None else []
-            self.lora.follow_step(fills, step.lora_slots, step.query_lens)
+        if self.lora is not None and follow_adapters is not None:
+            self.lora.follow_step(follow_adapters, step.lora_slots, step.query_lens)
         if getattr(self.model, "is_encoder", False):
             # An encoder attends within each prompt, both ways, and reads token types.
             types = step.token_type_ids or [0] * len(step.token_ids)
@@ -439,7 +403,7 @@ class ModelRunner:
             types.extend(given[start:end] if given else [0] * (end - start))
         return types
 
-    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The vocabulary logits of ``rows`` of the step's hidden states (an adapter on
         the head applies to the rows of its requests)."""
         if self.lora is None:

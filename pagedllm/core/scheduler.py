@@ -39,6 +39,7 @@ class Scheduler:
         guided: GuidedDecodingManager | None = None,
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        proposer: Any = None,
     ) -> None:
         self.config = config
         # --enable-lora: the most distinct adapters the running batch may hold.
@@ -46,7 +47,8 @@ class Scheduler:
         # Speculative decoding: the proposer of draft tokens, and the counts behind the
         # metrics (drafts proposed, drafts kept, steps that verified drafts).
         self.speculative = speculative
-        self.proposer = make_proposer(speculative)
+        # (a draft model's proposer comes from the engine, which loads the draft)
+        self.proposer = proposer if proposer is not None else make_proposer(speculative)
         self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.kv = kv_manager
         self.max_model_len = max_model_len

@@ -85,7 +85,7 @@ def make_proposer(config: SpeculativeConfig | None) -> Any:
         return None
     if config.method == "ngram":
         return NgramProposer(config)
-    return None  # (the engine sets the draft model's proposer once it is loaded)
+    return None  # (the engine passes the draft model's proposer to the scheduler)
 
 
 def can_speculate(request: Any) -> bool:

@@ -444,25 +444,14 @@ class LLM:
         needs the memory of a second copy of the weights while it runs. With
         tensor-parallel ranks or pipeline stages, each rank writes its own part
         (``{rank}``), which loads with the same parallel sizes."""
-        from pagedllm.plugins.loaders.sharded_state import (
-            check_output,
-            copy_model_files,
-            save_rank_state,
-        )
+        from pagedllm.plugins.loaders.sharded_state import check_output, copy_model_files
 
         engine = self.llm_engine
-        config, workers = engine.config, engine.workers
+        config = engine.config
         parallel = config.parallel_config
         ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         output = check_output(config, self.plugin_manager, path, pattern, max_size, ranks)
-        if workers is not None:  # (each rank writes its own part, at the same time)
-            workers.send("save_sharded_state", (str(output), pattern, max_size))
-        try:
-            save_rank_state(config, self.plugin_manager, output, pattern, max_size)
-        finally:
-            failures = [] if workers is None else [f for f in workers.wait("saved") if f]
-        if failures:
-            raise ConfigError(f"save_sharded_state: another rank failed: {failures[0]}")
+        engine.executor.save_sharded_state(output, pattern, max_size)
         copy_model_files(config, output)
 
 

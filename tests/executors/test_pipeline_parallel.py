@@ -26,7 +26,7 @@ from pagedllm.core.layers.weights import HeldElsewhere
 from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.runner import StepInput
 from pagedllm.distributed.parallel_state import stage_layers
-from pagedllm.distributed.pipeline import split_micro_batches
+from pagedllm.executors.pipeline import split_micro_batches
 from pagedllm.plugins.models.common import DecoderStack
 
 
@@ -86,7 +86,7 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
     directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
 
     def check(engine: Any, reference: Any) -> None:
-        assert len(engine.workers.procs) == stages * ranks - 1
+        assert len(engine.executor.procs) == stages * ranks - 1
         # Stage 0 holds its layers, the embedding and the head, not the final part; its
         # KV cache holds its layers only (and with -tp its share of their heads).
         model = engine.loaded.model
@@ -102,7 +102,7 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
 
     parallel = {"pipeline_parallel_size": stages, "tensor_parallel_size": ranks}
     engine = assert_parity_with_one_rank(directory, parallel, check)
-    pipeline = engine.runner.pipeline
+    pipeline = engine.executor.pipeline
     assert pipeline.num_micro_batches > pipeline.num_steps > 0
 
 
@@ -168,11 +168,11 @@ def test_a_stage_killed_within_a_step_stops_the_engine(tmp_path):
         num_hidden_layers=4, max_position_embeddings=2048,
     )  # fmt: skip
     llm = LLM(str(directory), dtype="float32", pipeline_parallel_size=2, disable_log_stats=True)
-    stage = llm.llm_engine.workers.procs[0]
+    stage = llm.llm_engine.executor.procs[0]
     killed: list[float] = []
 
     def kill() -> None:
-        while llm.llm_engine.runner.pipeline.num_steps < 3:
+        while llm.llm_engine.executor.pipeline.num_steps < 3:
             time.sleep(0.01)
         os.kill(stage.pid, signal.SIGKILL)
         killed.append(time.monotonic())

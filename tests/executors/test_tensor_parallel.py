@@ -76,7 +76,7 @@ def test_two_ranks_give_the_tokens_of_one(architecture, overrides, tmp_path):
     directory = make_checkpoint(tmp_path / architecture, architecture, **overrides)
 
     def check(engine: Any, reference: Any) -> None:
-        assert len(engine.workers.procs) == 1
+        assert len(engine.executor.procs) == 1
         # Rank 0 holds half the attention heads.
         model = engine.loaded.model
         attention = next(m for m in model.modules() if isinstance(m, Attention))
@@ -205,7 +205,7 @@ def assert_parity_with_one_rank(
         assert engine.scheduler.num_preemptions > 0
     finally:
         engine.shutdown()
-    assert all(not proc.is_alive() for proc in engine.workers.procs)
+    assert all(not proc.is_alive() for proc in engine.executor.procs)
     return engine
 
 
@@ -308,7 +308,7 @@ def _worker_pids(server: RemoteServer) -> list[int]:
     assert server.proc is not None
     children = psutil.Process(server.proc.pid).children(recursive=True)
     # (Workers are new interpreters running pagedllm's worker module.)
-    worker = "pagedllm.distributed.worker_process"
+    worker = "pagedllm.executors.worker_process"
     return [c.pid for c in children if worker in " ".join(c.cmdline())]
 
 
@@ -373,7 +373,7 @@ def test_ray_actors_as_the_ranks(parallel, tmp_path):
             outputs = _generate(llm, prompts)
             expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
             assert [o.outputs[0].token_ids for o in outputs] == expected
-            group = llm.llm_engine.workers
+            group = llm.llm_engine.executor.group
             assert len(group.actors) == 1
             assert ray.util.placement_group_table(group.group)["state"] == "CREATED"
         finally:

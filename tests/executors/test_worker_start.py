@@ -163,13 +163,13 @@ def test_script_objects_in_the_configuration(checkpoint, tmp_path):
     ],
 )
 def test_guard_detection(source, line, guarded):
-    from pagedllm.distributed.main_guard import _guarded
+    from pagedllm.executors.main_guard import _guarded
 
     assert _guarded(ast.parse(textwrap.dedent(source)), line) is guarded
 
 
 def test_an_unknown_start_method_is_refused(monkeypatch):
-    from pagedllm.distributed.worker_start import chosen_method
+    from pagedllm.executors.worker_start import chosen_method
 
     monkeypatch.setenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", "forkserver")
     with pytest.raises(ConfigError, match="'forkserver': choose one of spawn, fork"):
@@ -183,7 +183,7 @@ def test_a_worker_that_exits_before_reading_is_reported_and_reaped(tmp_path, mon
     """A rank's interpreter that exits at once (here: its sitecustomize): EngineDeadError
     naming the rank and the exit code, not a raw BrokenPipeError, and no process left."""
     from pagedllm.core.errors import EngineDeadError
-    from pagedllm.distributed.worker_start import RankStarter
+    from pagedllm.executors.worker_start import RankStarter
 
     (tmp_path / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('PAGEDLLM_TEST_EXIT_AT_ONCE'):\n    os._exit(3)\n"
@@ -234,7 +234,7 @@ def test_workers_use_multiprocessings_executable_and_only_the_scripts_path(check
 # of __main__ (as an hf_overrides function defined in the script), unguarded.
 STARTER = """\
 import torch
-from pagedllm.distributed.worker_start import RankStarter
+from pagedllm.executors.worker_start import RankStarter
 def overrides(config):
     return config
 if {cuda}:

@@ -87,7 +87,7 @@ def test_nccl_carries_the_parallel_collectives_on_the_gpu():
     a stage's point-to-point send (to itself) carry GPU tensors."""
     import torch.distributed as dist
 
-    from pagedllm.distributed.executor import _free_port, collective_backend
+    from pagedllm.executors.mp import _free_port, collective_backend
 
     assert collective_backend("cuda") == "nccl"
     dist.init_process_group(

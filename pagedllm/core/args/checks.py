@@ -163,6 +163,8 @@ def invalid_choices(
             continue
         values = value if isinstance(value, list | tuple) else [value]
         for item in values:
+            if meta.class_path and isinstance(item, str) and ("." in item or ":" in item):
+                continue
             if item not in valid:
                 problems.append(
                     f"{option_name(field.name)}: invalid choice {item!r} "

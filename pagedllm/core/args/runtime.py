@@ -146,11 +146,15 @@ class RuntimeArgs:
     distributed_executor_backend: str | None = arg(
         None,
         group="ParallelConfig",
-        choices=("external_launcher", "mp", "ray", "uni"),
+        registry="executors",
+        extra_choices=("external_launcher",),
+        validate_after_parse=True,
+        class_path=True,
         help="How distributed model workers are run: 'mp' (worker processes, the default "
         "with -tp above 1), 'ray' (Ray actors, on the cluster at RAY_ADDRESS or a local Ray "
         "instance; pip install 'pagedllm[ray]') or 'uni' (this process alone, the default "
-        "otherwise); 'external_launcher' is not supported yet.",
+        "otherwise), an installed plugin's executor, or the class path of an Executor "
+        "subclass (package.module.Class); 'external_launcher' is not supported yet.",
     )
     enable_expert_parallel: bool = arg(
         ParallelConfig.enable_expert_parallel,

@@ -36,6 +36,9 @@ class ArgMeta:
     # Validate registry choices after parsing instead of in argparse (used where a
     # later option, such as --tool-parser-plugin, can add names).
     validate_after_parse: bool = False
+    # A value with a dot or a colon is a class path (checked where it is imported), not
+    # a registry name.
+    class_path: bool = False
     aliases: tuple[str, ...] = ()
     nargs: str | None = None
     # Parses one command-line string into the field's value.

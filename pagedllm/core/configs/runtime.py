@@ -111,6 +111,10 @@ class ParallelConfig(Config):
                 "--distributed-executor-backend external_launcher is not supported by pagedllm "
                 "yet; use mp (worker processes), ray (Ray actors) or uni"
             )
+        if "." in backend or ":" in backend:  # (a class path: an Executor subclass)
+            from pagedllm.core.interfaces.executor import import_executor_class
+
+            import_executor_class(backend)
         if backend == "uni" and ranks > 1:
             raise ConfigError(
                 f"--distributed-executor-backend uni runs one process, which cannot hold the "

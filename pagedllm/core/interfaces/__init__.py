@@ -3,6 +3,7 @@
 from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.cli import CLISubcommand
 from pagedllm.core.interfaces.device import Device, KVCacheMemory
+from pagedllm.core.interfaces.executor import Executor
 from pagedllm.core.interfaces.guided import (
     CompiledConstraint,
     Grammar,
@@ -36,6 +37,7 @@ __all__ = [
     "DeltaToolCall",
     "Device",
     "EmbeddingMethod",
+    "Executor",
     "ExtractedToolCalls",
     "Grammar",
     "GuidedBackend",

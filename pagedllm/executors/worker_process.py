@@ -1,11 +1,11 @@
 """A rank above 0 as a new interpreter (the ``mp`` backend's default way to start one:
-:mod:`pagedllm.distributed.worker_start`), which never runs the user's script.
+:mod:`pagedllm.executors.worker_start`), which never runs the user's script.
 
 Started by standard-library-only code (``worker_start._EXEC_CODE``) that opens the pipe
 on the file descriptor named on its command line and sets ``sys.path`` to the parent's
 (its first message, so that pagedllm, plugins and the model's modules import as they do
 there) before it imports this module; the next messages are the engine's pickled
-configuration and the rest of :func:`~pagedllm.distributed.executor.worker_main`'s
+configuration and the rest of :func:`~pagedllm.executors.mp.worker_main`'s
 arguments.
 """
 
@@ -21,7 +21,7 @@ def main(conn: Connection) -> None:
     try:
         config = pickle.loads(conn.recv_bytes())
         args = pickle.loads(conn.recv_bytes())
-        from pagedllm.distributed.executor import worker_main
+        from pagedllm.executors.mp import worker_main
     except EOFError:  # rank 0 is gone
         return
     except BaseException as exc:  # (told to rank 0, which raises it)

@@ -3,7 +3,7 @@ a step's requests split into micro-batches that are in flight on several stages 
 
 Stage 0 is the engine's process: it schedules, embeds the tokens, runs its layers and,
 at the end of the pipeline, computes the logits and samples. Stages 1 to N - 1 are the
-worker processes of :mod:`pagedllm.distributed.executor`. Each step:
+worker processes of :mod:`pagedllm.executors.mp` (or Ray actors). Each step:
 
 1. stage 0 splits the step's requests into micro-batches (contiguous runs of requests
    with about as many tokens each) and sends the workers the list, once, through their
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedllm.core.runner import StepInput
+from pagedllm.core.runner import ModelRunner, StepInput
 from pagedllm.distributed.parallel_state import pipeline_parallel, return_group, stage_peer
 
 
@@ -79,14 +79,30 @@ def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
     ]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageIO:
+    """The hidden states between stages: their width (the model's hidden size), the
+    width of the final ones (the head's input) and their type."""
+
+    hidden_size: int
+    output_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, loaded: Any) -> StageIO:
+        """Of a loaded model (:class:`~pagedllm.core.model_setup.LoadedModel`)."""
+        return cls(loaded.hf_config.hidden_size, loaded.model.head_input_size, loaded.dtype)
+
+
 class PipelineStages:
     """Stage 0's side of the pipeline on rank 0: :meth:`split` makes a step's message to
     the other ranks, :meth:`hidden` runs it through every stage."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, io: StageIO) -> None:
         # Micro-batches per step: one per stage keeps every stage busy once the pipeline
         # has filled, without cutting the batch into more small pieces than that.
         self.micro_batches = size
+        self.io = io
         # Steps and micro-batches sent through the stages (the tests read them).
         self.num_steps = 0
         self.num_micro_batches = 0
@@ -94,26 +110,49 @@ class PipelineStages:
     def split(self, step: StepInput) -> PipelineStep:
         return PipelineStep(step, split_micro_batches(step, self.micro_batches))
 
-    def hidden(self, runner: Any, message: PipelineStep) -> torch.Tensor:
-        """The step's final hidden states (each micro-batch through every stage)."""
+    def hidden(self, runner: ModelRunner, message: PipelineStep) -> torch.Tensor:
+        """The step's final hidden states (each micro-batch through every stage), with
+        the step's adapters set by row again."""
         self.num_steps += 1
         self.num_micro_batches += len(message.micro_batches)
-        return first_stage(runner, message)
+        # (rank 0 filled the adapter slots when it built the step)
+        hidden = first_stage(runner, self.io, message, fill_adapters=False)
+        runner.whole_step_adapters(message.step)
+        return hidden
 
 
-def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
+def follow(runner: ModelRunner, io: StageIO, message: PipelineStep) -> None:
+    """A rank above 0's part of a pipeline step: a later stage's layers on each
+    micro-batch; a tensor-parallel rank of stage 0 runs the first stage as rank 0 does,
+    then computes the logits with it."""
+    with runner.step_mode():
+        if pipeline_parallel().rank > 0:
+            follow_stage(runner, io, message)
+            return
+        hidden = first_stage(runner, io, message, fill_adapters=True)
+        runner.whole_step_adapters(message.step)
+        for rows in runner.row_blocks(message.step):
+            if rows is not None:
+                runner.logits(hidden, rows)
+
+
+def first_stage(
+    runner: ModelRunner, io: StageIO, message: PipelineStep, fill_adapters: bool
+) -> torch.Tensor:
     """A rank of stage 0 (rank 0, and its tensor-parallel ranks): each micro-batch
     through this stage's layers and on to stage 1, then the final hidden states of every
-    micro-batch back from the last stage, in step order."""
+    micro-batch back from the last stage, in step order. ``fill_adapters``: fill the
+    adapter slots the step names (a rank above 0)."""
     batches = message.micro_batches
-    outputs = [_stage_input(runner, batch, runner.output_size) for batch in batches]
+    outputs = [_stage_input(runner, io, batch, io.output_size) for batch in batches]
     # (Posted first: the last stage's sends never wait for this process.)
     last = stage_peer(pipeline_parallel().size - 1)
     back = return_group()
     receives = [dist.irecv(out, src=last, tag=i, group=back) for i, out in enumerate(outputs)]
     sends = []
     for i, batch in enumerate(batches):
-        hidden = runner._hidden(batch, None).contiguous()
+        fills = batch.lora_fills if fill_adapters else []
+        hidden = runner.hidden_states(batch, follow_adapters=fills).contiguous()
         sends.append((dist.isend(hidden, dst=stage_peer(1), tag=i), hidden))
     for work in receives:
         work.wait()
@@ -122,14 +161,14 @@ def first_stage(runner: Any, message: PipelineStep) -> torch.Tensor:
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _stage_input(runner: Any, batch: StepInput, width: int) -> torch.Tensor:
+def _stage_input(runner: ModelRunner, io: StageIO, batch: StepInput, width: int) -> torch.Tensor:
     """A buffer for a micro-batch's hidden states between stages (``width``: the
     model's hidden size; the final hidden states' may differ)."""
     shape = (len(batch.token_ids), width)
-    return torch.empty(shape, dtype=runner.hidden_dtype, device=runner.device)
+    return torch.empty(shape, dtype=io.dtype, device=runner.device)
 
 
-def follow_stage(runner: Any, message: PipelineStep) -> None:
+def follow_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> None:
     """A rank of a later stage's part of a step: each micro-batch's hidden states from
     the previous stage (its rank of the same tensor-parallel rank) through this stage's
     layers, on to the next stage (stage 0 after the last)."""
@@ -138,9 +177,10 @@ def follow_stage(runner: Any, message: PipelineStep) -> None:
     group = return_group() if stage.last else None
     sends = []
     for i, batch in enumerate(message.micro_batches):
-        incoming = _stage_input(runner, batch, runner.hidden_size)
+        incoming = _stage_input(runner, io, batch, io.hidden_size)
         dist.recv(incoming, src=source, tag=i)
-        hidden = runner._hidden(batch, None, incoming).contiguous()
+        hidden = runner.hidden_states(batch, incoming, follow_adapters=batch.lora_fills)
+        hidden = hidden.contiguous()
         sends.append((dist.isend(hidden, dst=target, tag=i, group=group), hidden))
     for work, _ in sends:
         work.wait()

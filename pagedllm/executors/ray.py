@@ -1,6 +1,7 @@
-"""Tensor-parallel workers as Ray actors (``--distributed-executor-backend ray``).
+"""Tensor-parallel workers as Ray actors (``--distributed-executor-backend ray``,
+:class:`RayDistributedExecutor`).
 
-The same division of work as the ``mp`` backend (:mod:`pagedllm.distributed.executor`):
+The same division of work as the ``mp`` backend (:mod:`pagedllm.executors.mp`):
 the engine's process is rank 0, ranks 1 to N - 1 follow its steps. Here each of them is
 a Ray actor, placed by a placement group of one bundle per rank (a CPU, or a GPU on the
 cuda device), so the ranks may be on several machines of a Ray cluster: the engine
@@ -20,7 +21,7 @@ import socket
 from typing import Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.distributed.executor import WorkerRank
+from pagedllm.executors.mp import MultiprocExecutor, WorkerRank
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class RayRank(WorkerRank):
 
 class RayWorkerGroup:
     """Ranks 1 to ``size - 1`` as Ray actors (see the module docstring); the interface
-    of :class:`~pagedllm.distributed.executor.WorkerGroup`."""
+    of :class:`~pagedllm.executors.mp.WorkerGroup`."""
 
     def __init__(self, config: Any, size: int) -> None:
         ray = _import_ray()
@@ -147,3 +148,11 @@ class RayWorkerGroup:
         for a in self.actors:
             self.ray.kill(a)
         self.ray.util.remove_placement_group(self.group)
+
+
+class RayDistributedExecutor(MultiprocExecutor):
+    """Rank 0 in this process, ranks 1 to N - 1 as Ray actors (:class:`RayWorkerGroup`);
+    with one rank, the uni executor (no Ray)."""
+
+    def start_group(self) -> RayWorkerGroup:
+        return RayWorkerGroup(self.config, self.size)

@@ -1,6 +1,6 @@
 """How the ``mp`` backend starts the processes of ranks 1 to N - 1.
 
-By default each is a new interpreter that runs :mod:`pagedllm.distributed.worker_process`
+By default each is a new interpreter that runs :mod:`pagedllm.executors.worker_process`
 (``subprocess``, so fork and exec): it never runs the user's script, so a script that
 starts an engine at its top level, without ``if __name__ == "__main__":``, works, and it
 inherits nothing from this process, so it is safe whatever this process holds: CUDA
@@ -13,7 +13,7 @@ multiprocessing's way instead: ``spawn`` runs the script again in each worker (a
 to when the engine's configuration refers to something defined in the script (an
 ``hf_overrides`` function), which only a process that runs the script finds. Either way,
 a script that would start another engine in each worker is refused at once, naming the
-line and the fix (:mod:`pagedllm.distributed.main_guard`), rather than the workers
+line and the fix (:mod:`pagedllm.executors.main_guard`), rather than the workers
 dying with the cause in their stderr; so is a configuration that refers to objects of a
 ``__main__`` without a file (``python -c``, a notebook), which no worker can find.
 """
@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.distributed.main_guard import unguarded_call_site
+from pagedllm.executors.main_guard import unguarded_call_site
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ except EOFError:  # rank 0 is gone
     raise SystemExit(0)
 try:
     sys.path.insert(0, sys.argv[2])
-    from pagedllm.distributed.worker_process import main
+    from pagedllm.executors.worker_process import main
     sys.path.remove(sys.argv[2])
 except BaseException as exc:  # (told to rank 0, which raises it)
     conn.send_bytes(pickle.dumps(("error", f"{exc!r}\\n{traceback.format_exc()}")))

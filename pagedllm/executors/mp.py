@@ -1,10 +1,11 @@
 """Tensor-parallel and pipeline-parallel worker processes (``--distributed-executor-backend
-mp``; ``ray`` runs the same ranks as Ray actors, :mod:`pagedllm.distributed.ray_executor`).
+mp``, :class:`MultiprocExecutor`; ``ray`` runs the same ranks as Ray actors,
+:mod:`pagedllm.executors.ray`).
 
 The engine's process is rank 0: it schedules, computes its shard of every step (or, with
-pipeline parallelism, the first stage: see :mod:`pagedllm.distributed.pipeline`) and
+pipeline parallelism, the first stage: see :mod:`pagedllm.executors.pipeline`) and
 samples. Ranks 1 to N - 1 are processes started here (new interpreters that do not run
-the user's script, by default: :mod:`pagedllm.distributed.worker_start`), each joining the
+the user's script, by default: :mod:`pagedllm.executors.worker_start`), each joining the
 ``torch.distributed`` group, building its shard of the model and then following rank 0:
 every step rank 0 sends them the step's :class:`~pagedllm.core.runner.StepInput` through a
 pipe (one pickled message per step, no per-layer calls) and they compute the same
@@ -17,33 +18,27 @@ the engine (a server answers 503 on ``/health`` and exits) rather than hanging.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import pickle
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 from pagedllm.core.errors import ConfigError, EngineDeadError
-from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed
-from pagedllm.distributed.worker_start import LoadGate, RankStarter
+from pagedllm.executors.base import check_parallel_support
+from pagedllm.executors.uni import UniProcExecutor
+from pagedllm.executors.worker import Worker, collective_backend, rank_name
+from pagedllm.executors.worker_start import LoadGate, RankStarter
 
 logger = logging.getLogger(__name__)
 
 # How long rank 0 waits for a worker to build its shard of the model.
 LOAD_TIMEOUT_S = 600.0
-
-
-def collective_backend(device_name: str) -> str:
-    """The ``torch.distributed`` backend for a device: NCCL between GPUs, gloo else."""
-    return "nccl" if device_name == "cuda" else "gloo"
 
 
 def _free_port() -> int:
@@ -54,18 +49,6 @@ def _free_port() -> int:
 
 def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def rank_name(config: Any, rank: int) -> str:
-    """How errors name worker ``rank``: a tensor-parallel rank, a pipeline stage, or a
-    tensor-parallel rank of a stage."""
-    parallel = config.parallel_config
-    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if pp == 1:
-        return f"tensor-parallel worker rank {rank}"
-    if tp == 1:
-        return f"pipeline stage {rank}"
-    return f"pipeline stage {rank // tp} (its tensor-parallel rank {rank % tp})"
 
 
 class WorkerGroup:
@@ -186,106 +169,190 @@ def _kind(config: Any) -> str:
     return "tensor-parallel" if parallel.pipeline_parallel_size == 1 else "pipeline-parallel"
 
 
-def world_size(config: Any) -> int:
-    """The engine's ranks: its tensor-parallel ranks or its pipeline stages."""
-    parallel = config.parallel_config
-    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+class MultiprocExecutor(UniProcExecutor):
+    """Rank 0 in this process (the :class:`~pagedllm.executors.uni.UniProcExecutor`'s
+    worker), ranks 1 to N - 1 started by :meth:`start_group` (here worker processes,
+    :class:`WorkerGroup`); with one rank, the uni executor."""
 
+    single_process = False
 
-def start_workers(config: Any) -> Any:
-    """Start the workers (processes, or Ray actors with ``--distributed-executor-backend
-    ray``) and join their group as rank 0 (before the model is built)."""
-    parallel = config.parallel_config
-    size = world_size(config)
-    pipeline = parallel.pipeline_parallel_size > 1
-    device = config.device_config.device
-    if torch.distributed.is_initialized():
-        raise ConfigError(
-            "this process already belongs to a tensor-parallel or pipeline group (another "
-            "engine's): "
-            "shut that engine down first (LLM(...).llm_engine.shutdown())"
-        )
-    if parallel.distributed_executor_backend == "ray":
-        from pagedllm.distributed.ray_executor import RayWorkerGroup
-
-        group: Any = RayWorkerGroup(config, size)
-    else:
-        group = WorkerGroup(config, size)
-    try:
-        _join_watching(group, parallel, collective_backend(device.name))
-    except BaseException:
-        group.shutdown()
-        raise
-    logger.info(
-        "%s parallelism: %d ranks (%s, %s), rank 0 in this process",
-        "pipeline" if pipeline else "tensor",
-        size,
-        collective_backend(device.name),
-        group.init_method,
-    )
-    return group
-
-
-def _join_watching(group: Any, parallel: Any, backend: str) -> None:
-    """Join the group as rank 0 while watching the workers: one that dies before it
-    joins (a failed import, a GPU it cannot use) ends the wait at once."""
-    errors: list[BaseException] = []
-
-    def join() -> None:
-        try:
-            init_distributed(
-                0,
-                parallel.tensor_parallel_size,
-                group.init_method,
-                backend,
-                stages=parallel.pipeline_parallel_size,
-                experts=parallel.enable_expert_parallel,
+    def __init__(self, config: Any, pm: Any) -> None:
+        super().__init__(config, pm)
+        self.group: Any = None
+        # Pipeline parallelism: stage 0's driver of the stages (PipelineStages).
+        self.pipeline: Any = None
+        self.size = self.num_ranks
+        if self.size == 1:
+            return
+        # (A missing model or an architecture that cannot be split is refused before
+        # any process starts.)
+        check_parallel_support(config, pm)
+        if torch.distributed.is_initialized():
+            raise ConfigError(
+                "this process already belongs to a tensor-parallel or pipeline group (another "
+                "engine's): "
+                "shut that engine down first (LLM(...).llm_engine.shutdown())"
             )
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.2)
-        if thread.is_alive() and isinstance(group, WorkerGroup):
-            group._raise_if_dead()
-    if errors:
-        raise errors[0]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankLoaded:
-    """What a rank above 0 reports once built: the (input, output) sizes of the layers an
-    adapter may target (None without --enable-lora), which rank 0 checks adapters
-    against (a pipeline stage holds layers it does not), and when it loaded its weights
-    (wall-clock start and end)."""
-
-    lora_layers: dict[str, tuple[int, int]] | None
-    loading: tuple[float, float]
-
-
-@contextlib.contextmanager
-def loading_turn(gate: Any) -> Iterator[list[float]]:
-    """Within: this rank loads its weights, once ``gate`` (a semaphore shared by the
-    ranks, --max-parallel-loading-workers; None: no limit) lets it; yields the
-    ``[start, end]`` wall-clock times, filled on the way out."""
-    times: list[float] = []
-    with gate if gate is not None else contextlib.nullcontext():
-        times.append(time.time())
+        self.group = self.start_group()
+        self.worker = Worker(
+            config,
+            0,
+            self.size,
+            self.group.init_method,
+            load_gate=getattr(self.group, "load_gate", None),
+            pm=pm,
+        )
         try:
-            yield times
+            self._join_watching()
+        except BaseException:
+            self.group.shutdown()
+            raise
+        backend = collective_backend(config.device_config.device.name)
+        logger.info(
+            "%s parallelism: %d ranks (%s, %s), rank 0 in this process",
+            "pipeline" if config.parallel_config.pipeline_parallel_size > 1 else "tensor",
+            self.size,
+            backend,
+            self.group.init_method,
+        )
+
+    @property
+    def procs(self) -> list[Any]:
+        """The other ranks' processes (or actors)."""
+        return [] if self.group is None else self.group.procs
+
+    def start_group(self) -> Any:
+        """Start ranks 1 to N - 1 (before any model is built)."""
+        return WorkerGroup(self.config, self.size)
+
+    def _join_watching(self) -> None:
+        """Join the group as rank 0 while watching the workers: one that dies before it
+        joins (a failed import, a GPU it cannot use) ends the wait at once."""
+        errors: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                self.worker.join()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.2)
+            if thread.is_alive() and isinstance(self.group, WorkerGroup):
+                self.group._raise_if_dead()
+        if errors:
+            raise errors[0]
+
+    def load_model(self) -> Any:
+        if self.group is None:
+            return super().load_model()
+        loaded = self.worker.load()
+        # What the other ranks reported once built (RankLoaded).
+        ranks = self.group.wait("loaded")
+        self.rank_loading = [loaded.loading] + [r.loading for r in ranks]
+        self.lora = self.worker.lora
+        if self.lora is not None:
+            for rank in ranks:  # (the other pipeline stages' layers too)
+                self.lora.sizes.update(rank.lora_layers or {})
+        return self.worker.loaded
+
+    def profile(self, spec: Any, **step: Any) -> int:
+        payload = dict(spec=spec, **step)
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            # (their collectives meet this rank's; a later stage runs alone)
+            self.group.send("profile", payload)
+        return self.worker.profile(payload)
+
+    def init_cache(
+        self, spec: Any, num_blocks: int, *, pooler_configs: dict[str, Any], graphs: bool
+    ) -> Any:
+        if self.group is None:
+            return super().init_cache(
+                spec, num_blocks, pooler_configs=pooler_configs, graphs=graphs
+            )
+        self.group.send("cache", (spec, num_blocks))
+        runner = super().init_cache(spec, num_blocks, pooler_configs=pooler_configs, graphs=graphs)
+        self.group.wait("ready")
+        stages = self.config.parallel_config.pipeline_parallel_size
+        if stages > 1:
+            from pagedllm.executors.pipeline import PipelineStages
+
+            self.pipeline = PipelineStages(stages, self.worker.stage_io)
+        return runner
+
+    def execute(self, output: Any, token_mask: Any) -> Any:
+        """Rank 0 builds the step and sends it to the other ranks first; every row block's
+        logits are computed before any work of rank 0 alone, so the ranks' collectives
+        and transfers stay in step. A failure among them stops the engine (the ranks
+        could not agree on the next step's collectives any more)."""
+        if self.group is None:
+            return super().execute(output, token_mask)
+        runner = self.runner
+        try:
+            with runner.step_mode():
+                step, plan = runner.build_step(output)
+                message = step if self.pipeline is None else self.pipeline.split(step)
+                self.group.step(message)
+                try:
+                    if self.pipeline is None:
+                        hidden = runner.hidden_states(step)
+                    else:
+                        hidden = self.pipeline.hidden(runner, message)
+                    computed = [
+                        None if rows is None else runner.logits(hidden, rows)
+                        for rows in runner.row_blocks(step)
+                    ]
+                except Exception as exc:
+                    raise self._stopped(exc) from exc
+                return runner.finish(plan, hidden, computed.__getitem__, token_mask)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            # (a collective fails when a worker died: the engine cannot go on)
+            dead = self.group.check(exc)
+            if isinstance(dead, EngineDeadError):
+                raise dead from exc
+            raise
+
+    def _stopped(self, exc: Exception) -> EngineDeadError:
+        """The error that stops the engine after ``exc`` within a step shared with the
+        other ranks: a worker that died names itself; else rank 0 is out of step with
+        them (they could not agree on the next step's collectives or transfers)."""
+        dead = self.group.check(exc)
+        if isinstance(dead, EngineDeadError):
+            return dead
+        return EngineDeadError(
+            f"rank 0 failed within a step, out of step with the other ranks: {exc!r}"
+        )
+
+    def save_sharded_state(self, output: Any, pattern: str | None, max_size: int | None) -> None:
+        if self.group is None:
+            super().save_sharded_state(output, pattern, max_size)
+            return
+        # (each rank writes its own part, at the same time)
+        self.group.send("save_sharded_state", (str(output), pattern, max_size))
+        try:
+            super().save_sharded_state(output, pattern, max_size)
         finally:
-            times.append(time.time())
+            failures = [f for f in self.group.wait("saved") if f]
+        if failures:
+            raise ConfigError(f"save_sharded_state: another rank failed: {failures[0]}")
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.group is not None:
+            self.group.shutdown()
+            self.worker.leave()
 
 
 class WorkerRank:
-    """One rank above 0 (a tensor-parallel rank or a pipeline stage), as the ``mp`` worker
-    processes and the Ray actors both run it: :meth:`load` joins the group and builds this
-    rank's shard (or stage), :meth:`profile` takes part in rank 0's profiled step,
-    :meth:`cache` allocates its KV cache and :meth:`follow` computes its part of each
-    step. ``cores``: the CPUs the ranks on this machine share (by default the device's
-    thread count)."""
+    """A rank above 0 answering rank 0's messages, as the ``mp`` worker processes and the
+    Ray actors both run it: ``load`` joins the group and builds this rank's part
+    (:class:`~pagedllm.executors.worker.Worker`), ``profile`` takes part in rank 0's
+    profiled step, ``cache`` allocates its KV cache and ``follow`` computes its part of
+    each step."""
 
     def __init__(
         self,
@@ -296,86 +363,24 @@ class WorkerRank:
         cores: int | None = None,
         load_gate: Any = None,
     ) -> None:
-        self.config, self.rank, self.size, self.init_method = config, rank, size, init_method
-        self.cores = cores
-        # (--max-parallel-loading-workers: a semaphore the loading ranks share)
-        self.load_gate = load_gate
-        self.loaded: Any = None
-        self.backend: Any = None
-        self.runner: Any = None
-        self.lora: Any = None  # (with --enable-lora: the adapters rank 0 runs each step)
+        self.config, self.rank = config, rank
+        self.worker = Worker(config, rank, size, init_method, cores, load_gate)
 
     def load(self) -> tuple[str, Any]:
-        """Join the group and build this rank's part: ``("loaded", facts)``, the facts a
-        :class:`RankLoaded`."""
-        from pagedllm.core.args.validate import attention_backend_name
-        from pagedllm.core.compilation import compile_model
-        from pagedllm.core.model_setup import load_model
-        from pagedllm.core.plugins import make_plugin_manager
-
-        config = self.config
-        device = config.device_config.device
-        if device.name == "cuda":
-            torch.cuda.set_device(self.rank)
-        parallel = config.parallel_config
-        self.pipeline = parallel.pipeline_parallel_size > 1
-        init_distributed(
-            self.rank,
-            parallel.tensor_parallel_size,
-            self.init_method,
-            collective_backend(device.name),
-            stages=parallel.pipeline_parallel_size,
-            experts=parallel.enable_expert_parallel,
-        )
-        pm = make_plugin_manager()
-        with loading_turn(self.load_gate) as loading:
-            self.loaded = load_model(config, pm)
-        compile_model(self.loaded.model, config.compilation_config.level)
-        if config.lora_config is not None:  # (its slots before the KV cache, as rank 0's)
-            from pagedllm.lora.manager import make_lora_manager
-
-            loaded, torch_device = self.loaded, config.device_config.torch_device
-            self.lora = make_lora_manager(
-                loaded.model, config.lora_config, loaded.dtype, torch_device
-            )
-        cores = device.num_threads() if self.cores is None else self.cores
-        torch.set_num_threads(max(1, cores // self.size))
-        self.backend = pm.load("attention_backends", attention_backend_name(device, pm))()
-        lora_layers = None if self.lora is None else dict(self.lora.sizes)
-        return "loaded", RankLoaded(lora_layers, (loading[0], loading[1]))
+        """``("loaded", facts)``, the facts a :class:`~pagedllm.executors.worker.RankLoaded`."""
+        self.worker.join()
+        return "loaded", self.worker.load()
 
     def profile(self, payload: dict[str, Any]) -> None:
-        """``payload``: :func:`~pagedllm.core.runner.profile_step`'s arguments but the
-        model, the backend and the device."""
-        from pagedllm.core.runner import profile_step
-        from pagedllm.distributed.parallel_state import pipeline_parallel
+        self.worker.profile(payload)
 
-        if pipeline_parallel().rank > 0:
-            return  # (rank 0 profiles stage 0 with its tensor-parallel ranks alone)
-        device = self.config.device_config.torch_device
-        profile_step(self.loaded.model, self.backend, device=device, **payload)
-
-    def cache(self, payload: tuple[Any, ...]) -> str:
-        from pagedllm.core.runner import ModelRunner, set_kv_scales
-
-        spec, num_blocks, block_size, vocab_size = payload
-        if self.pipeline:  # (rank 0's spec holds stage 0's layers)
-            from pagedllm.distributed.parallel_state import stage_layers
-
-            spec = dataclasses.replace(spec, layers=stage_layers(spec.num_layers))
-        set_kv_scales(self.loaded.model, self.config.cache_config, spec.dtype)
-        self.runner = ModelRunner(
-            self.loaded.model, spec, num_blocks, block_size, vocab_size,
-            self.config.device_config.torch_device, self.backend,
-        )  # fmt: skip
-        self.runner.sampler = None  # (rank 0 samples)
-        self.runner.lora = self.lora
-        if self.pipeline:
-            self.runner.set_stage_io(self.loaded)
+    def cache(self, payload: tuple[Any, int]) -> str:
+        spec, num_blocks = payload
+        self.worker.init_cache(spec, num_blocks)
         return "ready"
 
     def follow(self, step: Any) -> None:
-        self.runner.follow(step)
+        self.worker.follow(step)
 
     def save_sharded_state(self, payload: tuple[str, str | None, int | None]) -> tuple[str, Any]:
         """This rank's part of ``LLM.save_sharded_state``: ``("saved", None)``, or with
@@ -393,7 +398,7 @@ class WorkerRank:
         return "saved", None
 
     def stop(self) -> None:
-        destroy_distributed()
+        self.worker.leave()
 
 
 def worker_main(
