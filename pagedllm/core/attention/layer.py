@@ -55,3 +55,18 @@ def _attend_uncompiled(
     layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
 ) -> torch.Tensor:
     return metadata.backend.forward(layer, query, key, value, metadata)
+
+
+def set_kv_scales(model: torch.nn.Module, cache_config: Any, kv_dtype: torch.dtype) -> None:
+    """The scales an fp8 KV cache stores keys and values with, on every attention layer
+    of ``model`` (each tensor-parallel rank's): computed from the first batch with
+    ``--calculate-kv-scales``, else the checkpoint's own where it was quantized for an
+    fp8 cache (1.0 otherwise)."""
+    for module in model.modules():
+        if not isinstance(module, Attention):
+            continue
+        if cache_config.calculate_kv_scales:
+            module.calculate_kv_scales = True
+        elif kv_dtype == torch.float8_e4m3fn:
+            module.k_scale = getattr(module, "checkpoint_k_scale", 1.0)
+            module.v_scale = getattr(module, "checkpoint_v_scale", 1.0)

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.core.config import PagedLLMConfig
+    from pagedllm.core.kv_cache.spec import KVCacheSpec
     from pagedllm.core.model_setup import LoadedModel
     from pagedllm.core.plugins import PluginManager
-    from pagedllm.core.runner import KVCacheSpec, ModelRunner
+    from pagedllm.core.runner import ModelRunner
     from pagedllm.core.step_data import RunnerOutput, SchedulerOutput
 
 
@@ -63,7 +64,7 @@ class Executor(abc.ABC):
         remainder of the layers."""
         import dataclasses
 
-        from pagedllm.core.runner import kv_cache_spec, kv_cache_torch_dtype
+        from pagedllm.core.kv_cache.spec import kv_cache_spec, kv_cache_torch_dtype
         from pagedllm.distributed.parallel_state import stage_layers
 
         parallel = self.config.parallel_config
