@@ -151,6 +151,8 @@ class SchedulerConfig:
     delay_factor: float = _flag("scheduler_delay_factor")
     # None is the default scheduler; a class, or the dotted path to one.
     scheduler_cls: str | type | None = None
+    # --step-extensions: plugins' step extensions to turn on, by registered name.
+    step_extensions: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -495,6 +497,7 @@ def create_engine_config(
             preemption_mode=_unset_or(args.preemption_mode, SchedulerConfig, "preemption_mode"),
             delay_factor=args.scheduler_delay_factor,
             scheduler_cls=args.scheduler_cls,
+            step_extensions=tuple(args.step_extensions),
         ),
         parallel_config=_parallel_config(args, device),
         device_config=DeviceConfig(name=device.name, device=device),

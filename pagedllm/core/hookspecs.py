@@ -85,6 +85,17 @@ class RegistrationSpecs:
     def pagedllm_register_logits_processors(self, registry: Registry) -> None:
         """Add logits processors that requests may name."""
 
+    # Issue 37: the scheduler and the step extensions.
+    @hookspec
+    def pagedllm_register_schedulers(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.scheduler.SchedulerInterface` classes
+        (``--scheduler-cls NAME``)."""
+
+    @hookspec
+    def pagedllm_register_step_extensions(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.extension.StepExtension` classes (a
+        plugin's is turned on by ``--step-extensions NAME``)."""
+
 
 class LifecycleSpecs:
     """Hooks called at a few well-defined moments."""
@@ -123,4 +134,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "cli_subcommands": "pagedllm_register_cli_subcommands",
     "stat_loggers": "pagedllm_register_stat_loggers",
     "logits_processors": "pagedllm_register_logits_processors",
+    "schedulers": "pagedllm_register_schedulers",
+    "step_extensions": "pagedllm_register_step_extensions",
 }

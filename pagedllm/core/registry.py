@@ -239,5 +239,7 @@ REGISTRY_BASES: dict[str, str | None] = {
     "cli_subcommands": "pagedllm.core.interfaces.cli:CLISubcommand",
     "stat_loggers": None,
     "logits_processors": None,
+    "schedulers": "pagedllm.core.interfaces.scheduler:SchedulerInterface",
+    "step_extensions": "pagedllm.core.interfaces.extension:StepExtension",
 }
 assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()

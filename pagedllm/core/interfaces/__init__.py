@@ -3,6 +3,7 @@
 from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.cli import CLISubcommand
 from pagedllm.core.interfaces.device import Device, KVCacheMemory
+from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
 from pagedllm.core.interfaces.guided import (
     CompiledConstraint,
     Grammar,
@@ -27,6 +28,7 @@ from pagedllm.core.interfaces.quantization import (
     MoEMethod,
     QuantizationConfig,
 )
+from pagedllm.core.interfaces.scheduler import SchedulerInterface
 
 __all__ = [
     "AttentionBackend",
@@ -48,6 +50,9 @@ __all__ = [
     "ModelLoader",
     "QuantizationConfig",
     "ReasoningParser",
+    "SchedulerInterface",
+    "StepExtension",
+    "StepOutcome",
     "ToolCall",
     "ToolParser",
     "new_tool_call_id",
