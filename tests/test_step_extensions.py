@@ -240,3 +240,33 @@ def test_the_dummy_plugins_step_extension_takes_effect_through_its_flag(checkpoi
 def test_an_unknown_step_extension_is_refused_before_loading(pm):
     with pytest.raises(ConfigError, match=r"--step-extensions nope: no step extension of that"):
         EngineArgs(model="no/such-model", step_extensions=["nope"]).create_engine_config(pm)
+
+
+class Declines(Recorder):
+    """An extension this configuration cannot run."""
+
+    name = "declines"
+
+    @classmethod
+    def from_engine(cls, engine):
+        return None
+
+
+def test_a_named_extension_the_configuration_cannot_run_is_refused(checkpoint):
+    plugin = types.ModuleType("declining_plugin")
+
+    @hookimpl
+    def pagedllm_register_step_extensions(registry):
+        registry.add("declines", Declines)
+        registry.add("recorder", Recorder)
+
+    plugin.pagedllm_register_step_extensions = pagedllm_register_step_extensions
+    pm = make_plugin_manager(extra_plugins=[("declining_plugin", plugin)])
+    with pytest.raises(ConfigError, match="--step-extensions declines: this configuration"):
+        build(checkpoint, plugin_manager=pm, step_extensions=["declines"])
+    llm = build(checkpoint, plugin_manager=pm)  # registered but not named: off
+    assert "recorder" not in llm.llm_engine.extensions
+    llm = build(checkpoint, plugin_manager=pm, step_extensions=["recorder"])
+    assert type(llm.llm_engine.extensions["recorder"]) is Recorder
+    out = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6  # (it carries no request's state: no per-request call)

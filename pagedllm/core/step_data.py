@@ -37,7 +37,9 @@ class ScheduledRequest:
     @property
     def reaches_end(self) -> bool:
         """Whether this step computes the request's last known token, so it samples."""
-        return self.num_computed_tokens + self.num_known_tokens == self.request.num_tokens
+        # (num_known_tokens inlined: read for every request several times a step)
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclasses.dataclass(slots=True)
