@@ -17,6 +17,7 @@ from pagedllm.core.config import ParallelConfig, scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.interfaces.executor import Executor, executor_class
+from pagedllm.core.interfaces.extension import StepExtension
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_files import resolve_model_path
 from pagedllm.core.model_setup import (
@@ -38,6 +39,7 @@ from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
+from pagedllm.core.step_extensions import build_step_extensions
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -174,18 +176,12 @@ class LLMEngine:
         self.executor.init_cache(
             spec, num_blocks, pooler_configs=self.pooler_configs, graphs=use_graphs
         )
-        sched = config.scheduler_config
-        spec_kwargs: dict[str, Any] = {}
-        if config.speculative_config is not None:
-            if self.is_pooling:
-                raise ConfigError("--speculative-config applies to text generation")
-            spec_kwargs["speculative"] = speculative
-        if config.lora_config is not None:
-            spec_kwargs["max_loras"] = config.lora_config.max_loras
+        self.speculative = speculative
+        self.draft_proposer = None
         if draft is not None:
             from pagedllm.core.spec_decode import DraftModelProposer
 
-            spec_kwargs["proposer"] = DraftModelProposer(
+            self.draft_proposer = DraftModelProposer(
                 draft[0].model,
                 draft[1],
                 num_blocks,
@@ -194,11 +190,17 @@ class LLMEngine:
                 config.device_config.torch_device,
                 self.vocab_size,
             )
-        self.scheduler = scheduler_class(sched.scheduler_cls)(
-            sched, self.kv_manager, self.max_model_len, guided=self.guided, **spec_kwargs
+        # The step extensions the configuration turns on (LoRA, speculative decoding,
+        # pooling, guided decoding, a plugin's), by name.
+        self.extensions = {e.name: e for e in build_step_extensions(self)}
+        base_hook = StepExtension.new_request
+        self._new_request_hooks = [
+            e for e in self.extensions.values() if type(e).new_request is not base_hook
+        ]
+        sched = config.scheduler_config
+        self.scheduler = scheduler_class(sched.scheduler_cls, pm)(
+            sched, self.kv_manager, self.max_model_len, extensions=list(self.extensions.values())
         )
-        if self.lora is not None:
-            self.lora.in_use = self._adapters_in_use
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
         )
@@ -333,7 +335,7 @@ class LLMEngine:
         result = RunnerOutput()
         if not scheduler_output.is_empty:
             try:
-                token_mask = self.scheduler.guided_token_mask(scheduler_output)
+                token_mask = self.scheduler.token_mask(scheduler_output)
                 result = self.executor.execute(scheduler_output, token_mask)
             except EngineDeadError:
                 raise
@@ -455,6 +457,11 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=now),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        features: dict[str, Any] = {}
+        if compiled is not None:
+            features["guided"] = compiled
+        if new.lora_request is not None:
+            features["lora"] = new.lora_request
         count = params.num_sequences
         for index in range(count):
             child_params = params
@@ -474,11 +481,9 @@ class LLMEngine:
                 priority=priority,
                 parent_id=new.request_id,
                 sequence_index=index,
-                guided_compile=compiled,
-                lora_request=new.lora_request,
-                # (an adapter's KV differs from the base model's: its own prefix cache)
-                cache_salt=self._lora_salt(new.lora_request),
+                features=dict(features),
             )
+            self._prepare_features(request)
             parent.sequences.append(self.output_processor.new_sequence(request, index))
         return parent
 
@@ -496,24 +501,14 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return text, token_ids
 
-    def _adapters_in_use(self) -> set[int]:
-        """The adapter ids of the unfinished requests (the LoRA manager keeps them)."""
-        return {
-            request.lora_request.lora_int_id
-            for request in self.scheduler.requests.values()
-            if request.lora_request is not None
-        }
-
-    def _lora_salt(self, lora_request: Any) -> str | None:
-        """The prefix-cache salt of an adapter (its id); validates the request."""
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise InvalidRequestError(
-                "lora_request", "this engine serves no LoRA adapters: start it with --enable-lora"
-            )
-        self.lora.adapter(lora_request)  # (loaded now: a bad adapter fails its request)
-        return f"lora:{lora_request.lora_int_id}"
+    def _prepare_features(self, request: Request) -> None:
+        """The step extensions' look at a new request: each feature it asks for must be
+        on; they validate it and attach their state (e.g. load its LoRA adapter)."""
+        for name in request.features:
+            if name not in self.extensions:
+                raise self.pm.registry("step_extensions").load(name).not_enabled_error()
+        for extension in self._new_request_hooks:
+            extension.new_request(request)
 
     def _new_pooling_parent(self, new: NewRequest) -> ParentRequest:
         """A pooling request's state, validated: its prompt runs once, whole."""
@@ -568,8 +563,9 @@ class LLMEngine:
             sampling_params=placeholder,
             arrival_time=now,
             priority=new.priority,
-            pooling_params=params,
+            features={"pooling": params},
         )
+        self._prepare_features(request)
         parent.sequences.append(self.output_processor.new_sequence(request, 0))
         return parent
 

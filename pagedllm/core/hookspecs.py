@@ -90,6 +90,16 @@ class RegistrationSpecs:
         """Add :class:`~pagedllm.core.interfaces.executor.Executor` classes
         (``--distributed-executor-backend``)."""
 
+    @hookspec
+    def pagedllm_register_schedulers(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.scheduler.SchedulerInterface` classes
+        (``--scheduler-cls NAME``)."""
+
+    @hookspec
+    def pagedllm_register_step_extensions(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.extension.StepExtension` classes (a
+        plugin's is turned on by ``--step-extensions NAME``)."""
+
 
 class LifecycleSpecs:
     """Hooks called at a few well-defined moments."""
@@ -129,4 +139,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "stat_loggers": "pagedllm_register_stat_loggers",
     "logits_processors": "pagedllm_register_logits_processors",
     "executors": "pagedllm_register_executors",
+    "schedulers": "pagedllm_register_schedulers",
+    "step_extensions": "pagedllm_register_step_extensions",
 }

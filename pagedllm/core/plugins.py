@@ -60,6 +60,13 @@ ENTRY_POINT_GROUP = "pagedllm"
 ENV_ALLOW = "PAGEDLLM_PLUGINS"
 ENV_STRICT = "PAGEDLLM_STRICT_PLUGINS"
 
+# pagedllm's own entry points that an installation older than them lacks (an editable
+# install's metadata is written when installed): registered as built-in all the same.
+BUILTIN_ENTRY_POINTS = {
+    "pagedllm.core": "pagedllm.core.builtins",
+    "pagedllm.features": "pagedllm.features",
+}
+
 
 class PluginStatus(enum.Enum):
     LOADED = "loaded"
@@ -189,9 +196,15 @@ class PluginManager:
     def load_entry_points(self, env: Mapping[str, str]) -> None:
         allow = _env_names(env, ENV_ALLOW)
         disabled = _env_names(env, ENV_DISABLE) or set()
+        installed = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        missing = BUILTIN_ENTRY_POINTS.keys() - {ep.name for ep in installed}
+        installed += [
+            importlib.metadata.EntryPoint(name, BUILTIN_ENTRY_POINTS[name], ENTRY_POINT_GROUP)
+            for name in sorted(missing)
+        ]
         eps = sorted(
-            importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-            key=lambda ep: (_dist_name(ep) != BUILTIN_DISTRIBUTION, ep.name),
+            installed,
+            key=lambda ep: (_dist_name(ep, missing) != BUILTIN_DISTRIBUTION, ep.name),
         )
         seen: set[str] = set()
         for ep in eps:
@@ -200,8 +213,10 @@ class PluginManager:
                 # and a build directory); the first one wins, like Python imports.
                 continue
             seen.add(ep.name)
-            dist = _dist_name(ep)
+            dist = _dist_name(ep, missing)
             version = ep.dist.version if ep.dist is not None else None
+            if ep.name in missing:
+                version = _own_version()
             info = PluginInfo(ep.name, ep.value, dist, version, PluginStatus.LOADED)
             if ep.name in disabled:
                 info.status = PluginStatus.DISABLED
@@ -339,8 +354,17 @@ def _failing_source(tb: TracebackType | None, sources: Mapping[int, str]) -> str
     return found
 
 
-def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
-    return ep.dist.name if ep.dist is not None else None
+def _own_version() -> str | None:
+    try:
+        return importlib.metadata.version(BUILTIN_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _dist_name(ep: importlib.metadata.EntryPoint, builtin: Iterable[str] = ()) -> str | None:
+    if ep.dist is None:
+        return BUILTIN_DISTRIBUTION if ep.name in builtin else None
+    return ep.dist.name
 
 
 def make_plugin_manager(

@@ -240,5 +240,7 @@ REGISTRY_BASES: dict[str, str | None] = {
     "stat_loggers": None,
     "logits_processors": None,
     "executors": "pagedllm.core.interfaces.executor:Executor",
+    "schedulers": "pagedllm.core.interfaces.scheduler:SchedulerInterface",
+    "step_extensions": "pagedllm.core.interfaces.extension:StepExtension",
 }
 assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()

@@ -73,16 +73,12 @@ class Request:
     # this sequence's index among them.
     parent_id: str = ""
     sequence_index: int = 0
-    # The future of the request's compiled guided-decoding constraint (compiling off the
-    # engine loop; the request waits until it is done); None when unconstrained.
-    guided_compile: Future[Any] | None = None
     # The error that made the engine give up on this request (it is then aborted).
     failure: BaseException | None = None
-    # Set for a pooling request (--task embed/classify/score/reward): its prompt runs
-    # once and the result is pooled from its hidden states; no token is sampled.
-    pooling_params: Any = None
-    # The LoRA adapter the request runs with (a pagedllm.lora.LoRARequest), or None.
-    lora_request: Any = None
+    # The state of the step extensions this request uses, by extension name (see
+    # pagedllm.core.interfaces.extension): e.g. "lora" (its LoRARequest), "pooling" (its
+    # PoolingParams), "guided" (the future of its compiled constraint). Empty when none.
+    features: dict[str, Any] = dataclasses.field(default_factory=dict)
     # How many tokens the last step appended (several when speculative drafts were kept).
     num_new_output_tokens: int = 0
 
@@ -109,6 +105,31 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    # Read access under the names the runner, the sampler and the output processor use.
+    @property
+    def lora_request(self) -> Any:
+        """The LoRA adapter the request runs with (a pagedllm.lora.LoRARequest), or None."""
+        return self.features.get("lora")
+
+    @property
+    def pooling_params(self) -> Any:
+        """Set for a pooling request (--task embed/classify/score/reward): its prompt runs
+        once and the result is pooled from its hidden states; no token is sampled."""
+        return self.features.get("pooling")
+
+    @property
+    def guided_compile(self) -> Future[Any] | None:
+        """The future of the request's compiled guided-decoding constraint (compiling off
+        the engine loop; the request waits until it is done); None when unconstrained."""
+        return self.features.get("guided")
+
+    @guided_compile.setter
+    def guided_compile(self, future: Future[Any] | None) -> None:
+        if future is None:
+            self.features.pop("guided", None)
+        else:
+            self.features["guided"] = future
 
     @property
     def is_guided(self) -> bool:

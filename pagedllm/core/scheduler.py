@@ -9,51 +9,60 @@ its blocks are freed and it goes back to the front of the queue, to be recompute
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.core.errors import ConfigError
+from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
+from pagedllm.core.interfaces.scheduler import SchedulerInterface
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.spec_decode import SpeculativeConfig, can_speculate, make_proposer
 from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.core.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from pagedllm.core.config import SchedulerConfig
-    from pagedllm.core.guided import GuidedDecodingManager
     from pagedllm.core.kv_cache import KVCacheManager
 
 __all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
 
-logger = logging.getLogger("pagedllm.scheduler")
+
+def _overriding(extensions: Sequence[StepExtension], hook: str) -> list[StepExtension]:
+    """The extensions whose class overrides ``hook`` (the others would do nothing)."""
+    base = getattr(StepExtension, hook)
+    return [e for e in extensions if getattr(type(e), hook) is not base]
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
+    """The built-in scheduler (``--scheduler-cls default``)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         max_model_len: int,
-        guided: GuidedDecodingManager | None = None,
-        speculative: SpeculativeConfig | None = None,
-        max_loras: int | None = None,
-        proposer: Any = None,
+        *,
+        extensions: Sequence[StepExtension] = (),
     ) -> None:
         self.config = config
-        # --enable-lora: the most distinct adapters the running batch may hold.
-        self.max_loras = max_loras
-        # Speculative decoding: the proposer of draft tokens, and the counts behind the
-        # metrics (drafts proposed, drafts kept, steps that verified drafts).
-        self.speculative = speculative
-        # (a draft model's proposer comes from the engine, which loads the draft)
-        self.proposer = proposer if proposer is not None else make_proposer(speculative)
-        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.kv = kv_manager
         self.max_model_len = max_model_len
-        # Guided decoding: the token mask before a step, each new token's acceptance after.
-        self.guided = guided
+        # The step extensions, by name; each hook's list holds only the extensions that
+        # override it, so that a step without any does no extra work. Per-request hooks
+        # go through request.features (the extensions whose state a request carries).
+        self.extensions = {e.name: e for e in extensions}
+        if len(self.extensions) != len(extensions):
+            raise ConfigError(f"step extensions with the same name: {[e.name for e in extensions]}")
+        self._per_step = _overriding(extensions, "begin_step")
+        self._masks = _overriding(extensions, "token_mask")
+        self._readers = _overriding(extensions, "read_outputs")
+        verifiers = _overriding(extensions, "extra_tokens")
+        if len(verifiers) > 1:
+            raise ConfigError(
+                f"step extensions {[e.name for e in verifiers]} all add tokens to verify; "
+                "at most one may"
+            )
+        self._verifier = verifiers[0] if verifiers else None
         self.waiting = WaitingQueue.for_policy(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -62,9 +71,17 @@ class Scheduler:
         self._prompt_step_time: float | None = None
         self._last_prompt_latency = 0.0
         self._admitted_last_step = False
-        # Waiting requests whose constraint failed to compile (appended by the compile
-        # future's callback, on whichever thread finished it; drained by schedule()).
-        self._compile_failures: deque[Request] = deque()
+
+    def _features(self, request: Request) -> list[StepExtension]:
+        """The extensions whose state ``request`` carries."""
+        return [self.extensions[name] for name in request.features if name in self.extensions]
+
+    def extension_stats(self) -> dict[str, int]:
+        return {
+            f"{ext.name}_{key}": value
+            for ext in self.extensions.values()
+            for key, value in ext.stats.items()
+        }
 
     # ------------------------------------------------------------------ requests
 
@@ -73,14 +90,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if request.guided_compile is not None:
-            request.guided_compile.add_done_callback(
-                lambda _: (
-                    self._compile_failures.append(request)
-                    if _compile_error(request) is not None
-                    else None
-                )
-            )
+        if request.features:
+            for ext in self._features(request):
+                ext.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop on a stop string) requests; frees their KV blocks."""
@@ -94,10 +106,17 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove({request})
-            request.status = status
-            self.kv.free(request)
+            self._finished(request, status)
             finished.append(request)
         return finished
+
+    def _finished(self, request: Request, status: RequestStatus) -> None:
+        """``request`` (out of the queue and the batch) is done: its blocks are freed."""
+        request.status = status
+        self.kv.free(request)
+        if request.features:
+            for ext in self._features(request):
+                ext.request_finished(request)
 
     @property
     def num_waiting(self) -> int:
@@ -146,23 +165,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # (Normally released by update_from_output already.)
         self.kv.release_copy_sources()
-        aborted = self._abort_uncompiled()
+        aborted = self._begin_step() if self._per_step else []
         budget = self.config.max_num_batched_tokens
         delay_prompts = self._delay_new_prompts()
         scheduled: dict[Request, ScheduledRequest] = {}
         preempted: list[str] = []
 
         # Running requests, in order; the victims of preemption come from the back.
-        speculate = self.proposer is not None and (
-            self.speculative.disable_by_batch_size is None
-            or len(self.running) < self.speculative.disable_by_batch_size
-        )
-        to_draft: list[tuple[ScheduledRequest, int]] = []
+        extra = self._verifier
+        to_verify: list[tuple[ScheduledRequest, int]] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_known = request.num_tokens - request.num_computed_tokens
-            room = self._draft_room(request, budget) if speculate and num_known == 1 else 0
+            room = extra.extra_tokens(request, budget) if extra and num_known == 1 else 0
             num_new = self._limit(request, num_known + room, budget)
             room = max(0, num_new - num_known)
             if num_new <= 0:
@@ -185,34 +201,29 @@ class Scheduler:
                 continue  # preempted itself; the same index is the next request now
             scheduled[request] = ScheduledRequest(request, num_new, request.num_computed_tokens)
             if room:
-                to_draft.append((scheduled[request], room))
+                to_verify.append((scheduled[request], room))
             budget -= num_new
             index += 1
-        budget += self._draft(scheduled, to_draft)
+        if to_verify:
+            budget += self._propose(scheduled, to_verify)
 
         # Waiting requests, if nothing had to be preempted to fit the running ones.
         partial, long_partial = self._partial_prefill_counts(scheduled)
         skipped: list[Request] = []  # held back (partial-prefill limits, pending work)
         admitted = False
-        # --enable-lora: the adapters of the running batch (at most --max-loras of them).
-        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         while not preempted and not delay_prompts and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if request.is_compiling:
-                # Still compiling its constraint: the requests behind it go first.
-                skipped.append(self.waiting.pop())
-                continue
-            if not self._lora_fits(request, loras):
-                # Its adapter would be one too many in the batch: it waits for a slot.
-                skipped.append(self.waiting.pop())
-                continue
-            if request.is_guided and _compile_error(request) is not None:
-                # Failed just now (its done-callback may not have run yet): never admit it.
-                self._compile_failures.append(request)
-                aborted.extend(self._abort_uncompiled())
-                continue
+            if request.features:
+                admit = self._admit(request, aborted)
+                if admit is None:
+                    continue  # aborted
+                if not admit:
+                    # Held back by a feature (e.g. pending work): the requests behind it
+                    # go first.
+                    skipped.append(self.waiting.pop())
+                    continue
             blocks, num_cached = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -239,8 +250,9 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             self.running.append(request)
-            if request.lora_request is not None:
-                loras.add(request.lora_request.lora_int_id)
+            if request.features:
+                for ext in self._features(request):
+                    ext.admitted(request)
             scheduled[request] = ScheduledRequest(request, num_new, num_cached)
             budget -= num_new
             admitted = True
@@ -261,71 +273,58 @@ class Scheduler:
             blocks_to_copy=self.kv.take_block_copies(),
         )
 
-    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
-        """Whether ``request``'s adapter fits beside the batch's ``loras``."""
-        lora = request.lora_request
-        if lora is None or self.max_loras is None:
-            return True
-        return lora.lora_int_id in loras or len(loras) < self.max_loras
-
-    def _draft_room(self, request: Request, budget: int) -> int:
-        """How many draft tokens a decoding request may get: as many as its budget, its
-        max_tokens and the model length leave after the token it samples anyway."""
-        if not can_speculate(request):
-            return 0
-        k = self.speculative.num_speculative_tokens
-        limit = self.speculative.max_model_len
-        if limit is not None and request.num_tokens + k >= limit:
-            return 0  # (too long for the draft: plain decoding from now on)
-        params = request.sampling_params
-        room = self.max_model_len - request.num_tokens - 1
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        return max(0, min(k, room, budget - 1))
-
-    def _draft(
-        self,
-        scheduled: dict[Request, ScheduledRequest],
-        to_draft: list[tuple[ScheduledRequest, int]],
-    ) -> int:
-        """Ask the proposer for the drafts of the scheduled decoding requests (their slots
-        are allocated: a draft model writes its KV there); a request given fewer than its
-        room gives the rest of its tokens back. Returns the budget given back."""
-        live = [(item, room) for item, room in to_draft if scheduled.get(item.request) is item]
-        if not live:
-            return 0
-        wanted = [
-            (item.request, room, self.kv.get_block_ids(item.request.request_id))
-            for item, room in live
-        ]
-        returned = 0
-        for (item, room), drafts in zip(live, self.proposer.propose(wanted), strict=True):
-            drafts = list(drafts)[:room]
-            item.draft_token_ids = drafts
-            item.num_new_tokens -= room - len(drafts)
-            returned += room - len(drafts)
-        return returned
-
-    def _abort_uncompiled(self) -> list[tuple[Request, BaseException]]:
-        """Finish (as aborted) the waiting requests whose constraint failed to compile."""
+    def _begin_step(self) -> list[tuple[Request, BaseException]]:
+        """The extensions' start of a step; finishes (as aborted) the waiting requests they
+        can never run."""
         aborted = []
-        while self._compile_failures:
-            request = self._compile_failures.popleft()
-            if self.requests.get(request.request_id) is not request:
-                continue  # finished or aborted meanwhile
-            error = _compile_error(request)
-            assert error is not None
-            request.failure = error
-            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            aborted.append((request, error))
+        for ext in self._per_step:
+            for request, error in ext.begin_step(self.running):
+                if self.requests.get(request.request_id) is not request:
+                    continue  # finished or aborted meanwhile
+                request.failure = error
+                self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                aborted.append((request, error))
         return aborted
 
-    def guided_token_mask(self, output: SchedulerOutput) -> Any:
-        """The guided-decoding token mask for the step's sampling requests (bool
-        ``[rows, vocab]``, True = allowed), or None when none of them is guided."""
-        if self.guided is None:
-            return None
-        return self.guided.token_mask(output.sampling_requests)
+    def _admit(self, request: Request, aborted: list[tuple[Request, BaseException]]) -> bool | None:
+        """Whether the extensions of a waiting request let it start now; None when one
+        failed it (it is aborted, and added to ``aborted``)."""
+        for ext in self._features(request):
+            try:
+                if not ext.admit(request):
+                    return False
+            except Exception as exc:
+                self.waiting.pop()
+                request.failure = exc
+                self.requests.pop(request.request_id, None)
+                self._finished(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append((request, exc))
+                return None
+        return True
+
+    def _propose(
+        self,
+        scheduled: dict[Request, ScheduledRequest],
+        to_verify: list[tuple[ScheduledRequest, int]],
+    ) -> int:
+        """The extra tokens of the scheduled decoding requests that are still in the step
+        (preemption may have undone some). Returns the budget given back."""
+        live = [(item, room) for item, room in to_verify if scheduled.get(item.request) is item]
+        if not live:
+            return 0
+        for item, _ in live:
+            item.block_ids = self.kv.get_block_ids(item.request.request_id)
+        assert self._verifier is not None
+        return self._verifier.propose(live)
+
+    def token_mask(self, output: SchedulerOutput) -> Any:
+        """The extensions' token mask for the step's sampling requests (bool
+        ``[rows, vocab]``, True = allowed), or None when nothing is masked."""
+        for ext in self._masks:
+            mask = ext.token_mask(output.sampling_requests)
+            if mask is not None:
+                return mask
+        return None
 
     def _partial_prefill_counts(
         self, scheduled: dict[Request, ScheduledRequest]
@@ -341,9 +340,9 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, advance guided-decoding
-        matchers, and apply the stop conditions that need no text (EOS, stop token ids,
-        max_tokens, the model length, a token that breaks its constraint). Returns the
+        """Advance computed tokens, append sampled tokens (or what the extensions read from
+        the output), and apply the stop conditions that need no text (EOS, stop token ids,
+        max_tokens, the model length, an extension's check of each token). Returns the
         requests that got a new token, finished ones included, and those the step failed
         on (aborted, with ``failure`` set)."""
         # The step ran: the tails its block copies read may go.
@@ -351,29 +350,24 @@ class Scheduler:
         if result.error is not None:
             return self._fail_scheduled(output, result.error)
         updated = []
+        outcomes: dict[str, StepOutcome] = {}
+        for ext in self._readers:
+            outcomes.update(ext.read_outputs(output, result))
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            drafts = item.draft_token_ids
-            request.num_computed_tokens = (
-                item.num_computed_tokens + item.num_new_tokens - len(drafts)
-            )
-            if drafts and request.request_id in result.spec_token_ids:
-                tokens = result.spec_token_ids[request.request_id]
-                # The kept drafts' KV is valid; the rejected ones' slots are rewritten later.
-                request.num_computed_tokens += len(tokens) - 1
-                self.spec_stats["drafts"] += 1
-                self.spec_stats["draft_tokens"] += len(drafts)
-                self.spec_stats["accepted_tokens"] += len(tokens) - 1
-                self._append_tokens(request, tokens, updated)
-                continue
-            if request.request_id in result.pooled:  # a pooling request: done
-                self.running.remove(request)
-                self.requests.pop(request.request_id, None)
-                request.status = RequestStatus.FINISHED_STOPPED
-                self.kv.free(request)
-                updated.append(request)
+            request.num_computed_tokens = item.num_computed_tokens + item.num_known_tokens
+            outcome = outcomes.get(request.request_id) if outcomes else None
+            if outcome is not None:
+                request.num_computed_tokens += outcome.computed
+                if outcome.finished:
+                    self.running.remove(request)
+                    self.requests.pop(request.request_id, None)
+                    self._finished(request, RequestStatus.FINISHED_STOPPED)
+                    updated.append(request)
+                else:
+                    self._append_tokens(request, outcome.tokens, updated)
                 continue
             token = result.sampled_token_ids.get(request.request_id)
             if token is None:
@@ -390,14 +384,13 @@ class Scheduler:
             request.num_new_output_tokens += 1
             try:
                 status = self._check_stop(request, token)
-            except Exception as exc:  # a matcher's error fails its request only
+            except Exception as exc:  # an extension's error fails its request only
                 self._fail(request, exc)
                 break
             if status is not None:
                 self.running.remove(request)
                 self.requests.pop(request.request_id, None)
-                request.status = status
-                self.kv.free(request)
+                self._finished(request, status)
                 break
         updated.append(request)
 
@@ -422,24 +415,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
-        if self.guided is not None and not self.guided.accept(request, token):
-            # Only when a ban overrode the mask (e.g. min_tokens against a finished
-            # constraint): end the output rather than leave the constraint.
-            logger.warning(
-                "request %s: token %d breaks its guided-decoding constraint; stopping it",
-                request.request_id,
-                token,
-            )
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+        if request.features:
+            for ext in self._features(request):
+                status = ext.check_token(request, token)
+                if status is not None:
+                    return status
         return None
-
-
-def _compile_error(request: Request) -> BaseException | None:
-    """Why the request's finished constraint compile failed, or None (no failure yet)."""
-    future = request.guided_compile
-    if future is None or not future.done():
-        return None
-    if future.cancelled():
-        return RuntimeError("compiling its constraint was stopped")
-    return future.exception()

@@ -37,6 +37,12 @@ class EngineStats:
         )
 
 
+# The step extensions' counters that EngineStats reports (see SchedulerInterface).
+_EXTENSION_COUNTERS = frozenset(
+    f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("spec_")
+)
+
+
 class StatLogger:
     def __init__(self, engine: Any, enabled: bool = True) -> None:
         self.engine = engine
@@ -74,8 +80,9 @@ class StatLogger:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             **{
-                f"spec_{key}": value
-                for key, value in getattr(self.engine.scheduler, "spec_stats", {}).items()
+                key: value
+                for key, value in self.engine.scheduler.extension_stats().items()
+                if key in _EXTENSION_COUNTERS
             },
         )
 

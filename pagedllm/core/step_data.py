@@ -30,8 +30,14 @@ class ScheduledRequest:
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
+    def num_known_tokens(self) -> int:
+        """The new tokens that are the request's own (the rest are drafts to verify)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
     def reaches_end(self) -> bool:
         """Whether this step computes the request's last known token, so it samples."""
+        # (num_known_tokens inlined: read for every request several times a step)
         known = self.num_new_tokens - len(self.draft_token_ids)
         return self.num_computed_tokens + known == self.request.num_tokens
 

@@ -25,7 +25,9 @@ TOK = 7  # the token sampled unless a test says otherwise
 _arrival = itertools.count()
 
 
-def make_scheduler(num_blocks=64, max_model_len=256, caching=False, **overrides) -> Scheduler:
+def make_scheduler(
+    num_blocks=64, max_model_len=256, caching=False, extensions=(), **overrides
+) -> Scheduler:
     fields = dict(
         max_num_batched_tokens=32,
         max_num_seqs=8,
@@ -40,7 +42,7 @@ def make_scheduler(num_blocks=64, max_model_len=256, caching=False, **overrides)
     )
     fields.update(overrides)
     kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
-    return Scheduler(SchedulerConfig(**fields), kv, max_model_len)
+    return Scheduler(SchedulerConfig(**fields), kv, max_model_len, extensions=extensions)
 
 
 def add(sched: Scheduler, rid: str, prompt: int | list[int], priority=0, **params) -> Request:
@@ -421,7 +423,10 @@ def test_waiting_queue_is_one_class_per_policy():
 def test_a_failed_constraint_compile_aborts_the_request_and_is_never_admitted():
     from concurrent.futures import Future
 
-    sched = make_scheduler()
+    from pagedllm.features.guided import GuidedExtension
+
+    guided = GuidedExtension(manager=None)  # (compiles only: no mask, no matcher)
+    sched = make_scheduler(extensions=[guided])
     compiling: Future = Future()
     request = add(sched, "guided", 4)
     request.guided_compile = compiling
@@ -443,7 +448,7 @@ def test_a_failed_constraint_compile_aborts_the_request_and_is_never_admitted():
     other.guided_compile = late
     sched.add_request(other)
     late.set_exception(ValueError("too big"))
-    sched._compile_failures.clear()
+    guided.failures.clear()
     out = sched.schedule()
     assert "late" not in {i.request.request_id for i in out.scheduled}
     assert [(r.request_id, str(e)) for r, e in out.aborted] == [("late", "too big")]

@@ -456,7 +456,7 @@ def test_speculative_decoding_over_two_ranks(parallel, method, tmp_path):
         assert [o.outputs[0].token_ids for o in outputs] == [
             o.outputs[0].token_ids for o in expected
         ]
-        stats = llm.llm_engine.scheduler.spec_stats
+        stats = llm.llm_engine.scheduler.extensions["spec"].stats
         assert 0 < stats["accepted_tokens"] <= stats["draft_tokens"]
         if method == "draft_model":
             assert stats["accepted_tokens"] == stats["draft_tokens"]

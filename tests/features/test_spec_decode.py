@@ -45,7 +45,7 @@ def test_greedy_outputs_are_unchanged(checkpoint, setting):
     expected = _tokens(LLM(str(checkpoint), **kwargs), params)
     llm = LLM(str(checkpoint), speculative_config=NGRAM, **kwargs)
     assert _tokens(llm, params) == expected
-    stats = llm.llm_engine.scheduler.spec_stats
+    stats = llm.llm_engine.scheduler.extensions["spec"].stats
     assert stats["draft_tokens"] > 0 and 0 < stats["accepted_tokens"] < stats["draft_tokens"]
     if setting == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -95,7 +95,7 @@ def test_sampled_outputs_keep_the_target_distribution(checkpoint, method):
         key = tuple(output.outputs[0].token_ids[:2])
         assert key in exact, key
         counts[key] = counts.get(key, 0) + 1
-    stats = llm.llm_engine.scheduler.spec_stats
+    stats = llm.llm_engine.scheduler.extensions["spec"].stats
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
     # Chi-square over the outcomes expected at least 5 times (the rest pooled).
     observed, expected, rest_o, rest_e = [], [], 0, 0.0
@@ -134,7 +134,7 @@ def test_draft_model_greedy_outputs_are_unchanged(checkpoint, other_checkpoint, 
         config = {"model": str(draft), "num_speculative_tokens": 3}
         llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
         assert _tokens(llm, params) == expected
-        stats = llm.llm_engine.scheduler.spec_stats
+        stats = llm.llm_engine.scheduler.extensions["spec"].stats
         assert stats["draft_tokens"] > 0
         if draft == checkpoint and setting != "preemption":
             assert stats["accepted_tokens"] == stats["draft_tokens"]
@@ -147,7 +147,7 @@ def test_disable_by_batch_size(checkpoint):
     config = {**NGRAM, "disable_by_batch_size": 1}
     llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=config)
     _tokens(llm, params)  # every step has a running request: never speculates
-    assert llm.llm_engine.scheduler.spec_stats["draft_tokens"] == 0
+    assert llm.llm_engine.scheduler.extensions["spec"].stats["draft_tokens"] == 0
 
 
 def test_max_model_len_stops_speculating_long_sequences(checkpoint):
@@ -159,7 +159,7 @@ def test_max_model_len_stops_speculating_long_sequences(checkpoint):
     config = {**NGRAM, "max_model_len": 30}
     llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
     assert _tokens(llm, params) == expected
-    stats = llm.llm_engine.scheduler.spec_stats
+    stats = llm.llm_engine.scheduler.extensions["spec"].stats
     long_prompt = {"prompt_token_ids": PROMPTS[3]}
     before = dict(stats)
     assert llm.generate(long_prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected[3]
@@ -196,7 +196,7 @@ def test_max_model_len_follows_vllms_rule(checkpoint, short_draft, limit):
     llm = LLM(str(checkpoint), speculative_config=config, **kwargs)
     output = llm.generate(prompt, params, use_tqdm=False)
     assert output[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
-    stats = llm.llm_engine.scheduler.spec_stats
+    stats = llm.llm_engine.scheduler.extensions["spec"].stats
     assert stats["draft_tokens"] == (0 if limit == 15 else 3)
     assert stats["accepted_tokens"] == stats["draft_tokens"]
 
@@ -216,7 +216,7 @@ def test_requests_that_cannot_be_verified_decode_as_usual(checkpoint):
     expected = _tokens(LLM(str(checkpoint), dtype="float32", disable_log_stats=True), params)
     llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True, speculative_config=NGRAM)
     assert _tokens(llm, params) == expected
-    assert llm.llm_engine.scheduler.spec_stats["draft_tokens"] == 0
+    assert llm.llm_engine.scheduler.extensions["spec"].stats["draft_tokens"] == 0
 
 
 def test_bad_configs():

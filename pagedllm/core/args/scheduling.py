@@ -142,8 +142,17 @@ class SchedulingArgs:
     scheduler_cls: str | type = arg(
         SchedulerConfig.scheduler_cls,
         group="SchedulerConfig",
-        help="Import path ('module.Class') of the scheduler class to use (from Python, the "
-        "class itself too): a subclass of pagedllm.core.scheduler.Scheduler.",
+        help="The scheduler class to use: a registered name ('default', or a plugin's) or an "
+        "import path 'module.Class' (from Python, the class itself too) of a class that "
+        "implements pagedllm.core.interfaces.SchedulerInterface.",
+    )
+    step_extensions: list[str] = arg(
+        [],
+        group="SchedulerConfig",
+        nargs="+",
+        help="Plugins' step extensions to turn on, by registered name (pagedllm's own, "
+        "LoRA, speculative decoding, pooling and guided decoding, turn on with their "
+        "own options).",
     )
     cuda_graph_sizes: list[int] = arg(
         [512],

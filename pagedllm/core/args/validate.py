@@ -24,13 +24,12 @@ from pagedllm.core.args.checks import (
 from pagedllm.core.args.spec import is_default, option_name
 from pagedllm.core.configs.runtime import DEFAULT_CPU_KVCACHE_SPACE_GIB
 from pagedllm.core.configs.scheduling import SchedulerConfig
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.errors import ConfigError, PluginError
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.interfaces import Device
     from pagedllm.core.plugins import PluginManager
-    from pagedllm.core.scheduler import Scheduler
 
 logger = logging.getLogger("pagedllm.config")
 
@@ -75,7 +74,8 @@ def validate_engine_args(args: EngineArgs, pm: PluginManager) -> Device:
     for note in no_op_fields(args):
         logger.info("%s", note)
     _check_enable_reasoning(args)
-    scheduler_class(args.scheduler_cls)
+    scheduler_class(args.scheduler_cls, pm)
+    _check_step_extensions(args.step_extensions, pm)
 
     device = resolve_device(args.device, pm)
     # Import the chosen plugins now, so a broken one fails at start-up, by name.
@@ -157,27 +157,58 @@ def _refuse_without_effect(args: EngineArgs, device: Device, guided_backends: li
                 )
 
 
-def scheduler_class(path: str | type | None) -> type[Scheduler]:
-    """``--scheduler-cls``: a Scheduler subclass, or a dotted path to one."""
+def scheduler_class(path: str | type | None, pm: PluginManager | None = None) -> type:
+    """``--scheduler-cls``: a registered scheduler's name, a dotted path to a class, or
+    the class; it implements :class:`~pagedllm.core.interfaces.scheduler.SchedulerInterface`."""
+    from pagedllm.core.interfaces.scheduler import SchedulerInterface
     from pagedllm.core.scheduler import Scheduler
 
     if path in (None, DEFAULT_SCHEDULER, *_SCHEDULER_ALIASES):
         return Scheduler
+    registry = pm.registry("schedulers") if pm is not None else None
     if isinstance(path, type):
         cls: object = path
         path = f"{path.__module__}.{path.__qualname__}"
+    elif "." not in path:
+        if registry is None or path not in registry:
+            names = ", ".join(registry.names()) if registry is not None else "default"
+            raise ConfigError(
+                f"--scheduler-cls {path}: no scheduler of that name (registered: {names}; "
+                "or give a class's dotted path 'module.Class')"
+            )
+        try:
+            return registry.load(path)
+        except PluginError as exc:
+            raise ConfigError(f"--scheduler-cls {path}: {exc}") from exc
     else:
         module_name, _, class_name = path.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError, ValueError) as exc:
             raise ConfigError(f"--scheduler-cls {path}: cannot import it: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+    if not (isinstance(cls, type) and issubclass(cls, SchedulerInterface)):
         raise ConfigError(
             f"--scheduler-cls {path}: not a subclass of "
-            f"{Scheduler.__module__}.{Scheduler.__qualname__}"
+            f"{Scheduler.__module__}.{Scheduler.__qualname__} (nor of "
+            f"{SchedulerInterface.__module__}.{SchedulerInterface.__qualname__}, the "
+            "scheduler contract)"
         )
     return cls
+
+
+def _check_step_extensions(names: list[str], pm: PluginManager) -> None:
+    """``--step-extensions``: registered step extensions, each named once."""
+    registry = pm.registry("step_extensions")
+    for name in names:
+        if name not in registry:
+            raise ConfigError(
+                f"--step-extensions {name}: no step extension of that name (registered: "
+                f"{', '.join(registry.names()) or 'none'})"
+            )
+        try:
+            registry.load(name)
+        except PluginError as exc:
+            raise ConfigError(f"--step-extensions {name}: {exc}") from exc
 
 
 def resolve_device(name: str, pm: PluginManager) -> Device:

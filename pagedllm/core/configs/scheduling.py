@@ -22,13 +22,18 @@ class SchedulerConfig(Config):
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     delay_factor: float = 0.0
-    # A Scheduler subclass, or the dotted path to one.
+    # A registered scheduler's name, a SchedulerInterface class, or the dotted path to one.
     scheduler_cls: str | type = "pagedllm.core.scheduler.Scheduler"
+    # --step-extensions: plugins' step extensions to turn on, by registered name.
+    step_extensions: tuple[str, ...] = ()
 
     arg_names: ClassVar[dict[str, str]] = {
         "policy": "scheduling_policy",
         "delay_factor": "scheduler_delay_factor",
     }
+
+    def validate(self) -> None:
+        self.step_extensions = tuple(self.step_extensions)
 
 
 @dataclasses.dataclass

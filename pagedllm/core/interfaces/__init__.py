@@ -4,6 +4,7 @@ from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.cli import CLISubcommand
 from pagedllm.core.interfaces.device import Device, KVCacheMemory
 from pagedllm.core.interfaces.executor import Executor
+from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
 from pagedllm.core.interfaces.guided import (
     CompiledConstraint,
     Grammar,
@@ -28,6 +29,7 @@ from pagedllm.core.interfaces.quantization import (
     MoEMethod,
     QuantizationConfig,
 )
+from pagedllm.core.interfaces.scheduler import SchedulerInterface
 
 __all__ = [
     "AttentionBackend",
@@ -50,6 +52,9 @@ __all__ = [
     "ModelLoader",
     "QuantizationConfig",
     "ReasoningParser",
+    "SchedulerInterface",
+    "StepExtension",
+    "StepOutcome",
     "ToolCall",
     "ToolParser",
     "new_tool_call_id",

@@ -59,6 +59,11 @@ def pagedllm_register_executors(registry):
 
 
 @hookimpl
+def pagedllm_register_step_extensions(registry):
+    registry.add("dummy_cap", "pagedllm_dummy_plugin.extension:CapExtension")
+
+
+@hookimpl
 def pagedllm_add_cli_args(parser, subcommand):
     if subcommand == "serve":
         parser.add_argument("--dummy-greeting", default=None, help="Added by the dummy plugin.")

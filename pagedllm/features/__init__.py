@@ -1,0 +1,19 @@
+"""Step extensions: what a feature adds to an engine step, beside the scheduler's loop
+(the interface is :class:`pagedllm.core.interfaces.extension.StepExtension`).
+
+Each is built by the engine from its configuration through the ``step_extensions``
+registry, which this package fills with pagedllm's own.
+"""
+
+from pagedllm.core.hookspecs import hookimpl
+from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
+
+__all__ = ["StepExtension", "StepOutcome"]
+
+
+@hookimpl
+def pagedllm_register_step_extensions(registry):
+    registry.add("guided", "pagedllm.features.guided:GuidedExtension")
+    registry.add("lora", "pagedllm.features.lora:LoRAExtension")
+    registry.add("pooling", "pagedllm.features.pooling:PoolingExtension")
+    registry.add("spec", "pagedllm.features.speculative:SpeculativeExtension")

@@ -1,0 +1,93 @@
+"""Guided decoding in the step: a request waits while its constraint compiles and is
+aborted if it fails to; the token mask of each step; each new token's acceptance (a
+token that breaks the constraint stops the request)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.interfaces.extension import StepExtension
+from pagedllm.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedllm.core.guided import GuidedDecodingManager
+
+logger = logging.getLogger("pagedllm.scheduler")
+
+
+class GuidedExtension(StepExtension):
+    """A request's state: the future of its compiled constraint."""
+
+    name = "guided"
+
+    def __init__(self, manager: GuidedDecodingManager | None) -> None:
+        super().__init__()
+        # (None in scheduler tests that only compile: no mask, every token accepted.)
+        self.manager = manager
+        # Waiting requests whose constraint failed to compile (appended by the compile
+        # future's callback, on whichever thread finished it; drained each step).
+        self.failures: deque[Request] = deque()
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> GuidedExtension | None:
+        return None if engine.guided is None else cls(engine.guided)
+
+    @classmethod
+    def not_enabled_error(cls) -> InvalidRequestError:
+        return InvalidRequestError(
+            "guided_decoding", "guided decoding needs the tokenizer (--skip-tokenizer-init)"
+        )
+
+    def add_request(self, request: Request) -> None:
+        def done(_: Any) -> None:
+            if compile_error(request) is not None:
+                self.failures.append(request)
+
+        request.guided_compile.add_done_callback(done)
+
+    def begin_step(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
+        failed = []
+        while self.failures:
+            request = self.failures.popleft()
+            error = compile_error(request)
+            assert error is not None
+            failed.append((request, error))
+        return failed
+
+    def admit(self, request: Request) -> bool:
+        if request.is_compiling:
+            return False  # still compiling its constraint
+        error = compile_error(request)
+        if error is not None:
+            # Failed just now (its done-callback may not have run yet): never admit it.
+            raise error
+        return True
+
+    def token_mask(self, requests: list[Request]) -> Any:
+        return None if self.manager is None else self.manager.token_mask(requests)
+
+    def check_token(self, request: Request, token: int) -> RequestStatus | None:
+        if self.manager is not None and not self.manager.accept(request, token):
+            # Only when a ban overrode the mask (e.g. min_tokens against a finished
+            # constraint): end the output rather than leave the constraint.
+            logger.warning(
+                "request %s: token %d breaks its guided-decoding constraint; stopping it",
+                request.request_id,
+                token,
+            )
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+
+def compile_error(request: Request) -> BaseException | None:
+    """Why the request's finished constraint compile failed, or None (no failure yet)."""
+    future = request.guided_compile
+    if future is None or not future.done():
+        return None
+    if future.cancelled():
+        return RuntimeError("compiling its constraint was stopped")
+    return future.exception()
