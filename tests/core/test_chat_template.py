@@ -242,8 +242,8 @@ def test_errors_match_transformers(tokenizers):
 
 def test_server_limits_bound_this_renderer(tokenizers):
     """The server's template guard bounds templates this renderer compiles, in size and
-    in time, as it bounds transformers' (tests/entrypoints/openai/test_robustness.py); outside its block
-    they render as usual."""
+    in time, as it bounds transformers' (tests/entrypoints/openai/test_robustness.py);
+    outside its block they render as usual."""
     from pagedllm.entrypoints.openai.template_guard import TemplateLimitError, bounded
 
     ours = tokenizers[0]
