@@ -65,6 +65,7 @@ ENV_STRICT = "PAGEDLLM_STRICT_PLUGINS"
 BUILTIN_ENTRY_POINTS = {
     "pagedllm.core": "pagedllm.core.builtins",
     "pagedllm.features": "pagedllm.features",
+    "pagedllm.executors": "pagedllm.executors",
 }
 
 
