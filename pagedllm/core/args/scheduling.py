@@ -147,7 +147,7 @@ class SchedulingArgs:
         "implements pagedllm.core.interfaces.SchedulerInterface.",
     )
     step_extensions: list[str] = arg(
-        [],
+        SchedulerConfig.default("step_extensions"),
         group="SchedulerConfig",
         nargs="+",
         help="Plugins' step extensions to turn on, by registered name (pagedllm's own, "

@@ -25,15 +25,12 @@ class SchedulerConfig(Config):
     # A registered scheduler's name, a SchedulerInterface class, or the dotted path to one.
     scheduler_cls: str | type = "pagedllm.core.scheduler.Scheduler"
     # --step-extensions: plugins' step extensions to turn on, by registered name.
-    step_extensions: tuple[str, ...] = ()
+    step_extensions: list[str] = dataclasses.field(default_factory=list)
 
     arg_names: ClassVar[dict[str, str]] = {
         "policy": "scheduling_policy",
         "delay_factor": "scheduler_delay_factor",
     }
-
-    def validate(self) -> None:
-        self.step_extensions = tuple(self.step_extensions)
 
 
 @dataclasses.dataclass
