@@ -37,6 +37,8 @@ KINDS = {
     "Reasoning parser": ("reasoning_parsers", "dummy_reasoning"),
     "Guided-decoding backend": ("guided_backends", "dummy_choice"),
     "CLI subcommand": ("cli_subcommands", "dummy-hello"),
+    "Executor": ("executors", "dummy_exec"),
+    "Step extension": ("step_extensions", "dummy_cap"),
 }
 _REGION = re.compile(r"^[ \t]*# \[docs:(\w+)\]\n(.*?)^[ \t]*# \[/docs:\1\]\n", re.M | re.S)
 _SNIPPET = re.compile(r"<!-- snippet: (\w+) -->\n```python\n(.*?)```\n", re.S)

@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.core.args.parsers import human_int
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
-from pagedllm.core.argspec import arg, human_int
+from pagedllm.core.args.spec import arg
 from pagedllm.core.configs.model import LoadConfig, ModelConfig
 from pagedllm.core.configs.scheduling import CompilationConfig
 from pagedllm.core.default_model import DEFAULT_MODEL_DISTRIBUTION, INSTALL_HINT

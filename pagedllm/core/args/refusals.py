@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedllm.core.argspec import arg
+from pagedllm.core.args.spec import arg
 from pagedllm.core.configs.runtime import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUSED
 
 _LEAVE_OUT = "; leave this flag out"

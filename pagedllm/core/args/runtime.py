@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pagedllm.core.args.parsers import json_or_key_values
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
-from pagedllm.core.argspec import arg, json_or_key_values
+from pagedllm.core.args.spec import arg
 from pagedllm.core.configs.runtime import CacheConfig, DecodingConfig, LoRAConfig, ParallelConfig
 
 

@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 from typing import Any
 
+from pagedllm.core.args.parsers import json_dict
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
-from pagedllm.core.argspec import arg, json_dict
+from pagedllm.core.args.spec import arg
 from pagedllm.core.configs.scheduling import ObservabilityConfig, SchedulerConfig
 
 _COMPILATION_LEVELS = ("0", "1", "2", "3")
