@@ -32,7 +32,7 @@ def build(model, **kwargs):
     [
         (dict(task="classify"), "--task classify: LlamaForCausalLM serves generate, embed"),
         (dict(task="transcription"), "--task transcription: not supported"),
-        (dict(config_format="mistral"), "cannot read the Mistral config"),
+        (dict(config_format="mistral"), "--config-format mistral: --load-format auto"),
         (dict(logits_processor_pattern=".*"), "--logits-processor-pattern"),
         (dict(swap_space=8), "--swap-space=8: pagedllm never swaps"),
         (dict(gpu_memory_utilization=0.5), "does not apply to the cpu device"),

@@ -339,7 +339,7 @@ def test_expert_parallelism_splits_the_number_of_experts():
         MixtralForCausalLM.check_tensor_parallel(config, 4, experts=True)
     # (a dense model's check takes the keyword too, which changes nothing there)
     llama.LlamaForCausalLM.check_tensor_parallel(_llama_config(), 2, experts=True)
-    from pagedllm.core.engine import _check_expert_parallel
+    from pagedllm.executors.base import _check_expert_parallel
 
     class Older(llama.LlamaForCausalLM):  # (a plugin's check from before the keyword)
         @classmethod
