@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
@@ -75,10 +76,14 @@ class LLMEngine:
         # while this process, rank 0, builds its own).
         backend = config.parallel_config.distributed_executor_backend
         self.executor: Executor = executor_class(backend, pm)(config, pm)
+        # An engine still alive when the interpreter exits stops its ranks first (the
+        # workers exit, this process leaves their group) rather than leave them to the
+        # interpreter's teardown, where a live collective group can abort the process.
+        self._stop_executor = weakref.finalize(self, self.executor.shutdown)
         try:
             self._build(config, pm)
         except BaseException:
-            self.executor.shutdown()
+            self._stop_executor()
             raise
 
     @property
@@ -593,7 +598,7 @@ class LLMEngine:
         self.abort_request(self.unfinished_request_ids())
         if self.guided is not None:
             self.guided.shutdown()
-        self.executor.shutdown()
+        self._stop_executor()
         gc.unfreeze()  # (so that collecting the engine's cycles can free it)
 
     # ------------------------------------------------------------ guided decoding
