@@ -28,21 +28,13 @@ from pagedllm.core.args.checks import (
     refused_fields,
 )
 
-# (the option parsers, re-exported: where they were first)
+# (the option parsers live in args/parsers.py; named in __all__ for the callers of argspec)
 from pagedllm.core.args.parsers import (
-    human_int as human_int,
-)
-from pagedllm.core.args.parsers import (
-    json_dict as json_dict,
-)
-from pagedllm.core.args.parsers import (
-    json_or_key_values as json_or_key_values,
-)
-from pagedllm.core.args.parsers import (
-    optional_int as optional_int,
-)
-from pagedllm.core.args.parsers import (
-    optional_str as optional_str,
+    human_int,
+    json_dict,
+    json_or_key_values,
+    optional_int,
+    optional_str,
 )
 from pagedllm.core.args.spec import (
     META_KEY,

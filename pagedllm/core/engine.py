@@ -20,6 +20,7 @@ from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.interfaces.executor import Executor, executor_class
 from pagedllm.core.interfaces.extension import StepExtension
 from pagedllm.core.kv_cache import KVCacheManager
+from pagedllm.core.kv_cache.spec import kv_cache_spec, kv_cache_torch_dtype
 from pagedllm.core.model_files import resolve_model_path
 from pagedllm.core.model_setup import (
     load_model,
@@ -35,7 +36,7 @@ from pagedllm.core.pooling import (
     sentence_transformers_pooler,
 )
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.runner import ModelRunner, kv_cache_spec, kv_cache_torch_dtype
+from pagedllm.core.runner import ModelRunner
 from pagedllm.core.sampling import SamplingParams
 from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger

@@ -17,11 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# (re-exported from where they were first)
-from pagedllm.core.attention.layer import set_kv_scales as set_kv_scales
-from pagedllm.core.kv_cache.spec import KVCacheSpec as KVCacheSpec
-from pagedllm.core.kv_cache.spec import kv_cache_spec as kv_cache_spec
-from pagedllm.core.kv_cache.spec import kv_cache_torch_dtype as kv_cache_torch_dtype
+from pagedllm.core.kv_cache.spec import KVCacheSpec
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.transfer import host_tensor

@@ -128,10 +128,11 @@ class Worker:
         turn), expert-parallel checks, compile, LoRA slots (before the KV cache is sized
         from the memory left), the attention backend, the KV cache's scales."""
         from pagedllm.core.args.validate import attention_backend_name
+        from pagedllm.core.attention.layer import set_kv_scales
         from pagedllm.core.compilation import compile_model
+        from pagedllm.core.kv_cache.spec import kv_cache_torch_dtype
         from pagedllm.core.model_setup import load_model
         from pagedllm.core.plugins import make_plugin_manager
-        from pagedllm.core.runner import kv_cache_torch_dtype, set_kv_scales
 
         config = self.config
         device = config.device_config.device

@@ -20,7 +20,7 @@ from tiny_models import ARCHITECTURES, load_reference, make_checkpoint, referenc
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.runner import kv_cache_spec
+from pagedllm.core.kv_cache.spec import kv_cache_spec
 from pagedllm.kernels.triton_attention import interpreted, triton_available
 
 if not (torch.cuda.is_available() and triton_available() and not interpreted()):

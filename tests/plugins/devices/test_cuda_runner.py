@@ -16,8 +16,9 @@ from tiny_models import load_reference, make_checkpoint, reference_greedy
 from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.core.compilation import compilation_config, graph_sizes
 from pagedllm.core.errors import ConfigError
+from pagedllm.core.kv_cache.spec import kv_cache_spec
 from pagedllm.core.plugins import make_plugin_manager
-from pagedllm.core.runner import kv_cache_spec, profile_step
+from pagedllm.core.runner import profile_step
 from pagedllm.plugins.devices.cpu import CpuDevice
 
 pytest.importorskip("triton")
