@@ -139,7 +139,7 @@ def _sizes(engine):
         "kv.free_blocks": pool.get_num_free_blocks(),
         "kv.num_blocks": pool.num_blocks,
         "kv.prefix_cache_map": _len(pool.cached_block_hash_to_block),
-        "guided._cache": _len(getattr(eng.guided, "_cache", ())) if eng.guided else None,
+        "guided._cache": _len(getattr(eng.extensions["guided"].manager, "_cache", ())),
         "threads": len(__import__("threading").enumerate()),
     }
     for listener in engine.step_listeners:

@@ -198,10 +198,10 @@ class AsyncLLMEngine:
     def load_lora(self, request: LoRARequest) -> concurrent.futures.Future[None]:
         """Load the adapter on the engine thread, between steps (``InvalidRequestError``
         when it cannot be); a future, so that start-up can wait for it without a loop."""
-        return self._submit(lambda: self.engine.lora.adapter(request))
+        return self._submit(lambda: self.engine.extensions["lora"].manager.adapter(request))
 
     def unload_lora(self, lora_int_id: int) -> concurrent.futures.Future[None]:
-        return self._submit(lambda: self.engine.lora.remove(lora_int_id))
+        return self._submit(lambda: self.engine.extensions["lora"].manager.remove(lora_int_id))
 
     async def generate(
         self,
@@ -262,9 +262,10 @@ class AsyncLLMEngine:
         guided = as_guided_params(getattr(params, "guided_decoding", None))
         if guided is None:
             return
-        if self.engine.guided is None:
+        manager = self._guided_manager()
+        if manager is None:
             raise ValueError("guided decoding needs the tokenizer (--skip-tokenizer-init)")
-        key, future = self.engine.guided.acquire(guided)
+        key, future = manager.acquire(guided)
         try:
             await asyncio.shield(asyncio.wrap_future(future))
         except CompileCancelled:  # stopped for everyone: the engine is shutting down
@@ -274,7 +275,12 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the server is shutting down") from None
             raise
         finally:
-            self.engine.guided.release(key)
+            manager.release(key)
+
+    def _guided_manager(self) -> Any:
+        """The guided-decoding step extension's compiles, or None (no tokenizer)."""
+        extension = self.engine.extensions.get("guided")
+        return None if extension is None else extension.manager
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Stop requests (from any thread); their KV blocks are freed."""
@@ -296,8 +302,9 @@ class AsyncLLMEngine:
     def stop_compiling(self) -> None:
         """Stop every guided-decoding compile now (from any thread): requests waiting on
         one fail with EngineDeadError."""
-        if self.engine.guided is not None:
-            self.engine.guided.shutdown()
+        manager = self._guided_manager()
+        if manager is not None:
+            manager.shutdown()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; waiting requests fail with EngineDeadError."""

@@ -14,31 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.batch_invariance import check_batch_invariance
-from pagedllm.core.config import ParallelConfig, scheduler_class
+from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
-from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.interfaces.executor import Executor, executor_class
 from pagedllm.core.interfaces.extension import StepExtension
 from pagedllm.core.kv_cache import KVCacheManager
-from pagedllm.core.kv_cache.spec import kv_cache_spec, kv_cache_torch_dtype
-from pagedllm.core.model_files import resolve_model_path
-from pagedllm.core.model_setup import (
-    load_model,
-    num_kv_blocks,
-)
+from pagedllm.core.model_setup import num_kv_blocks, resolve_task
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
 from pagedllm.core.outputs import RequestMetrics, RequestOutput
-from pagedllm.core.pooling import (
-    POOLING_TASKS,
-    PoolerConfig,
-    PoolingParams,
-    resolve_task,
-    sentence_transformers_pooler,
-)
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner
 from pagedllm.core.sampling import SamplingParams
-from pagedllm.core.sampling.guided_params import as_guided_params
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.step_extensions import build_step_extensions
@@ -62,7 +48,9 @@ class NewRequest:
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
-    lora_request: Any = None
+    # The step extensions' request keywords given, by keyword (see
+    # StepExtension.request_arg).
+    extension_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class LLMEngine:
@@ -114,47 +102,44 @@ class LLMEngine:
         loaded = self.executor.load_model()
         # When each rank loaded its weights (rank 0 first; empty with one rank).
         self.rank_loading = self.executor.rank_loading
-        self.lora = self.executor.lora
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.hf_config.vocab_size
+        self.attention_backend_cls = backend_cls
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
-        self.pooler_configs = self._set_up_pooling(loaded.model) if self.is_pooling else {}
-        config, cache = self.config, self.config.cache_config  # (pooling's copy)
+        # The step extensions the configuration turns on (pagedllm's features, a
+        # plugin's), by name; each may change the
+        # configuration (the validated one is frozen: the engine runs with a copy) and
+        # take memory before the KV cache is sized from what is left.
+        self.extensions = {e.name: e for e in build_step_extensions(self)}
+        extensions = list(self.extensions.values())
+        # The request tasks served beside generation (each an extension's).
+        self.served_tasks = tuple(task for e in extensions for task in e.tasks)
+        for extension in extensions:
+            self.config = extension.adjust_config(self.config)
+        config, cache = self.config, self.config.cache_config
         # (every rank holds num_blocks blocks of its KV cache)
-        spec, bytes_per_block = self.executor.kv_cache_layout(loaded)
+        layout, bytes_per_block = self.executor.kv_cache_layout(loaded)
         device = config.device_config.device
-        check_batch_invariance(config, backend_cls(), loaded.model, spec.dtype)
-        # Decode steps replayed from graphs: generation without adapters, on a device that
-        # captures them, unless --enforce-eager (then capture_sizes is empty).
+        check_batch_invariance(config, backend_cls(), loaded.model, layout.dtype)
+        # Decode steps replayed from graphs: on a device that captures them, unless
+        # --enforce-eager (then capture_sizes is empty), with one rank and no extension
+        # that changes what a step computes.
         use_graphs = (
             device.captures_graphs
             and bool(config.compilation_config.capture_sizes)
-            and not self.is_pooling
-            and config.lora_config is None
+            and all(e.allows_decode_graphs for e in extensions)
             and self.executor.num_ranks == 1
         )
-        # The draft model takes its memory before the KV cache is sized from what is left
-        # (as the adapters' slots, which the executor's workers made).
-        speculative = config.speculative_config
-        draft = None
-        if speculative is not None:
-            from pagedllm.core.spec_decode import speculation_limit
-
-            if speculative.method == "draft_model":
-                draft = self._load_draft(speculative)
-            draft_len = None if draft is None else draft[0].max_model_len
-            speculative = speculation_limit(speculative, self.max_model_len, draft_len)
-        if draft is not None:
-            bytes_per_block += draft[1].bytes_per_block(cache.block_size)
+        bytes_per_block += sum(e.kv_bytes_per_block(cache.block_size) for e in extensions)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
             device.measure_peak_memory(
                 functools.partial(
                     self.executor.profile,
-                    spec,
+                    layout,
                     block_size=cache.block_size,
                     num_tokens=sched.max_num_batched_tokens,
                     num_seqs=sched.max_num_seqs,
@@ -170,42 +155,32 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
         )
-        self.guided: GuidedDecodingManager | None = None
-        if self.tokenizer is not None:
-            self.guided = GuidedDecodingManager(
-                pm,
-                config.decoding_config,
-                self.tokenizer,
-                self.vocab_size,
-                tuple(loaded.eos_token_ids),
-            )
+        # Each rank's runner gets the extensions' runner sides, by name.
+        payloads = {e.name: e.runner_payload() for e in extensions}
         self.executor.init_cache(
-            spec, num_blocks, pooler_configs=self.pooler_configs, graphs=use_graphs
+            layout,
+            num_blocks,
+            extensions={name: p for name, p in payloads.items() if p is not None},
+            graphs=use_graphs,
         )
-        self.speculative = speculative
-        self.draft_proposer = None
-        if draft is not None:
-            from pagedllm.core.spec_decode import DraftModelProposer
-
-            self.draft_proposer = DraftModelProposer(
-                draft[0].model,
-                draft[1],
-                num_blocks,
-                cache.block_size,
-                backend_cls(),
-                config.device_config.torch_device,
-                self.vocab_size,
-            )
-        # The step extensions the configuration turns on (LoRA, speculative decoding,
-        # pooling, guided decoding, a plugin's), by name.
-        self.extensions = {e.name: e for e in build_step_extensions(self)}
-        base_hook = StepExtension.new_request
-        self._new_request_hooks = [
-            e for e in self.extensions.values() if type(e).new_request is not base_hook
+        for extension in extensions:
+            extension.kv_cache_ready(self, num_blocks)
+        self._hooks = {
+            hook: [
+                e for e in extensions if getattr(type(e), hook) is not getattr(StepExtension, hook)
+            ]
+            for hook in ("check_params", "new_parent", "new_request")
+        }
+        # Which extension a request keyword and a kind of request parameters belong to.
+        self._request_args = {e.request_arg: e for e in extensions if e.request_arg}
+        self._states = [
+            e
+            for e in extensions
+            if e.request_arg or type(e).request_state is not StepExtension.request_state
         ]
         sched = config.scheduler_config
         self.scheduler = scheduler_class(sched.scheduler_cls, pm)(
-            sched, self.kv_manager, self.max_model_len, extensions=list(self.extensions.values())
+            sched, self.kv_manager, self.max_model_len, extensions=extensions
         )
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
@@ -217,8 +192,8 @@ class LLMEngine:
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
-            num_blocks * spec.bytes_per_block(cache.block_size) / 2**30,
-            str(spec.dtype).removeprefix("torch."),
+            num_blocks * layout.bytes_per_block(cache.block_size) / 2**30,
+            str(layout.dtype).removeprefix("torch."),
         )
         pm.hook.pagedllm_engine_started(engine=self)
         # Everything built so far (modules, weights' wrappers, plugins, the tokenizer)
@@ -228,109 +203,6 @@ class LLMEngine:
         # does the interpreter's exit (whose last collections free what is still alive).
         gc.freeze()
         _unfreeze_at_exit()
-
-    def _load_draft(self, spec: Any) -> tuple[Any, Any]:
-        """Load ``spec.model`` as the draft model: ``(loaded model, its KV-cache spec)``
-        (its cache gets the target's block layout). With tensor-parallel ranks or
-        pipeline stages it is whole in this process (rank 0, which proposes), as vLLM's
-        ``draft_tensor_parallel_size`` 1."""
-        import torch
-
-        config = self.config
-        mc = config.model_config
-        # (Its own context: sequences longer than it are not speculated. It schedules
-        # nothing, so the target's batch limits do not constrain it.)
-        draft_config = dataclasses.replace(
-            config,
-            model_config=dataclasses.replace(
-                mc,
-                model=spec.model,
-                tokenizer=spec.model,
-                quantization=None,
-                task="generate",
-                max_model_len=None,
-            ),
-            scheduler_config=dataclasses.replace(
-                config.scheduler_config, enable_chunked_prefill=True
-            ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=1,
-                pipeline_parallel_size=1,
-                data_parallel_size=1,
-                distributed_executor_backend="uni",
-            ),
-            speculative_config=None,
-        )
-        threads = torch.get_num_threads()  # (this rank's share, which loading resets)
-        try:
-            try:
-                draft = load_model(draft_config, self.pm)
-            except ConfigError as exc:
-                if "states no context length" not in str(exc):
-                    raise
-                # A draft whose config states none runs within the speculative config's
-                # max_model_len, else the target's context (as it did before drafts had
-                # their own).
-                length = spec.max_model_len or self.max_model_len
-                draft_config = dataclasses.replace(
-                    draft_config,
-                    model_config=dataclasses.replace(
-                        draft_config.model_config, max_model_len=length
-                    ),
-                )
-                draft = load_model(draft_config, self.pm)
-        finally:
-            torch.set_num_threads(threads)
-        ours, theirs = self.tokenizer, draft.tokenizer
-        if ours is not None and theirs is not None and ours.get_vocab() != theirs.get_vocab():
-            raise ConfigError(
-                f"--speculative-config: the draft model {spec.model!r} has another vocabulary"
-            )
-        spec_kv = kv_cache_spec(
-            draft.hf_config,
-            kv_cache_torch_dtype(config.cache_config, draft.dtype),
-            model=draft.model,
-        )
-        logger.info("speculative decoding: draft model %s", spec.model)
-        return draft, spec_kv
-
-    @property
-    def is_pooling(self) -> bool:
-        """Whether the engine serves a pooling task rather than generation."""
-        return self.task in POOLING_TASKS
-
-    def _set_up_pooling(self, model: Any) -> dict[str, PoolerConfig]:
-        """The pooler of each task the model serves (its defaults under
-        ``--override-pooler-config``). Pooling prompts run whole: no chunked prefill and
-        no prefix cache (a prompt's pooled rows need every token's hidden state)."""
-        config = self.config
-        override = PoolerConfig.from_dict(dict(config.model_config.override_pooler_config or {}))
-        sched = config.scheduler_config
-        if config.cache_config.enable_prefix_caching or sched.enable_chunked_prefill:
-            logger.info("--task %s: prompts run whole (no prefix caching or chunks)", self.task)
-        # (The validated configuration is frozen: the engine runs with a changed copy.)
-        self.config = config.replace(
-            cache_config=config.cache_config.replace(enable_prefix_caching=False),
-            scheduler_config=sched.replace(
-                enable_chunked_prefill=False,
-                max_num_batched_tokens=max(sched.max_num_batched_tokens, self.max_model_len),
-            ),
-        )
-        directory = resolve_model_path(
-            config.model_config.model,
-            revision=config.model_config.revision,
-            download_dir=config.load_config.download_dir,
-        )
-        sentence = sentence_transformers_pooler(
-            directory if directory.is_dir() else directory.parent
-        )
-        configs = {}
-        for task in model.pooling_tasks:
-            defaults = model.default_pooler_config(task)
-            if task == "embed" and sentence is not None:
-                defaults = defaults.merged(sentence)
-            configs[task] = defaults.merged(override)
-        return configs
 
     # ---------------------------------------------------------------------- step
 
@@ -396,14 +268,17 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: Any,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
-        lora_request: Any = None,
+        **extension_args: Any,
     ) -> None:
+        """Queue a request. ``params``: ``SamplingParams``, or the parameters a step
+        extension serves (its ``params_type``); ``extension_args``: the step extensions'
+        request keywords (their ``request_arg``)."""
         self.add_requests(
-            [NewRequest(request_id, prompt, params, priority, arrival_time, lora_request)]
+            [NewRequest(request_id, prompt, params, priority, arrival_time, extension_args)]
         )
 
     def add_requests(self, requests: Sequence[NewRequest]) -> None:
@@ -420,12 +295,31 @@ class LLMEngine:
             for seq in parent.sequences:
                 self.scheduler.add_request(seq.request)
 
+    def check_params(self, params: Any) -> None:
+        """The step extensions' up-front checks of a request's parameters (e.g. a
+        constraint compiled now, cached): ``ValueError`` or
+        :class:`InvalidRequestError` names what is wrong. Entry points call this before
+        ``add_request`` (the server in a worker thread)."""
+        for extension in self._hooks["check_params"]:
+            extension.check_params(params)
+
     def _new_parent(self, new: NewRequest) -> ParentRequest:
         """The request's state, validated; nothing is queued yet."""
-        params, priority = new.params, new.priority
-        if isinstance(params, PoolingParams) or self.is_pooling:
-            return self._new_pooling_parent(new)
-        text, token_ids = self._prompt_tokens(new, params.truncate_prompt_tokens)
+        unknown = sorted(
+            k
+            for k, v in new.extension_args.items()
+            if v is not None and k not in self._request_args
+        )
+        if unknown:
+            raise self._extension_off(unknown[0], "request_arg")
+        for extension in self._hooks["new_parent"]:
+            parent = extension.new_parent(self, new)
+            if parent is not None:
+                return parent
+        params = new.params
+        if not isinstance(params, SamplingParams):
+            raise self._extension_off(type(params), "params_type")
+        text, token_ids = self.prompt_tokens(new, params.truncate_prompt_tokens)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -440,19 +334,60 @@ class LLMEngine:
                     "logprobs" if (params.logprobs or 0) >= asked else "prompt_logprobs",
                     f"requested {asked} logprobs; the limit is --max-logprobs={limit}",
                 )
-        guided, compiled = self._submit_guided(params)
-        if compiled is not None and compiled.done():
-            if compiled.cancelled():
-                raise EngineDeadError("compiling the request's constraint was stopped")
-            if compiled.exception() is not None:
-                raise InvalidRequestError("guided_decoding", str(compiled.exception()))
         params = params.clone()
-        params.guided_decoding = guided
+        features: dict[str, Any] = {}
+        for extension in self._states:
+            given = new.extension_args.get(extension.request_arg) if extension.request_arg else None
+            state = extension.request_state(params, given)
+            if state is not None:
+                features[extension.name] = state
         params.update_from_tokenizer(self.loaded.eos_token_ids, self.tokenizer, self.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(token_ids)
         # The generation config's max_new_tokens caps every request, however it came.
         params.max_tokens = self.loaded.sampling_defaults.cap(params.max_tokens)
+        return self.build_parent(new, text, token_ids, params, features)
+
+    def _extension_off(self, key: Any, attribute: str) -> InvalidRequestError:
+        """The error for a request keyword (or a kind of parameters) of a step extension
+        this engine does not run: the extension's own, else one naming ``key``."""
+        registry = self.pm.registry("step_extensions")
+        for entry in registry:
+            cls = registry.load(entry.name)
+            if getattr(cls, attribute, None) == key:
+                return cls.not_enabled_error()
+        if attribute == "request_arg":
+            return InvalidRequestError(key, f"no step extension takes {key!r}")
+        return InvalidRequestError(
+            "params", f"requests take SamplingParams here, not {key.__name__}"
+        )
+
+    def prompt_tokens(self, new: NewRequest, keep: int | None) -> tuple[str | None, list[int]]:
+        """The request's prompt tokenized, cut to its last ``keep`` tokens; a priority the
+        scheduling policy ignores, or an empty prompt, is refused."""
+        if new.priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise InvalidRequestError(
+                "priority", "priority is only used with --scheduling-policy priority"
+            )
+        text, token_ids = self.tokenize_prompt(new.prompt)
+        if keep is not None:
+            token_ids = token_ids[-keep:]
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return text, token_ids
+
+    def build_parent(
+        self,
+        new: NewRequest,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        features: dict[str, Any],
+        *,
+        samples_tokens: bool = True,
+    ) -> ParentRequest:
+        """A validated request's state: its ``params.n`` sequences (each carrying the
+        step extensions' ``features``), seen by the extensions' ``new_request``."""
         now = time.monotonic() if new.arrival_time is None else new.arrival_time
         parent = ParentRequest(
             request_id=new.request_id,
@@ -463,11 +398,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=now),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        features: dict[str, Any] = {}
-        if compiled is not None:
-            features["guided"] = compiled
-        if new.lora_request is not None:
-            features["lora"] = new.lora_request
+        eos = self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None
         count = params.num_sequences
         for index in range(count):
             child_params = params
@@ -482,97 +413,20 @@ class LLMEngine:
                 request_id=new.request_id if count == 1 else f"{index}_{new.request_id}",
                 prompt_token_ids=token_ids,
                 sampling_params=child_params,
-                eos_token_id=self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None,
+                eos_token_id=eos if samples_tokens else None,
                 arrival_time=now,
-                priority=priority,
+                priority=new.priority,
                 parent_id=new.request_id,
                 sequence_index=index,
                 features=dict(features),
+                samples_tokens=samples_tokens,
             )
-            self._prepare_features(request)
+            for name in request.features:
+                if name not in self.extensions:
+                    raise self.pm.registry("step_extensions").load(name).not_enabled_error()
+            for extension in self._hooks["new_request"]:
+                extension.new_request(request)
             parent.sequences.append(self.output_processor.new_sequence(request, index))
-        return parent
-
-    def _prompt_tokens(self, new: NewRequest, keep: int | None) -> tuple[str | None, list[int]]:
-        """The request's prompt tokenized, cut to its last ``keep`` tokens; a priority the
-        scheduling policy ignores, or an empty prompt, is refused."""
-        if new.priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise InvalidRequestError(
-                "priority", "priority is only used with --scheduling-policy priority"
-            )
-        text, token_ids = self.tokenize_prompt(new.prompt)
-        if keep is not None:
-            token_ids = token_ids[-keep:]
-        if not token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        return text, token_ids
-
-    def _prepare_features(self, request: Request) -> None:
-        """The step extensions' look at a new request: each feature it asks for must be
-        on; they validate it and attach their state (e.g. load its LoRA adapter)."""
-        for name in request.features:
-            if name not in self.extensions:
-                raise self.pm.registry("step_extensions").load(name).not_enabled_error()
-        for extension in self._new_request_hooks:
-            extension.new_request(request)
-
-    def _new_pooling_parent(self, new: NewRequest) -> ParentRequest:
-        """A pooling request's state, validated: its prompt runs once, whole."""
-        params = new.params
-        if not self.is_pooling:
-            raise InvalidRequestError(
-                "task",
-                f"this model serves --task {self.task}; pooling requests (embeddings, "
-                "classification, scores, rewards) need an engine started with --task "
-                f"{'/'.join(POOLING_TASKS)}",
-            )
-        if not isinstance(params, PoolingParams):
-            raise InvalidRequestError(
-                "task",
-                f"this model serves --task {self.task} (pooling), not text generation",
-            )
-        params = params.clone()
-        params.task = params.task or self.task
-        if params.task not in self.pooler_configs:
-            raise InvalidRequestError(
-                "task",
-                f"this model serves {', '.join(self.pooler_configs)}, not {params.task}",
-            )
-        try:
-            params.verify(params.task, self.loaded.hf_config)
-        except ValueError as exc:
-            raise InvalidRequestError("pooling_params", str(exc)) from None
-        text, token_ids = self._prompt_tokens(new, params.truncate_prompt_tokens)
-        if params.truncate_prompt_tokens is not None and params.token_type_ids is not None:
-            params.token_type_ids = params.token_type_ids[-params.truncate_prompt_tokens :]
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt ({len(token_ids)} tokens) is longer than the maximum model length "
-                f"of {self.max_model_len} tokens",
-            )
-        if params.token_type_ids is not None and len(params.token_type_ids) != len(token_ids):
-            raise InvalidRequestError("token_type_ids", "one token type per prompt token")
-        now = time.monotonic() if new.arrival_time is None else new.arrival_time
-        placeholder = SamplingParams(max_tokens=1, detokenize=False)
-        parent = ParentRequest(
-            request_id=new.request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=placeholder,
-            sequences=[],
-            metrics=RequestMetrics(arrival_time=now),
-        )
-        request = Request(
-            request_id=new.request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=placeholder,
-            arrival_time=now,
-            priority=new.priority,
-            features={"pooling": params},
-        )
-        self._prepare_features(request)
-        parent.sequences.append(self.output_processor.new_sequence(request, 0))
         return parent
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -593,36 +447,14 @@ class LLMEngine:
         return len(self.output_processor.requests)
 
     def shutdown(self) -> None:
-        """Abort what is unfinished (its KV blocks come back), stop the guided-decoding
-        compiles (their worker processes and threads exit) and drop the KV cache. The
-        engine takes no request afterwards."""
+        """Abort what is unfinished (its KV blocks come back), stop the step extensions
+        (their worker processes and threads) and drop the KV cache. The engine takes no
+        request afterwards."""
         self.abort_request(self.unfinished_request_ids())
-        if self.guided is not None:
-            self.guided.shutdown()
+        for extension in self.extensions.values():
+            extension.shutdown()
         self._stop_executor()
         gc.unfreeze()  # (so that collecting the engine's cycles can free it)
-
-    # ------------------------------------------------------------ guided decoding
-
-    def check_guided(self, params: SamplingParams) -> None:
-        """Compile the request's constraint now (cached): ``ValueError`` names what is
-        wrong with it. Entry points call this before ``add_request`` (the server in a
-        worker thread) so that a bad schema is refused up front."""
-        _, compiled = self._submit_guided(params)
-        if compiled is not None:
-            compiled.result()
-
-    def _submit_guided(self, params: SamplingParams) -> tuple[Any, Any]:
-        """``(GuidedDecodingParams, future of its compiled constraint)``, or ``(None,
-        None)`` for an unconstrained request."""
-        guided = as_guided_params(params.guided_decoding)
-        if guided is None:
-            return None, None
-        if self.guided is None:
-            raise InvalidRequestError(
-                "guided_decoding", "guided decoding needs the tokenizer (--skip-tokenizer-init)"
-            )
-        return guided, self.guided.submit(guided)
 
 
 @functools.cache

@@ -29,8 +29,9 @@ class EngineInfo(Protocol):
     max_model_len: int
     vocab_size: int
     task: str
-    # task -> PoolerConfig of each pooling task the model serves (empty for generation)
-    pooler_configs: dict[str, Any]
+    # The request tasks the engine serves beside generation (each pooling task the model
+    # serves; empty for generation)
+    served_tasks: tuple[str, ...]
     # sampling_defaults, eos_token_ids and hf_config
     loaded: Any
 

@@ -2,7 +2,7 @@
 engine loop (cached), one matcher per sequence, and the batch's token mask.
 
 A request whose constraint is still compiling waits in the queue while the others run
-(``Request.guided_compile``); its matcher is made on first use and advanced with each token it
+(``request.features["guided"]``); its matcher is made on first use and advanced with each token it
 samples.
 """
 
@@ -314,11 +314,11 @@ class GuidedDecodingManager:
         """The request's matcher, or None while it is still reasoning."""
         state = request.sampler_state
         matcher = state.get(MATCHER_KEY)
-        if matcher is None and request.guided_compile is not None:
+        if matcher is None and _compiled(request) is not None:
             start = self._answer_start(request)
             if start is None:
                 return None
-            matcher = request.guided_compile.result().matcher()
+            matcher = _compiled(request).result().matcher()
             # A recomputed (preempted) request keeps its output: replay its answer.
             answer = request.output_token_ids[start:]
             if answer and not matcher.accept_tokens(answer):
@@ -329,7 +329,7 @@ class GuidedDecodingManager:
     def token_mask(self, requests: list[Request]) -> torch.Tensor | None:
         """Bool ``[len(requests), vocab_size]`` (True = allowed), or None when no request
         is guided. Every matcher writes its row of one shared bitmask."""
-        rows = [(i, r, self.matcher(r)) for i, r in enumerate(requests) if r.is_guided]
+        rows = [(i, r, self.matcher(r)) for i, r in enumerate(requests) if "guided" in r.features]
         if not rows:
             return None
         vocab_size = self.vocab_size
@@ -346,7 +346,7 @@ class GuidedDecodingManager:
                 if following:
                     openers[index] = following
                     bitmask[index].zero_()
-                    probe = request.guided_compile.result().matcher()
+                    probe = _compiled(request).result().matcher()
                     if probe.accept_tokens(output):
                         matcher = probe
             if matcher is not None:
@@ -364,11 +364,11 @@ class GuidedDecodingManager:
         if matcher is None:
             openers = state.get(OPENERS_KEY)
             output = request.output_token_ids
-            if openers and request.guided_compile is not None and _opened(openers, output) == 0:
+            if openers and _compiled(request) is not None and _opened(openers, output) == 0:
                 # This token began the answer (the output left every opening marker):
                 # the answer so far must hold to the constraint, as the mask let it
                 # unless a ban overrode the mask.
-                return request.guided_compile.result().matcher().accept_tokens(output)
+                return _compiled(request).result().matcher().accept_tokens(output)
             # Reasoning (or not guided): the matcher is made when the answer starts.
             return True
         return matcher.accept_token(token)
@@ -425,3 +425,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool ``[rows, vocab_size]`` from an int32 bitmask ``[rows, ceil(vocab / 32)]``."""
     bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _compiled(request: Request) -> Any:
+    """The future of the request's compiled constraint (the guided-decoding step
+    extension's state), or None."""
+    return request.features.get("guided")

@@ -137,7 +137,7 @@ class OutputProcessor:
             if parent is None:  # a sibling sequence failed earlier in this step
                 continue
             error = request.failure
-            if error is None and request.pooling_params is not None:
+            if error is None and not request.samples_tokens:
                 parent.pooled = result.pooled[request.request_id]
                 parent.metrics.first_token_time = parent.metrics.last_token_time = now
                 self.finish(parent.sequences[0], "stop", None)

@@ -118,41 +118,6 @@ class PoolingParams:
             raise ValueError("activation applies to classification and scores only")
 
 
-def resolve_task(task: str, model: Any, runner: str = "auto", convert: str = "auto") -> str:
-    """The task one engine serves for ``--task`` (``auto``: generation where the model
-    generates, else its first pooling task), or for vLLM's newer ``--runner`` /
-    ``--convert``; a task the model cannot serve is refused."""
-    task = TASK_ALIASES.get(task, task)
-    generates = getattr(model, "supports_generation", True)
-    tasks = tuple(getattr(model, "pooling_tasks", ()))
-    if runner != "auto":
-        wanted = "generate"
-        if runner == "pooling":
-            wanted = convert if convert not in ("auto", "none") else (tasks or ("embed",))[0]
-            if convert in ("auto", "none") and generates:
-                wanted = "embed" if "embed" in tasks else (tasks or ("embed",))[0]
-        if task not in ("auto", wanted):
-            raise ConfigError(f"--task {task} contradicts --runner {runner}")
-        task = wanted
-    elif convert not in ("auto", "none"):
-        raise ConfigError("--convert goes with --runner pooling")
-    if task == "auto":
-        return "generate" if generates or not tasks else tasks[0]
-    if task == "generate" and not generates:
-        raise ConfigError(
-            f"--task generate: {type(model).__name__} does not generate text; it serves "
-            f"{', '.join(tasks)}"
-        )
-    if task in POOLING_TASKS and task not in tasks:
-        raise ConfigError(
-            f"--task {task}: {type(model).__name__} serves "
-            f"{', '.join((*(('generate',) if generates else ()), *tasks))}"
-        )
-    if task != "generate" and task not in POOLING_TASKS:
-        raise ConfigError(f"--task {task} is not supported by pagedllm")
-    return task
-
-
 def sentence_transformers_pooler(directory: Path) -> PoolerConfig | None:
     """The pooling of a sentence-transformers model directory (``modules.json``: its
     ``Pooling`` module's mode, and whether a ``Normalize`` module follows), or None when

@@ -8,8 +8,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from pagedllm.core.sampling.params import SamplingParams
 
 
@@ -79,6 +77,9 @@ class Request:
     # pagedllm.core.interfaces.extension): e.g. "lora" (its LoRARequest), "pooling" (its
     # PoolingParams), "guided" (the future of its compiled constraint). Empty when none.
     features: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # False: the request never samples a token; a step extension reads its result from
+    # the hidden states (a pooling request).
+    samples_tokens: bool = True
     # How many tokens the last step appended (several when speculative drafts were kept).
     num_new_output_tokens: int = 0
 
@@ -105,40 +106,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    # Read access under the names the runner, the sampler and the output processor use.
-    @property
-    def lora_request(self) -> Any:
-        """The LoRA adapter the request runs with (a pagedllm.lora.LoRARequest), or None."""
-        return self.features.get("lora")
-
-    @property
-    def pooling_params(self) -> Any:
-        """Set for a pooling request (--task embed/classify/score/reward): its prompt runs
-        once and the result is pooled from its hidden states; no token is sampled."""
-        return self.features.get("pooling")
-
-    @property
-    def guided_compile(self) -> Future[Any] | None:
-        """The future of the request's compiled guided-decoding constraint (compiling off
-        the engine loop; the request waits until it is done); None when unconstrained."""
-        return self.features.get("guided")
-
-    @guided_compile.setter
-    def guided_compile(self, future: Future[Any] | None) -> None:
-        if future is None:
-            self.features.pop("guided", None)
-        else:
-            self.features["guided"] = future
-
-    @property
-    def is_guided(self) -> bool:
-        return self.guided_compile is not None
-
-    @property
-    def is_compiling(self) -> bool:
-        """Its constraint is still compiling: it cannot be scheduled yet."""
-        return self.guided_compile is not None and not self.guided_compile.done()
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

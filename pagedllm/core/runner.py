@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.core.interfaces.extension import RunnerExtension
 from pagedllm.core.kv_cache.spec import KVCacheSpec
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 class StepInput:
     """What computing a step takes, without the requests: the flat batch (token ids,
     positions, each request's query and context length and blocks), the rows whose logits
-    are computed (sampled rows; each speculative verification's and each prompt-logprobs
-    request's ``(first row, count)``, in that order) and the KV blocks to copy first.
-    Rank 0 sends it to tensor-parallel workers."""
+    are computed (the sampled rows, then each further row block's ``(first row, count)``:
+    a step extension's and each prompt-logprobs request's) and the KV blocks to copy
+    first. ``extras``: each step extension's input, by name. Rank 0 sends it to the other
+    ranks."""
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
@@ -41,27 +43,26 @@ class StepInput:
     context_lens: list[int] = dataclasses.field(default_factory=list)
     block_tables: list[list[int]] = dataclasses.field(default_factory=list)
     sample_rows: list[int] = dataclasses.field(default_factory=list)
-    spec_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    prompt_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    logit_rows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # With --enable-lora: the adapter slots rank 0 filled for this step (with the
-    # adapters), and each request's slot (empty without adapters in the step; see
-    # LoRAManager.follow_step).
-    lora_fills: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
-    lora_slots: list[int] = dataclasses.field(default_factory=list)
-    # An encoder's token types (segment ids), one per token (empty: zeros).
-    token_type_ids: list[int] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
 class StepPlan:
-    """Rank 0's side of a step, beside its :class:`StepInput`: the requests that sample,
-    verify drafts, pool or take prompt logprobs, in the order of their row blocks."""
+    """Rank 0's side of a step, beside its :class:`StepInput`: the requests that sample
+    (the rows of block 0), each step extension's claims (by name) and the
+    prompt-logprobs requests with their targets and block."""
 
     sampling_requests: list[Any] = dataclasses.field(default_factory=list)
-    spec_rows: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
-    pooling_rows: list[tuple[Any, int, Any]] = dataclasses.field(default_factory=list)
-    prompt_rows: list[tuple[Any, list[int]]] = dataclasses.field(default_factory=list)
+    claims: dict[str, list[tuple[Any, Any]]] = dataclasses.field(default_factory=dict)
+    prompt_rows: list[tuple[Any, list[int], int]] = dataclasses.field(default_factory=list)
+
+
+def _overriding(extensions: list[RunnerExtension], hook: str) -> list[RunnerExtension]:
+    """The extensions whose class overrides ``hook`` (the others would do nothing)."""
+    base = getattr(RunnerExtension, hook)
+    return [e for e in extensions if getattr(type(e), hook) is not base]
 
 
 class ModelRunner:
@@ -69,7 +70,9 @@ class ModelRunner:
     batch from the scheduler's output), :meth:`hidden_states`, :meth:`logits` of each of
     :meth:`row_blocks`, then :meth:`finish` (rank 0: sampling and the rest), all within
     :meth:`step_mode`; :meth:`execute` is all of them. The runner knows nothing of other
-    ranks: an executor sends them the step input (see :mod:`pagedllm.executors`)."""
+    ranks (an executor sends them the step input, see :mod:`pagedllm.executors`) nor of
+    features: the step extensions' runner sides (``extensions``) add their inputs and
+    read the rows of the requests that do not sample."""
 
     def __init__(
         self,
@@ -82,8 +85,7 @@ class ModelRunner:
         attention_backend: Any,
         reserved_blocks: int = 0,
         batch_invariant: bool = False,
-        pooler_configs: dict[str, Any] | None = None,
-        lora: Any = None,
+        extensions: list[RunnerExtension] | None = None,
         decode_graphs: Callable[[ModelRunner], Any] | None = None,
     ) -> None:
         self.model = model
@@ -98,10 +100,15 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.kv_caches = spec.allocate(num_blocks + reserved_blocks, block_size, device)
         self.sampler = Sampler()
-        # The pooler of each pooling task the engine serves.
-        self.pooler_configs: dict[str, Any] = pooler_configs or {}
-        # --enable-lora: the adapters' manager, told each step's requests.
-        self.lora = lora
+        # The step extensions' runner sides, and for each hook those that override it.
+        self.extensions = list(extensions or ())
+        self._inputs = _overriding(self.extensions, "step_input")
+        self._claimers = _overriding(self.extensions, "claim")
+        self._before = _overriding(self.extensions, "before_forward")
+        self._splitters = _overriding(self.extensions, "split")
+        self._after_micro_batches = _overriding(self.extensions, "after_micro_batches")
+        self._row_contexts = _overriding(self.extensions, "logits_rows")
+        self._finishers = _overriding(self.extensions, "finish")
         # The device's replayer of decode steps (Device.decode_graphs), built on this
         # runner's cache.
         self.graphs = None if decode_graphs is None else decode_graphs(self)
@@ -111,7 +118,7 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Compute the scheduled tokens and sample for the requests whose step reaches
         their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
-        in the order of ``output.sampling_requests``) constrains guided requests. Each
+        in the order of ``output.sampling_requests``) constrains their sampling. Each
         row block's logits are computed when asked for (one at a time)."""
         with self.step_mode():
             step, plan = self.build_step(output)
@@ -126,47 +133,52 @@ class ModelRunner:
             yield
 
     def build_step(self, output: SchedulerOutput) -> tuple[StepInput, StepPlan]:
-        """The step's input (what every rank computes) and rank 0's plan of it. With
-        adapters, sets the step's adapter slots (before the input goes to other ranks,
-        which fill the same slots)."""
+        """The step's input (what every rank computes) and rank 0's plan of it. The step
+        extensions' inputs are made here (before the input goes to other ranks)."""
         step = StepInput(blocks_to_copy=list(output.blocks_to_copy))
         plan = StepPlan()
+        claimers = self._claimers
+        logit_rows = step.logit_rows
+
+        def add_rows(first: int, count: int) -> int:
+            logit_rows.append((first, count))
+            return len(logit_rows)  # (block 0 is the sampled rows)
+
         offset = 0
         for item in output.scheduled:
             request = item.request
             start = item.num_computed_tokens
             end = start + item.num_new_tokens
-            drafts = item.draft_token_ids
-            step.token_ids.extend(request.all_token_ids[start : end - len(drafts)])
-            step.token_ids.extend(drafts)
+            extra = item.extra_token_ids
+            if extra:
+                step.token_ids.extend(request.all_token_ids[start : end - len(extra)])
+                step.token_ids.extend(extra)
+            else:
+                step.token_ids.extend(request.all_token_ids[start:end])
             step.positions.extend(range(start, end))
             step.query_lens.append(item.num_new_tokens)
             step.context_lens.append(end)
             step.block_tables.append(item.block_ids)
-            if request.pooling_params is not None:
-                if item.reaches_end:
-                    plan.pooling_rows.append((request, offset, item))
-            elif drafts:
-                # The last known token's row and each draft's: k + 1 distributions.
-                first = offset + item.num_new_tokens - 1 - len(drafts)
-                step.spec_rows.append((first, len(drafts) + 1))
-                plan.spec_rows.append((request, drafts))
-            elif item.reaches_end:
+            if item.samples:
                 step.sample_rows.append(offset + item.num_new_tokens - 1)
                 plan.sampling_requests.append(request)
+            else:
+                for extension in claimers:
+                    claim = extension.claim(item, offset, add_rows)
+                    if claim is not None:
+                        plan.claims.setdefault(extension.name, []).append((item, claim))
+                        break
             if request.sampling_params.prompt_logprobs is not None:
                 # Positions predicting the next prompt token: p in [start, num_prompt - 1).
                 last = min(end, request.num_prompt_tokens - 1)
                 if last > start:
-                    step.prompt_rows.append((offset, last - start))
                     targets = request.prompt_token_ids[start + 1 : last + 1]
-                    plan.prompt_rows.append((request, targets))
+                    plan.prompt_rows.append((request, targets, add_rows(offset, last - start)))
             offset += item.num_new_tokens
-        if getattr(self.model, "is_encoder", False):
-            step.token_type_ids = self._token_type_ids(output)
-        if self.lora is not None:
-            self.lora.set_step([(item.request, item.num_new_tokens) for item in output.scheduled])
-            step.lora_fills, step.lora_slots = self.lora.step_fills, self.lora.step_slots
+        for extension in self._inputs:
+            data = extension.step_input(output)
+            if data is not None:
+                step.extras[extension.name] = data
         return step, plan
 
     def finish(
@@ -177,8 +189,8 @@ class ModelRunner:
         token_mask: torch.Tensor | None = None,
     ) -> RunnerOutput:
         """Rank 0's results of a step from its hidden states and ``logits_of(i)``, the
-        logits of row block ``i`` (:meth:`row_blocks`): sampled tokens, verified drafts,
-        pooled results, prompt logprobs."""
+        logits of row block ``i`` (:meth:`row_blocks`): sampled tokens, the step
+        extensions' results, prompt logprobs."""
         result = RunnerOutput()
         sampling_requests = plan.sampling_requests
         if sampling_requests:
@@ -192,17 +204,10 @@ class ModelRunner:
                 result.sampled_token_ids[request.request_id] = sampled.sampled_token_ids[i]
                 if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
                     result.logprobs[request.request_id] = sampled.logprobs.row(i)
-        blocks = iter(range(1, 1 + len(plan.spec_rows) + len(plan.prompt_rows)))
-        for request, drafts in plan.spec_rows:
-            result.spec_token_ids[request.request_id] = self._verify(
-                request, logits_of(next(blocks)), drafts
-            )
-        for request, start, item in plan.pooling_rows:
-            result.pooled[request.request_id] = self._pool(
-                request, hidden[start : start + item.num_new_tokens], item
-            )
-        for request, targets in plan.prompt_rows:
-            logits = logits_of(next(blocks))
+        for extension in self._finishers:
+            extension.finish(plan.claims.get(extension.name, []), hidden, logits_of, result)
+        for request, targets, block in plan.prompt_rows:
+            logits = logits_of(block)
             result.prompt_logprobs[request.request_id] = compute_prompt_logprobs(
                 logits,
                 torch.tensor(targets, dtype=torch.long, device=self.device),
@@ -212,12 +217,11 @@ class ModelRunner:
 
     def row_blocks(self, step: StepInput) -> list[torch.Tensor | None]:
         """The rows whose logits a step computes, block by block, in the order every
-        rank computes them: the sampled rows (None when none), each verification's, each
-        prompt-logprobs request's."""
+        rank computes them: the sampled rows (None when none), then each further block."""
         blocks: list[torch.Tensor | None] = [
             host_tensor(step.sample_rows, torch.long, self.device) if step.sample_rows else None
         ]
-        for first, count in (*step.spec_rows, *step.prompt_rows):
+        for first, count in step.logit_rows:
             blocks.append(torch.arange(first, first + count, device=self.device))
         return blocks
 
@@ -226,31 +230,37 @@ class ModelRunner:
         logits of the row blocks rank 0 computes them for, in its order (each takes part
         in collectives); rank 0 samples."""
         with self.step_mode():
-            hidden = self.hidden_states(step, follow_adapters=step.lora_fills)
+            hidden = self.hidden_states(step, built_here=False)
             for rows in self.row_blocks(step):
                 if rows is not None:
                     self.logits(hidden, rows)
 
-    def whole_step_adapters(self, step: StepInput) -> None:
-        """After a pipeline's micro-batches: the step's adapters by row again (the
-        vocabulary head's adapter applies to rows of every micro-batch)."""
-        if self.lora is not None:
-            self.lora.follow_step([], step.lora_slots, step.query_lens)
+    def split_step(self, step: StepInput, requests: slice, tokens: slice, first: bool) -> StepInput:
+        """A micro-batch of ``step`` (:func:`split_step`, with this runner's step
+        extensions' shares of their inputs)."""
+        return split_step(step, requests, tokens, first, self._splitters)
+
+    def after_micro_batches(self, step: StepInput) -> None:
+        """After the micro-batches of ``step`` (:meth:`split_step`), before the logits of
+        the whole step."""
+        for extension in self._after_micro_batches:
+            extension.after_micro_batches(step, step.extras.get(extension.name))
 
     def hidden_states(
         self,
         step: StepInput,
         intermediate: torch.Tensor | None = None,
         *,
-        follow_adapters: list[tuple[int, Any]] | None = None,
+        built_here: bool = True,
     ) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one covers the step,
-        else computed eagerly (``intermediate``: a pipeline stage's input, the previous
-        stage's hidden states). ``follow_adapters``: for a step rank 0 did not build
-        here (another rank's, a pipeline's micro-batch), the adapter slots to fill
-        before the step's adapters are set by row (None: :meth:`build_step` set them)."""
+        else computed eagerly (``intermediate``: the hidden states the model's earlier
+        layers computed on another rank). ``built_here``: this runner's :meth:`build_step` made
+        ``step`` (False: it came from rank 0, or it is a micro-batch)."""
         if step.blocks_to_copy:
             self._copy_blocks(step.blocks_to_copy)
+        for extension in self._before:
+            extension.before_forward(step, step.extras.get(extension.name), built_here)
         graphs = self.graphs
         if (
             graphs is not None
@@ -258,22 +268,17 @@ class ModelRunner:
             and graphs.covers(len(step.token_ids), max(step.context_lens))
         ):
             return graphs.run(step.token_ids, step.positions, step.context_lens, step.block_tables)
-        return self._forward(step, intermediate, follow_adapters)
+        return self._forward(step, intermediate)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer's cache."""
         sources = torch.tensor([c[0] for c in copies], device=self.device)
         destinations = torch.tensor([c[1] for c in copies], device=self.device)
         for cache in self.kv_caches:
-            if cache.dim() > 1:  # (a layer of this pipeline stage)
+            if cache.dim() > 1:  # (a layer this rank holds)
                 cache[:, destinations] = cache[:, sources]
 
-    def _forward(
-        self,
-        step: StepInput,
-        intermediate: torch.Tensor | None,
-        follow_adapters: list[tuple[int, Any]] | None,
-    ) -> torch.Tensor:
+    def _forward(self, step: StepInput, intermediate: torch.Tensor | None) -> torch.Tensor:
         """The step's hidden states, computed eagerly."""
         metadata = self.attention_backend.build_metadata(
             step.query_lens,
@@ -285,12 +290,9 @@ class ModelRunner:
         )
         input_ids = host_tensor(step.token_ids, torch.long, self.device)
         input_positions = host_tensor(step.positions, torch.long, self.device)
-        if self.lora is not None and follow_adapters is not None:
-            self.lora.follow_step(follow_adapters, step.lora_slots, step.query_lens)
         if getattr(self.model, "is_encoder", False):
-            # An encoder attends within each prompt, both ways, and reads token types.
-            types = step.token_type_ids or [0] * len(step.token_ids)
-            self.model.token_type_ids = host_tensor(types, torch.long, self.device)
+            # An encoder attends within each prompt, both ways (its token types, when
+            # given, come from a step extension's before_forward).
             self.model.step_ranges = list(
                 itertools.pairwise(itertools.accumulate(step.query_lens, initial=0))
             )
@@ -298,52 +300,44 @@ class ModelRunner:
             return self.model(input_ids, input_positions, metadata, intermediate)
         return self.model(input_ids, input_positions, metadata)
 
-    def _pool(self, request: Any, hidden: torch.Tensor, item: Any) -> torch.Tensor:
-        """A pooling request's result from the hidden states of its whole prompt (the
-        engine schedules pooling prompts whole: no chunks, no cached prefix)."""
-        from pagedllm.core.pooling import activate, select_rows
-
-        if item.num_computed_tokens != 0:
-            raise RuntimeError("a pooling prompt must be computed in one step")
-        params = request.pooling_params
-        config = self.pooler_configs[params.task]
-        rows = select_rows(hidden, request.prompt_token_ids, config)
-        scores = self.model.pooling_head(rows, params.task)
-        return activate(scores, params.task, config, params).cpu()
-
-    def _token_type_ids(self, output: SchedulerOutput) -> list[int]:
-        """The step's token types (segment ids), in the order of its tokens: each
-        pooling request's own where it has them, else zeros."""
-        types: list[int] = []
-        for item in output.scheduled:
-            params = item.request.pooling_params
-            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            given = params.token_type_ids if params is not None else None
-            types.extend(given[start:end] if given else [0] * (end - start))
-        return types
-
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The vocabulary logits of ``rows`` of the step's hidden states (an adapter on
-        the head applies to the rows of its requests)."""
-        if self.lora is None:
+        """The vocabulary logits of ``rows`` of the step's hidden states (within the step
+        extensions' ``logits_rows``: e.g. an adapter on the head applies to its rows)."""
+        if not self._row_contexts:
             return self.model.compute_logits(hidden[rows])
-        with self.lora.rows(rows):
+        with contextlib.ExitStack() as stack:
+            for extension in self._row_contexts:
+                stack.enter_context(extension.logits_rows(rows))
             return self.model.compute_logits(hidden[rows])
 
-    def _verify(self, request: Any, logits: torch.Tensor, drafts: list[int]) -> list[int]:
-        """Speculative decoding: the target's distributions at the last known token and
-        each draft (processed as the sampler processes them), and the tokens the
-        rejection sampler keeps (see :mod:`pagedllm.core.spec_decode`)."""
-        from pagedllm.core.sampling.sampler import apply_logits_processing, warp
-        from pagedllm.core.spec_decode import accept_drafts
 
-        logits = logits.float().contiguous()
-        md = SamplingMetadata.from_requests([request] * len(logits), logits.shape[-1], self.device)
-        apply_logits_processing(logits, md)
-        if md.all_greedy:
-            return accept_drafts(None, logits.argmax(dim=-1), drafts, None)
-        warp(logits, md)
-        return accept_drafts(logits.softmax(dim=-1), None, drafts, md.generators.get(0))
+def split_step(
+    step: StepInput,
+    requests: slice,
+    tokens: slice,
+    first: bool,
+    splitters: list[RunnerExtension] | tuple[()] = (),
+) -> StepInput:
+    """A micro-batch of ``step``: its ``requests`` and ``tokens`` (no logits rows: those
+    are computed on the gathered hidden states of the whole step); the KV blocks to copy
+    go with the ``first``; each of ``splitters`` takes its share of its input."""
+    extras = step.extras
+    if splitters and extras:
+        extras = dict(extras)
+        for extension in splitters:
+            if extension.name in extras:
+                extras[extension.name] = extension.split(
+                    extras[extension.name], requests, tokens, first
+                )
+    return StepInput(
+        token_ids=step.token_ids[tokens],
+        positions=step.positions[tokens],
+        query_lens=step.query_lens[requests],
+        context_lens=step.context_lens[requests],
+        block_tables=step.block_tables[requests],
+        blocks_to_copy=step.blocks_to_copy if first else [],
+        extras=extras,
+    )
 
 
 @torch.inference_mode()

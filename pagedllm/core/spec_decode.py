@@ -92,8 +92,8 @@ def can_speculate(request: Any) -> bool:
     """Whether the runner can verify drafts for ``request`` position by position."""
     params = request.sampling_params
     return (
-        request.pooling_params is None
-        and not request.is_guided
+        request.samples_tokens
+        and "guided" not in request.features
         and params.logprobs is None
         and params.prompt_logprobs is None
         and params.repetition_penalty == 1.0
@@ -222,3 +222,19 @@ class DraftModelProposer:
             for i, (request, _, _) in enumerate(wanted)
         }
         return drafts
+
+
+def verify_drafts(request: Any, logits: torch.Tensor, drafts: list[int], device: Any) -> list[int]:
+    """The tokens kept of a request's ``drafts``, from the target's logits at its last
+    known token and at each draft (processed as the sampler processes them), by the
+    rejection sampler (:func:`accept_drafts`)."""
+    from pagedllm.core.sampling import SamplingMetadata
+    from pagedllm.core.sampling.sampler import apply_logits_processing, warp
+
+    logits = logits.float().contiguous()
+    md = SamplingMetadata.from_requests([request] * len(logits), logits.shape[-1], device)
+    apply_logits_processing(logits, md)
+    if md.all_greedy:
+        return accept_drafts(None, logits.argmax(dim=-1), drafts, None)
+    warp(logits, md)
+    return accept_drafts(logits.softmax(dim=-1), None, drafts, md.generators.get(0))

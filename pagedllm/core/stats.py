@@ -56,7 +56,7 @@ class StatLogger:
     def on_step(self, output: SchedulerOutput, num_sampled: int) -> None:
         # Tokens computed this step that were not the previous step's sampled token.
         prompt = output.num_scheduled_tokens - sum(
-            1 + len(s.draft_token_ids)
+            1 + len(s.extra_token_ids)
             for s in output.scheduled
             if s.num_computed_tokens >= s.request.num_prompt_tokens
         )

@@ -25,21 +25,28 @@ class ScheduledRequest:
     # The request's block table after this step's allocation: physical block ids in
     # token order (the runner reads it; it never asks the KV-cache manager).
     block_ids: list[int] = dataclasses.field(default_factory=list)
-    # Speculative decoding: the draft tokens computed after the request's known ones
-    # (counted in num_new_tokens).
-    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Tokens a step extension computes after the request's known ones (speculative
+    # decoding's drafts), counted in num_new_tokens; the extension verifies them.
+    extra_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_known_tokens(self) -> int:
-        """The new tokens that are the request's own (the rest are drafts to verify)."""
-        return self.num_new_tokens - len(self.draft_token_ids)
+        """The new tokens that are the request's own (the rest are extra tokens to verify)."""
+        return self.num_new_tokens - len(self.extra_token_ids)
 
     @property
     def reaches_end(self) -> bool:
         """Whether this step computes the request's last known token, so it samples."""
         # (num_known_tokens inlined: read for every request several times a step)
-        known = self.num_new_tokens - len(self.draft_token_ids)
+        known = self.num_new_tokens - len(self.extra_token_ids)
         return self.num_computed_tokens + known == self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step samples the request's next token: it reaches the end, with no
+        extra tokens, and its request samples tokens (else a step extension reads its
+        rows)."""
+        return self.reaches_end and not self.extra_token_ids and self.request.samples_tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,11 +70,7 @@ class SchedulerOutput:
     def sampling_requests(self) -> list[Request]:
         """The requests that sample a token this step, in batch order: the rows of the
         logits and of a guided-decoding token mask."""
-        return [
-            item.request
-            for item in self.scheduled
-            if item.reaches_end and not item.draft_token_ids and item.request.pooling_params is None
-        ]
+        return [item.request for item in self.scheduled if item.samples]
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,5 +85,8 @@ class RunnerOutput:
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # request id -> the pooled result of a pooling request whose prompt ended this step
     pooled: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A plugin's step extension's results, by its name (its runner side writes them, its
+    # read_outputs reads them).
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Set when computing the step failed: every scheduled request fails with it.
     error: Exception | None = None

@@ -165,7 +165,7 @@ class LLM:
         if loras is not None and len(loras) != len(prompt_list):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         for params in params_list:
-            self.llm_engine.check_guided(params)  # a bad constraint fails before any runs
+            self.llm_engine.check_params(params)  # a bad constraint fails before any runs
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
@@ -373,7 +373,7 @@ class LLM:
             )
         engine = self.llm_engine
         params = pooling_params or PoolingParams()
-        if "score" in engine.pooler_configs:  # a cross-encoder
+        if "score" in engine.served_tasks:  # a cross-encoder
             tokenizer = self.get_tokenizer()
             prompts: list[PromptType] = []
             params_list = []

@@ -266,14 +266,12 @@ class MultiprocExecutor(UniProcExecutor):
         return self.worker.profile(payload)
 
     def init_cache(
-        self, spec: Any, num_blocks: int, *, pooler_configs: dict[str, Any], graphs: bool
+        self, spec: Any, num_blocks: int, *, extensions: dict[str, Any], graphs: bool
     ) -> Any:
         if self.group is None:
-            return super().init_cache(
-                spec, num_blocks, pooler_configs=pooler_configs, graphs=graphs
-            )
-        self.group.send("cache", (spec, num_blocks))
-        runner = super().init_cache(spec, num_blocks, pooler_configs=pooler_configs, graphs=graphs)
+            return super().init_cache(spec, num_blocks, extensions=extensions, graphs=graphs)
+        self.group.send("cache", (spec, num_blocks, extensions))
+        runner = super().init_cache(spec, num_blocks, extensions=extensions, graphs=graphs)
         self.group.wait("ready")
         stages = self.config.parallel_config.pipeline_parallel_size
         if stages > 1:
@@ -293,7 +291,7 @@ class MultiprocExecutor(UniProcExecutor):
         try:
             with runner.step_mode():
                 step, plan = runner.build_step(output)
-                message = step if self.pipeline is None else self.pipeline.split(step)
+                message = step if self.pipeline is None else self.pipeline.split(runner, step)
                 self.group.step(message)
                 try:
                     if self.pipeline is None:
@@ -374,9 +372,9 @@ class WorkerRank:
     def profile(self, payload: dict[str, Any]) -> None:
         self.worker.profile(payload)
 
-    def cache(self, payload: tuple[Any, int]) -> str:
-        spec, num_blocks = payload
-        self.worker.init_cache(spec, num_blocks)
+    def cache(self, payload: tuple[Any, int, dict[str, Any]]) -> str:
+        spec, num_blocks, extensions = payload
+        self.worker.init_cache(spec, num_blocks, extensions)
         return "ready"
 
     def follow(self, step: Any) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedllm.core.runner import ModelRunner, StepInput
+from pagedllm.core.runner import ModelRunner, StepInput, split_step
 from pagedllm.distributed.parallel_state import pipeline_parallel, return_group, stage_peer
 
 
@@ -47,11 +47,13 @@ class PipelineStep:
     micro_batches: list[StepInput]
 
 
-def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
+def split_micro_batches(
+    step: StepInput, count: int, runner: ModelRunner | None = None
+) -> list[StepInput]:
     """``step``'s requests in at most ``count`` contiguous runs of about equal tokens,
-    each a :class:`StepInput` of its own (no logits rows: stage 0 computes those on the
-    gathered hidden states). The KV blocks to copy and the adapter slots to fill go with
-    the first; each takes its requests' adapter slots."""
+    each a :class:`StepInput` of its own (:func:`~pagedllm.core.runner.split_step`: no
+    logits rows, stage 0 computes those on the gathered hidden states), with the step
+    extensions' inputs of ``runner``'s split among them."""
     lens = step.query_lens
     count = max(1, min(count, len(lens)))
     # tokens[j]: the tokens of the first j requests.
@@ -64,17 +66,9 @@ def split_micro_batches(step: StepInput, count: int) -> list[StepInput]:
             j += 1
         cuts.append(j)
     cuts.append(len(lens))
+    split = split_step if runner is None else runner.split_step
     return [
-        StepInput(
-            token_ids=step.token_ids[tokens[a] : tokens[b]],
-            positions=step.positions[tokens[a] : tokens[b]],
-            query_lens=lens[a:b],
-            context_lens=step.context_lens[a:b],
-            block_tables=step.block_tables[a:b],
-            blocks_to_copy=step.blocks_to_copy if a == 0 else [],
-            lora_fills=step.lora_fills if a == 0 else [],
-            lora_slots=step.lora_slots[a:b],
-        )
+        split(step, slice(a, b), slice(tokens[a], tokens[b]), a == 0)
         for a, b in itertools.pairwise(cuts)
     ]
 
@@ -107,17 +101,16 @@ class PipelineStages:
         self.num_steps = 0
         self.num_micro_batches = 0
 
-    def split(self, step: StepInput) -> PipelineStep:
-        return PipelineStep(step, split_micro_batches(step, self.micro_batches))
+    def split(self, runner: ModelRunner, step: StepInput) -> PipelineStep:
+        return PipelineStep(step, split_micro_batches(step, self.micro_batches, runner))
 
     def hidden(self, runner: ModelRunner, message: PipelineStep) -> torch.Tensor:
-        """The step's final hidden states (each micro-batch through every stage), with
-        the step's adapters set by row again."""
+        """The step's final hidden states (each micro-batch through every stage), the
+        step extensions' state set for the whole step again."""
         self.num_steps += 1
         self.num_micro_batches += len(message.micro_batches)
-        # (rank 0 filled the adapter slots when it built the step)
-        hidden = first_stage(runner, self.io, message, fill_adapters=False)
-        runner.whole_step_adapters(message.step)
+        hidden = first_stage(runner, self.io, message)
+        runner.after_micro_batches(message.step)
         return hidden
 
 
@@ -129,20 +122,17 @@ def follow(runner: ModelRunner, io: StageIO, message: PipelineStep) -> None:
         if pipeline_parallel().rank > 0:
             follow_stage(runner, io, message)
             return
-        hidden = first_stage(runner, io, message, fill_adapters=True)
-        runner.whole_step_adapters(message.step)
+        hidden = first_stage(runner, io, message)
+        runner.after_micro_batches(message.step)
         for rows in runner.row_blocks(message.step):
             if rows is not None:
                 runner.logits(hidden, rows)
 
 
-def first_stage(
-    runner: ModelRunner, io: StageIO, message: PipelineStep, fill_adapters: bool
-) -> torch.Tensor:
+def first_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> torch.Tensor:
     """A rank of stage 0 (rank 0, and its tensor-parallel ranks): each micro-batch
     through this stage's layers and on to stage 1, then the final hidden states of every
-    micro-batch back from the last stage, in step order. ``fill_adapters``: fill the
-    adapter slots the step names (a rank above 0)."""
+    micro-batch back from the last stage, in step order."""
     batches = message.micro_batches
     outputs = [_stage_input(runner, io, batch, io.output_size) for batch in batches]
     # (Posted first: the last stage's sends never wait for this process.)
@@ -151,8 +141,7 @@ def first_stage(
     receives = [dist.irecv(out, src=last, tag=i, group=back) for i, out in enumerate(outputs)]
     sends = []
     for i, batch in enumerate(batches):
-        fills = batch.lora_fills if fill_adapters else []
-        hidden = runner.hidden_states(batch, follow_adapters=fills).contiguous()
+        hidden = runner.hidden_states(batch, built_here=False).contiguous()
         sends.append((dist.isend(hidden, dst=stage_peer(1), tag=i), hidden))
     for work in receives:
         work.wait()
@@ -179,7 +168,7 @@ def follow_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> Non
     for i, batch in enumerate(message.micro_batches):
         incoming = _stage_input(runner, io, batch, io.hidden_size)
         dist.recv(incoming, src=source, tag=i)
-        hidden = runner.hidden_states(batch, incoming, follow_adapters=batch.lora_fills)
+        hidden = runner.hidden_states(batch, incoming, built_here=False)
         hidden = hidden.contiguous()
         sends.append((dist.isend(hidden, dst=target, tag=i, group=group), hidden))
     for work, _ in sends:

@@ -34,9 +34,9 @@ class UniProcExecutor(Executor):
         return self.worker.profile(dict(spec=spec, **step))
 
     def init_cache(
-        self, spec: Any, num_blocks: int, *, pooler_configs: dict[str, Any], graphs: bool
+        self, spec: Any, num_blocks: int, *, extensions: dict[str, Any], graphs: bool
     ) -> Any:
-        self.runner = self.worker.init_cache(spec, num_blocks, pooler_configs, graphs)
+        self.runner = self.worker.init_cache(spec, num_blocks, extensions, graphs)
         return self.runner
 
     def execute(self, output: Any, token_mask: Any) -> Any:

@@ -136,7 +136,9 @@ class Worker:
 
         config = self.config
         device = config.device_config.device
-        pm = self.pm if self.pm is not None else make_plugin_manager()
+        if self.pm is None:
+            self.pm = make_plugin_manager()
+        pm = self.pm
         with loading_turn(self.load_gate) as loading:
             self.loaded = loaded = load_model(config, pm)
         if self.size > 1:  # (the ranks share the machine's cores)
@@ -179,12 +181,13 @@ class Worker:
         self,
         spec: Any,
         num_blocks: int,
-        pooler_configs: dict[str, Any] | None = None,
+        extensions: dict[str, Any] | None = None,
         graphs: bool = False,
     ) -> Any:
         """Allocate the KV cache (``spec``: rank 0's; a later pipeline stage holds its own
-        layers) and build the runner (``graphs``: replaying decode steps from the device's
-        graphs, with one more block for their padding rows); the runner."""
+        layers) and build the runner (``extensions``: each step extension's runner
+        payload, by name; ``graphs``: replaying decode steps from the device's graphs,
+        with one more block for their padding rows); the runner."""
         from pagedllm.core.runner import ModelRunner
 
         if self.pipeline:
@@ -209,8 +212,10 @@ class Worker:
             self.backend,
             reserved_blocks=int(graphs),
             batch_invariant=config.model_config.batch_invariant,
-            pooler_configs=pooler_configs,
-            lora=self.lora,
+            extensions=[
+                self.pm.load("step_extensions", name).make_runner_extension(payload, self)
+                for name, payload in (extensions or {}).items()
+            ],
             decode_graphs=decode_graphs,
         )
         return self.runner

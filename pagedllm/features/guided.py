@@ -8,32 +8,82 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.errors import EngineDeadError, InvalidRequestError
+from pagedllm.core.guided import GuidedDecodingManager
 from pagedllm.core.interfaces.extension import StepExtension
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sampling.guided_params import as_guided_params
 
 if TYPE_CHECKING:
-    from pagedllm.core.guided import GuidedDecodingManager
+    from concurrent.futures import Future
 
 logger = logging.getLogger("pagedllm.scheduler")
 
 
 class GuidedExtension(StepExtension):
-    """A request's state: the future of its compiled constraint."""
+    """Always on (it refuses constraints when the engine has no tokenizer). A request's
+    state: the future of its
+    compiled constraint (``SamplingParams.guided_decoding`` / ``structured_outputs``)."""
 
     name = "guided"
 
     def __init__(self, manager: GuidedDecodingManager | None) -> None:
         super().__init__()
-        # (None in scheduler tests that only compile: no mask, every token accepted.)
+        # The constraints' compiles (cached) and matchers. (None in scheduler tests that
+        # only compile: no mask, every token accepted.)
         self.manager = manager
         # Waiting requests whose constraint failed to compile (appended by the compile
         # future's callback, on whichever thread finished it; drained each step).
         self.failures: deque[Request] = deque()
 
     @classmethod
-    def from_engine(cls, engine: Any) -> GuidedExtension | None:
-        return None if engine.guided is None else cls(engine.guided)
+    def from_engine(cls, engine: Any) -> GuidedExtension:
+        """Always on: without a tokenizer (--skip-tokenizer-init) it refuses constraints."""
+        if engine.tokenizer is None:
+            return cls(None)
+        return cls(
+            GuidedDecodingManager(
+                engine.pm,
+                engine.config.decoding_config,
+                engine.tokenizer,
+                engine.vocab_size,
+                tuple(engine.loaded.eos_token_ids),
+            )
+        )
+
+    def shutdown(self) -> None:
+        """Stop the compiles (their worker processes and threads exit)."""
+        if self.manager is not None:
+            self.manager.shutdown()
+
+    def check_params(self, params: Any) -> None:
+        """Compile the request's constraint now (cached): ``ValueError`` names what is
+        wrong with it."""
+        future = self._submit(params)
+        if future is not None:
+            future.result()
+
+    def request_state(self, params: Any, given: Any) -> Future[Any] | None:
+        """The future of the request's compiled constraint, submitted now (a compile
+        that already failed refuses the request); its params get the normalized form."""
+        future = self._submit(params)
+        if future is None:
+            return None
+        if future.done():
+            if future.cancelled():
+                raise EngineDeadError("compiling the request's constraint was stopped")
+            if future.exception() is not None:
+                raise InvalidRequestError("guided_decoding", str(future.exception()))
+        params.guided_decoding = as_guided_params(params.guided_decoding)
+        return future
+
+    def _submit(self, params: Any) -> Future[Any] | None:
+        guided = as_guided_params(getattr(params, "guided_decoding", None))
+        if guided is None:
+            return None
+        if self.manager is None:
+            raise self.not_enabled_error()
+        return self.manager.submit(guided)
 
     @classmethod
     def not_enabled_error(cls) -> InvalidRequestError:
@@ -46,7 +96,7 @@ class GuidedExtension(StepExtension):
             if compile_error(request) is not None:
                 self.failures.append(request)
 
-        request.guided_compile.add_done_callback(done)
+        request.features[self.name].add_done_callback(done)
 
     def begin_step(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
         failed = []
@@ -58,7 +108,7 @@ class GuidedExtension(StepExtension):
         return failed
 
     def admit(self, request: Request) -> bool:
-        if request.is_compiling:
+        if not request.features[self.name].done():
             return False  # still compiling its constraint
         error = compile_error(request)
         if error is not None:
@@ -85,7 +135,7 @@ class GuidedExtension(StepExtension):
 
 def compile_error(request: Request) -> BaseException | None:
     """Why the request's finished constraint compile failed, or None (no failure yet)."""
-    future = request.guided_compile
+    future = request.features.get(GuidedExtension.name)
     if future is None or not future.done():
         return None
     if future.cancelled():

@@ -206,9 +206,9 @@ class LoRAManager:
         self.free_slots = list(range(self.max_loras))
         # The adapters of the current step's tokens (None: no adapter in the step).
         self.batch: LoRABatch | None = None
-        # The ids of the adapters the engine's unfinished requests run with (set by the
-        # engine), which stay loaded.
-        self.in_use: Any = set
+        # How many unfinished requests run with each adapter (hold / release): those
+        # adapters stay loaded.
+        self.in_use: collections.Counter[int] = collections.Counter()
         self.device = device
         # The current step's slot fills ``(slot, adapter)`` and each request's slot (-1:
         # none; empty without adapters): what the other ranks follow (the adapters'
@@ -244,7 +244,7 @@ class LoRAManager:
         limit until they are done (then the next step trims it)."""
         if len(self.cpu) <= self.max_cpu:
             return
-        needed = self.in_use()
+        needed = self.in_use
         idle = [i for i in self.cpu if i not in self.slots and i not in needed and i != keep]
         for victim in idle[: len(self.cpu) - self.max_cpu]:
             del self.cpu[victim]
@@ -306,14 +306,24 @@ class LoRAManager:
         finally:
             self.batch = saved
 
-    def set_step(self, requests_and_lengths: list[tuple[Any, int]]) -> None:
-        """The step's requests (in token order, with their token counts): each adapter
-        gets a slot and the rows of its requests' tokens."""
+    def hold(self, lora_id: int) -> None:
+        """An unfinished request runs with adapter ``lora_id``: keep it loaded."""
+        self.in_use[lora_id] += 1
+
+    def release(self, lora_id: int) -> None:
+        """A request that ran with adapter ``lora_id`` finished."""
+        self.in_use[lora_id] -= 1
+        if self.in_use[lora_id] <= 0:
+            del self.in_use[lora_id]
+
+    def set_step(self, requests_and_lengths: list[tuple[LoRARequest | None, int]]) -> None:
+        """The step's requests' adapters (in token order, None for the base model, with
+        their token counts): each adapter gets a slot and the rows of its requests'
+        tokens."""
         self.step_fills = []
         counts = [count for _, count in requests_and_lengths]
         adapters = [
-            None if request.lora_request is None else self.adapter(request.lora_request)
-            for request, _ in requests_and_lengths
+            None if lora is None else self.adapter(lora) for lora, _ in requests_and_lengths
         ]
         if len({a.request.lora_int_id for a in adapters if a is not None}) > self.max_loras:
             raise RuntimeError("more adapters in one step than --max-loras")

@@ -429,7 +429,7 @@ def test_a_failed_constraint_compile_aborts_the_request_and_is_never_admitted():
     sched = make_scheduler(extensions=[guided])
     compiling: Future = Future()
     request = add(sched, "guided", 4)
-    request.guided_compile = compiling
+    request.features["guided"] = compiling
     sched.waiting.remove({request})
     del sched.requests["guided"]
     sched.add_request(request)  # with its compile pending
@@ -445,7 +445,7 @@ def test_a_failed_constraint_compile_aborts_the_request_and_is_never_admitted():
     other = add(sched, "late", 4)
     sched.waiting.remove({other})
     del sched.requests["late"]
-    other.guided_compile = late
+    other.features["guided"] = late
     sched.add_request(other)
     late.set_exception(ValueError("too big"))
     guided.failures.clear()

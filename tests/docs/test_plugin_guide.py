@@ -265,7 +265,7 @@ def test_guided_backend_from_a_plugin_and_fallback(tiny):
         temperature=0, max_tokens=10, guided_decoding=GuidedDecodingParams(regex="[0-9]{3}")
     )
     with pytest.raises(ValueError, match="dummy_choice compiles choice constraints only"):
-        strict.llm_engine.check_guided(regex)
+        strict.llm_engine.check_params(regex)
     # Without --guided-decoding-disable-fallback the regex goes to the next backend.
     falling_back = LLM(
         str(tiny), guided_decoding_backend="dummy_choice", dtype="float32", disable_log_stats=True

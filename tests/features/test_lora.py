@@ -137,7 +137,8 @@ def test_lora_dtype_takes_a_torch_dtype(models):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     for lora_dtype in (torch.float16, "float16"):
         llm = _llm(base_dir, max_lora_rank=8, lora_dtype=lora_dtype)
-        slots = llm.llm_engine.lora.layers["model.layers.0.mlp.down_proj"].lora
+        manager = llm.llm_engine.extensions["lora"].manager
+        slots = manager.layers["model.layers.0.mlp.down_proj"].lora
         assert slots.a.dtype == slots.b.dtype == torch.float16
         for request, model in adapters:
             prompt = {"prompt_token_ids": PROMPTS[0]}
@@ -154,7 +155,7 @@ def test_slots_and_cache_are_bounded(models):
     (r0, m0), (r1, m1), (r2, m2) = adapters
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
     _check(llm, prompts, [r0, r1, r2, None], [m0, m1, m2, reference])
-    manager = llm.llm_engine.lora
+    manager = llm.llm_engine.extensions["lora"].manager
     assert len(manager.cpu) <= 2 and len(manager.slots) == 1
     _check(llm, [PROMPTS[1]], [r0], [m0])  # (evicted earlier: loaded again)
     # LLM.chat passes the adapter on too.
@@ -207,7 +208,7 @@ def test_adapters_over_two_ranks(models, parallel):
         (r0, m0), (r1, m1), (r2, m2) = adapters
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]
         _check(llm, prompts, [r0, r1, r2, None], [m0, m1, m2, reference])
-        manager = llm.llm_engine.lora
+        manager = llm.llm_engine.extensions["lora"].manager
         first, last = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"
         if parallel == "tensor_parallel_size":
             inter = reference.config.intermediate_size

@@ -55,7 +55,7 @@ def test_sentence_transformers_embeddings(minilm, minilm_llm):
     )
     engine = minilm_llm.llm_engine
     assert engine.task == "embed"
-    assert engine.pooler_configs["embed"].pooling_type == "MEAN"
+    assert engine.extensions["pooling"].pooler_configs["embed"].pooling_type == "MEAN"
     outputs = minilm_llm.embed(TEXTS, use_tqdm=False)
     assert [len(o.outputs.embedding) for o in outputs] == [384] * len(TEXTS)
     _close([o.outputs.embedding for o in outputs], reference)

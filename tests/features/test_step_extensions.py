@@ -12,7 +12,7 @@ import types
 
 import pytest
 from conftest import DUMMY_PLUGIN, env_with_site, pip_install_target, run_cli
-from test_scheduler import TOK, add, make_scheduler, step
+from core.test_scheduler import TOK, add, make_scheduler, step
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams
@@ -207,14 +207,17 @@ llm = LLM(sys.argv[1], dtype="float32", disable_log_stats=True, num_gpu_blocks_o
           **kwargs)
 params = SamplingParams(temperature=0.0, max_tokens=6)
 out = llm.generate({"prompt_token_ids": [10, 20, 30, 40]}, params, use_tqdm=False)[0]
+cap = llm.llm_engine.extensions.get("dummy_cap")
 print(json.dumps([len(out.outputs[0].token_ids), out.outputs[0].finish_reason,
-                  out.outputs[0].stop_reason]))
+                  out.outputs[0].stop_reason, cap and cap.stats["computed_tokens"]]))
 """
 
 
 def test_the_dummy_plugins_step_extension_takes_effect_through_its_flag(checkpoint, tmp_path):
     """Installed with pip, registered through its entry point: off until
-    --step-extensions names it, then every request stops after its first two tokens."""
+    --step-extensions names it, then every request stops after its first two tokens, and
+    its runner side (built on every rank, also tensor-parallel ones) counts the tokens the
+    model computed: the 4-token prompt, then the first output token."""
     site = pip_install_target(tmp_path / "site", DUMMY_PLUGIN)
     env = env_with_site(site)
 
@@ -229,8 +232,10 @@ def test_the_dummy_plugins_step_extension_takes_effect_through_its_flag(checkpoi
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert generate() == [6, "length", None]  # registered, but not named: off
-    assert generate(step_extensions=["dummy_cap"]) == [2, "stop", "dummy_cap"]
+    assert generate() == [6, "length", None, None]  # registered, but not named: off
+    assert generate(step_extensions=["dummy_cap"]) == [2, "stop", "dummy_cap", 5]
+    two_ranks = {"step_extensions": ["dummy_cap"], "tensor_parallel_size": 2}
+    assert generate(**two_ranks) == [2, "stop", "dummy_cap", 5]
     refused = run_cli("serve", str(checkpoint), "--step-extensions", "nope", env=env)
     assert refused.returncode != 0
     assert "--step-extensions nope: no step extension of that name" in refused.stderr

@@ -4,7 +4,7 @@ from pagedllm.core.interfaces.attention import AttentionBackend
 from pagedllm.core.interfaces.cli import CLISubcommand
 from pagedllm.core.interfaces.device import Device, KVCacheMemory
 from pagedllm.core.interfaces.executor import Executor
-from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
+from pagedllm.core.interfaces.extension import RunnerExtension, StepExtension, StepOutcome
 from pagedllm.core.interfaces.guided import (
     CompiledConstraint,
     Grammar,
@@ -52,6 +52,7 @@ __all__ = [
     "ModelLoader",
     "QuantizationConfig",
     "ReasoningParser",
+    "RunnerExtension",
     "SchedulerInterface",
     "StepExtension",
     "StepOutcome",

@@ -95,12 +95,14 @@ class Executor(abc.ABC):
         spec: KVCacheSpec,
         num_blocks: int,
         *,
-        pooler_configs: dict[str, Any],
+        extensions: dict[str, Any],
         graphs: bool,
     ) -> ModelRunner:
         """Allocate every rank's KV cache (``num_blocks`` blocks of ``spec``: rank 0's
-        layers) and build its runner; rank 0's runner. ``graphs``: replay decode steps
-        from the device's graphs (one more block, for padding rows)."""
+        layers) and build its runner, with the runner side of each step extension
+        (``extensions``: name -> its ``runner_payload()``, which every rank gets); rank 0's
+        runner. ``graphs``: replay decode steps from the device's graphs (one more block,
+        for padding rows)."""
 
     @abc.abstractmethod
     def execute(self, output: SchedulerOutput, token_mask: torch.Tensor | None) -> RunnerOutput:

@@ -7,30 +7,49 @@ which calls each hook only where it is overridden, and a per-request hook only f
 requests that carry the extension's state (``request.features[extension.name]``): with no
 extension on, a step does no extra work.
 
+Lifecycle of an engine, with the engine-side hooks in call order:
+
+1. the model is loaded: :meth:`StepExtension.from_engine` (the extension, or None when the
+   configuration leaves it off), then :meth:`adjust_config` (e.g. pooling runs prompts
+   whole: no chunks, no prefix cache);
+2. the KV cache is sized: :meth:`kv_bytes_per_block` (memory the extension keeps per block,
+   e.g. a draft model's own cache) and :attr:`allows_decode_graphs`;
+3. each rank builds its runner with the extension's runner side
+   (:meth:`runner_payload`, sent to every rank, and :meth:`make_runner_extension` there);
+4. the cache is allocated: :meth:`kv_cache_ready`;
+5. the engine stops: :meth:`shutdown`.
+
 Lifecycle of one request, with the hooks in call order:
 
-1. the engine makes the ``Request``: :meth:`new_request` (validate, attach state);
+1. the engine validates it: :meth:`check_params` (up front, from entry points),
+   :meth:`new_parent` (an extension that builds the whole request, e.g. pooling's),
+   :meth:`request_state` (the state the request carries, from its parameters and the
+   ``add_request`` keyword named :attr:`request_arg`); each ``Request`` made:
+   :meth:`new_request` (validate, attach state);
 2. the scheduler queues it: :meth:`add_request`;
 3. each step, before scheduling: :meth:`begin_step` (may abort waiting requests);
    while admitting it: :meth:`admit`, then :meth:`admitted`; while it decodes:
-   :meth:`extra_tokens` and :meth:`propose` (draft tokens to verify);
-4. before the model runs: :meth:`token_mask`;
+   :meth:`extra_tokens` and :meth:`propose` (extra tokens to verify);
+4. before the model runs: :meth:`token_mask`; in the model runner, the extension's
+   :class:`RunnerExtension` (its step inputs, the rows it reads instead of sampling);
 5. after: :meth:`read_outputs` (what the step produced for it), :meth:`check_token` for
    each new token;
 6. it finishes (stopped, capped, aborted, pooled): :meth:`request_finished`.
-
-The model-runner side (inputs, what is read from the hidden states or logits) is not
-declared here yet: the runner still reads the request's feature state itself.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from pagedllm.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import torch
+
     from pagedllm.core.request import Request, RequestStatus
     from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -52,6 +71,19 @@ class StepExtension(ABC):
 
     #: The registered name; also the key of the extension's state in ``request.features``.
     name: ClassVar[str] = ""
+    #: The keyword of ``LLMEngine.add_request`` (and of the entry points that pass it on)
+    #: whose value is the state a request carries for this extension (LoRA's
+    #: ``lora_request``); None: no keyword.
+    request_arg: ClassVar[str | None] = None
+    #: The request parameters this extension serves instead of ``SamplingParams`` (pooling's
+    #: ``PoolingParams``); such a request goes to :meth:`new_parent`.
+    params_type: ClassVar[type | None] = None
+    #: The request tasks the extension serves beside generation (pooling's ``embed``,
+    #: ``score``, …): the engine's ``served_tasks``.
+    tasks: tuple[str, ...] = ()
+    #: False: decode steps are not replayed from a device's graphs while it is on (its
+    #: runner side changes what a step computes).
+    allows_decode_graphs: ClassVar[bool] = True
     #: Counters the stat logger reports as ``<name>_<counter>``.
     stats: dict[str, int]
 
@@ -64,18 +96,70 @@ class StepExtension(ABC):
     @abstractmethod
     def from_engine(cls, engine: Any) -> StepExtension | None:
         """The extension for this engine's configuration (``engine.config``), or None when
-        the configuration does not turn it on. Called once, after the model and the KV
-        cache are set up. pagedllm's own extensions turn on from their own options
-        (``--enable-lora``, ``--speculative-config``, ``--task``, a tokenizer); a plugin's
-        is built only when ``--step-extensions`` names it, and must then return one (or
-        raise :class:`~pagedllm.core.errors.ConfigError` saying why it cannot)."""
+        the configuration does not turn it on. Called once, after the model is loaded and
+        before the KV cache is sized (``engine.loaded``, ``tokenizer``, ``max_model_len``,
+        ``vocab_size``, ``task`` and ``executor`` are set). pagedllm's own extensions turn
+        on from their own options (``--enable-lora``, ``--speculative-config``, ``--task``;
+        guided decoding is always on); a plugin's is built only when ``--step-extensions``
+        names it, and must then return one (or raise
+        :class:`~pagedllm.core.errors.ConfigError` saying why it cannot)."""
 
     @classmethod
     def not_enabled_error(cls) -> InvalidRequestError:
         """The error for a request that carries this extension's state when it is off."""
         return InvalidRequestError(cls.name, f"this engine does not run {cls.name}")
 
+    # ------------------------------------------------------------ engine lifecycle
+
+    def adjust_config(self, config: Any) -> Any:
+        """The engine's configuration as this extension needs it (a changed copy: the
+        validated configuration is frozen), before the KV cache is sized."""
+        return config
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Memory the extension keeps per KV-cache block (beside the model's)."""
+        return 0
+
+    def runner_payload(self) -> Any:
+        """What every rank's model runner needs of this extension (picklable), or None when
+        the extension has no runner side."""
+        return None
+
+    @classmethod
+    def make_runner_extension(cls, payload: Any, worker: Any) -> RunnerExtension:
+        """On each rank: the runner side from :meth:`runner_payload` and the rank's
+        ``worker`` (its model, its adapters' slots)."""
+        raise NotImplementedError(f"step extension {cls.name!r} has no runner side")
+
+    def kv_cache_ready(self, engine: Any, num_blocks: int) -> None:
+        """The KV cache has ``num_blocks`` blocks (per rank), allocated."""
+        return
+
+    def shutdown(self) -> None:
+        """The engine stops: release what the extension holds (threads, processes)."""
+        return
+
     # ------------------------------------------------------------ request lifecycle
+
+    def check_params(self, params: Any) -> None:
+        """Entry points call it before adding a request (the server in a worker thread),
+        to refuse it up front (e.g. compile its constraint now); raises ``ValueError`` or
+        :class:`~pagedllm.core.errors.InvalidRequestError` naming what is wrong."""
+        return
+
+    def new_parent(self, engine: Any, new: Any) -> Any:
+        """The whole request (a ``ParentRequest``, built with the engine's helpers) when
+        it is this extension's to build, else None (the engine builds it as generation).
+        ``new``: the engine's ``NewRequest``."""
+        return None
+
+    def request_state(self, params: Any, given: Any) -> Any:
+        """The state a new user request carries under ``request.features[self.name]`` (None:
+        none), from its ``SamplingParams`` (the engine's copy: may be changed) and
+        ``given``, the value of the :attr:`request_arg` keyword. Called once per user
+        request, before its sequences are made; raise
+        :class:`~pagedllm.core.errors.InvalidRequestError` to refuse it."""
+        return given
 
     def new_request(self, request: Request) -> None:
         """A new request, before it is queued (every request, when overridden): validate it
@@ -116,7 +200,7 @@ class StepExtension(ABC):
         return 0
 
     def propose(self, items: list[tuple[ScheduledRequest, int]]) -> int:
-        """Fill ``draft_token_ids`` of the scheduled items, at most their room each (their
+        """Fill ``extra_token_ids`` of the scheduled items, at most their room each (their
         KV slots are allocated) and lower their ``num_new_tokens`` by what is left unused.
         Returns the budget given back."""
         return 0
@@ -139,3 +223,65 @@ class StepExtension(ABC):
         built-in stop conditions let it go on): a finished status stops it (set its
         ``stop_reason``), None lets it go on. An exception fails that request only."""
         return None
+
+
+class RunnerExtension:
+    """The model runner's side of a step extension, on every rank (rank 0 builds the
+    step and reads the outputs; the others follow). Every hook is optional; the runner
+    calls each only when overridden.
+
+    A step, with the hooks in call order: rank 0 builds it (:meth:`step_input`, whose
+    value goes to every rank with the step under ``step.extras[name]``, and :meth:`claim`
+    for each scheduled request that does not sample); every rank computes the hidden
+    states (:meth:`before_forward`; with pipeline stages :meth:`split` per micro-batch and
+    :meth:`after_micro_batches`) and the logits of its row blocks (:meth:`logits_rows`);
+    rank 0 finishes it (:meth:`finish`)."""
+
+    name: ClassVar[str] = ""
+
+    def step_input(self, output: SchedulerOutput) -> Any:
+        """Rank 0: what every rank needs for this step (picklable), or None."""
+        return None
+
+    def claim(
+        self, item: ScheduledRequest, offset: int, add_rows: Callable[[int, int], int]
+    ) -> Any:
+        """Rank 0: take a scheduled request that does not sample (it has extra tokens, or
+        its request does not sample tokens): its rows start at ``offset`` of the step's
+        hidden states; ``add_rows(first, count)`` asks for the logits of rows ``first`` to
+        ``first + count`` (returns the block's index). The claim (any value but None) goes
+        to :meth:`finish`; None leaves the request to another extension."""
+        return None
+
+    def before_forward(self, step: Any, data: Any, built_here: bool) -> None:
+        """Every rank, before the model computes ``step`` (its ``StepInput``; ``data``: its
+        :meth:`step_input`). ``built_here``: rank 0 built this very step (else it came from
+        rank 0, or it is a pipeline's micro-batch)."""
+        return
+
+    def split(self, data: Any, requests: slice, tokens: slice, first: bool) -> Any:
+        """A pipeline micro-batch's share of the step input ``data``: its requests and
+        tokens; ``first``: the first micro-batch."""
+        return data
+
+    def after_micro_batches(self, step: Any, data: Any) -> None:
+        """A pipeline's stage 0 ranks, after the micro-batches, before the logits of the
+        whole step."""
+        return
+
+    def logits_rows(self, rows: torch.Tensor) -> AbstractContextManager[None]:
+        """Within: the logits of ``rows`` of the step's hidden states are computed."""
+        raise NotImplementedError
+
+    def finish(
+        self,
+        claims: list[tuple[ScheduledRequest, Any]],
+        hidden: torch.Tensor,
+        logits_of: Callable[[int], torch.Tensor],
+        result: RunnerOutput,
+    ) -> None:
+        """Rank 0, every step: the claimed requests' results (``claims``, in step order;
+        often empty) into ``result`` (pagedllm's own into their fields; a plugin's under
+        ``result.extras[name]``, which its :meth:`StepExtension.read_outputs` reads), from
+        the step's hidden states and ``logits_of(i)``, the logits of row block ``i``."""
+        return

@@ -71,7 +71,7 @@ class EngineFacts:
     max_model_len: int
     vocab_size: int
     task: str
-    pooler_configs: dict[str, Any]
+    served_tasks: tuple[str, ...]
     loaded: LoadedFacts
     # The engine settings its outputs depend on beyond the model (dtype, quantization,
     # adapters), which the replicas of several nodes must share.
@@ -87,7 +87,7 @@ class EngineFacts:
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             task=engine.task,
-            pooler_configs=dict(engine.pooler_configs),
+            served_tasks=engine.served_tasks,
             loaded=LoadedFacts(
                 loaded.sampling_defaults, tuple(loaded.eos_token_ids), loaded.hf_config
             ),

@@ -238,7 +238,7 @@ class OpenAIServing:
                 prompt={"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 params=params_list[i],
                 priority=priority,
-                lora_request=lora,
+                extension_args={"lora_request": lora},
             )
             for i, prompt in enumerate(prompts)
         ]

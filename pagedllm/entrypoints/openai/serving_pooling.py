@@ -105,8 +105,8 @@ class PoolingServing:
     def _check(self, body: _PoolingBody, task: str, endpoint: str) -> None:
         self.serving.check_model(body.model)
         engine = self.engine.engine
-        if task not in engine.pooler_configs:
-            serves = ", ".join(engine.pooler_configs) or engine.task
+        if task not in engine.served_tasks:
+            serves = ", ".join(engine.served_tasks) or engine.task
             raise OpenAIError(
                 400,
                 f"{endpoint} needs a model served for {task}; this server runs --task "
@@ -175,7 +175,7 @@ class PoolingServing:
 
     async def pooling(self, body: PoolingRequest, request_id: str) -> dict[str, Any]:
         engine = self.engine.engine
-        task = engine.task if engine.task in engine.pooler_configs else "embed"
+        task = engine.task if engine.task in engine.served_tasks else "embed"
         self._check(body, task, "/pooling")
         prompts = await self._prompts(body, body.input)
         params = [PoolingParams(task=task)] * len(prompts)
@@ -215,7 +215,7 @@ class PoolingServing:
         types), or the cosine similarity of the two texts' embeddings."""
         engine = self.engine.engine
         activation = getattr(body, "activation", None)
-        if "score" in engine.pooler_configs:
+        if "score" in engine.served_tasks:
             tokenizer = self.serving.tokenizer
             if tokenizer is None:
                 raise OpenAIError(400, "scoring text needs the tokenizer (--skip-tokenizer-init)")

@@ -210,7 +210,7 @@ def test_options_apply(tmp_path):
     # No free whitespace: exactly the fixed separators (", " and ": ").
     assert text == json.dumps(json.loads(text))
     with pytest.raises(ValueError, match="no guided-decoding backend supports"):
-        llm.llm_engine.check_guided(
+        llm.llm_engine.check_params(
             SamplingParams(guided_decoding=GuidedDecodingParams(grammar=EBNF, backend="outlines"))
         )
 
@@ -307,7 +307,7 @@ def test_compile_cache_keeps_the_most_recently_used(tmp_path_factory):
         disable_log_stats=True,
         guided_decoding_cache_size=2,
     )
-    manager = llm.llm_engine.guided
+    manager = llm.llm_engine.extensions["guided"].manager
     first, second, third = (GuidedDecodingParams(regex=r) for r in ("a+", "b+", "c+"))
     futures = {}
     for params in (first, second):
@@ -325,7 +325,7 @@ def test_compile_cache_is_bounded_in_memory(tmp_path_factory):
         disable_log_stats=True,
         guided_decoding_cache_memory=1,
     )
-    manager = llm.llm_engine.guided
+    manager = llm.llm_engine.extensions["guided"].manager
     bound = 1 << 20
 
     def regex(letters: str, length: int = 80) -> GuidedDecodingParams:
@@ -371,7 +371,7 @@ def test_compile_in_process_with_no_workers(tmp_path_factory):
     )
     params = SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="(x|y)z"))
     assert re.fullmatch("(x|y)z", llm.generate(["q"], params, use_tqdm=False)[0].outputs[0].text)
-    assert llm.llm_engine.guided._pool is None
+    assert llm.llm_engine.extensions["guided"].manager._pool is None
 
 
 # --------------------------------------------------------------------------- server
