@@ -100,7 +100,7 @@ class PagedLLMConfig(Config):
     # -O, --cuda-graph-sizes, --max-seq-len-to-capture, --enforce-eager.
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
-    def validate(self) -> None:
+    def check(self) -> None:
         """Each config's own checks (again, unless frozen: a plugin may have changed it),
         then those across configs."""
         for field in dataclasses.fields(self):

@@ -134,6 +134,149 @@ def test_configs_normalize_what_they_are_given():
     assert SpeculativeConfig(model="draft", num_speculative_tokens=2).method == "draft_model"
 
 
+# (config built directly, the same values as engine arguments, the message both give)
+_OUT_OF_RANGE = [
+    (
+        lambda: CacheConfig(gpu_memory_utilization=5),
+        dict(gpu_memory_utilization=5),
+        r"^--gpu-memory-utilization=5 is invalid: must be in \(0, 1\]",
+    ),
+    (
+        lambda: CacheConfig(prefix_caching_hash_algo="md5"),
+        dict(prefix_caching_hash_algo="md5"),
+        r"^--prefix-caching-hash-algo: invalid choice 'md5' \(choose from builtin, sha256\)",
+    ),
+    (
+        lambda: CacheConfig(block_size=7),
+        dict(block_size=7),
+        r"^--block-size: invalid choice 7 \(choose from 1, 8, 16, 32, 64, 128\)",
+    ),
+    (
+        lambda: CacheConfig(swap_space_gib=-1),
+        dict(swap_space=-1),
+        r"^--swap-space=-1 is invalid: must be >= 0 GiB",
+    ),
+    (
+        lambda: SchedulerConfig(max_num_seqs=0),
+        dict(max_num_seqs=0),
+        r"^--max-num-seqs=0 is invalid: must be at least 1",
+    ),
+    (
+        lambda: SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=3),
+        dict(max_num_partial_prefills=2, max_long_partial_prefills=3),
+        r"^--max-long-partial-prefills=3 is invalid: must be between 1 and "
+        r"--max-num-partial-prefills \(2\)",
+    ),
+    (
+        lambda: SchedulerConfig(policy="lifo"),
+        dict(scheduling_policy="lifo"),
+        r"^--scheduling-policy: invalid choice 'lifo' \(choose from fcfs, priority\)",
+    ),
+    (
+        lambda: ParallelConfig(pipeline_parallel_size=0),
+        dict(pipeline_parallel_size=0),
+        r"^--pipeline-parallel-size=0 is invalid: must be at least 1",
+    ),
+    (
+        lambda: ParallelConfig(data_parallel_size=2, data_parallel_rpc_port=0),
+        dict(data_parallel_size=2, data_parallel_rpc_port=0),
+        r"^--data-parallel-rpc-port=0 is invalid: must be a TCP port",
+    ),
+    (
+        lambda: ModelConfig(dtype="float8"),
+        dict(dtype="float8"),
+        r"^--dtype: invalid choice 'float8' \(choose from auto, bfloat16, float, ",
+    ),
+    (
+        lambda: ModelConfig(max_logprobs=-2),
+        dict(max_logprobs=-2),
+        r"^--max-logprobs=-2 is invalid: must be >= 0, or -1 for no limit",
+    ),
+    (
+        lambda: ModelConfig(seed=2**64),
+        dict(seed=2**64),
+        r"^--seed=18446744073709551616 is invalid: must fit in 64 bits",
+    ),
+    (
+        lambda: LoRAConfig(max_lora_rank=0),
+        dict(enable_lora=True, max_lora_rank=0),
+        r"^--max-lora-rank=0 is invalid: must be positive",
+    ),
+    (
+        lambda: LoRAConfig(lora_dtype="float32"),
+        dict(enable_lora=True, lora_dtype="float32"),
+        r"^--lora-dtype: invalid choice 'float32' \(choose from auto, bfloat16, float16\)",
+    ),
+    (
+        lambda: DecodingConfig(compile_timeout=0),
+        dict(guided_decoding_compile_timeout=0),
+        r"^--guided-decoding-compile-timeout=0 is invalid: it must be more than 0 seconds",
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "args", "message"), _OUT_OF_RANGE)
+def test_a_config_refuses_values_outside_its_declared_range_or_choices(pm, build, args, message):
+    """The range and choices of a flag are declared once, on the config field: a config
+    built directly refuses what the engine arguments refuse, with the same message."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+    with pytest.raises(ConfigError, match=message.lstrip("^")):
+        EngineArgs(model="no/such-model", **args).create_engine_config(pm)
+
+
+def test_the_command_line_takes_its_ranges_and_choices_from_the_configs(pm, capsys):
+    """Every field's declared range and choices are the engine argument's (a bound
+    naming a field named as the argument that feeds it), so argparse, ``--help`` and the
+    engine arguments' checks enforce what the config does; ``arg`` refuses to restate
+    them."""
+    from pagedllm.core.args.spec import arg, field_meta
+    from pagedllm.core.configs.base import VALID_KEY
+    from pagedllm.entrypoints.cli.main import build_parser
+
+    args = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    declared = []
+    for cls in CONFIGS:
+        for field in dataclasses.fields(cls):
+            valid = field.metadata.get(VALID_KEY)
+            if valid is None:
+                continue
+            name = cls.arg_names.get(field.name, field.name)
+            meta = field_meta(args[name])
+            bound = {k: cls.arg_names.get(k, k) for k in (valid.min, valid.max) if k}
+            assert (meta.min, meta.max, meta.min_exclusive, meta.range_hint, meta.choices) == (
+                bound.get(valid.min, valid.min),
+                bound.get(valid.max, valid.max),
+                valid.min_exclusive,
+                valid.range_hint,
+                valid.choices,
+            ), name
+            declared.append(name)
+    assert len(declared) > 30, declared
+    with pytest.raises(TypeError, match="declared on the config field, not restated"):
+        arg(of=CacheConfig.option("block_size"), group="G", help="X.", choices=(16,))
+    parser, _ = build_parser(pm)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefix-caching-hash-algo", "md5"])
+    err = capsys.readouterr().err
+    assert "--prefix-caching-hash-algo: invalid choice: 'md5'" in err and "sha256" in err
+    with pytest.raises(SystemExit) as excinfo:
+        parser.parse_args(["serve", "--help=kv-cache-dtype"])
+    assert excinfo.value.code == 0
+    assert "{auto,fp8,fp8_e4m3,fp8_e5m2" in capsys.readouterr().out
+
+
+def test_a_plugins_change_is_checked_against_the_declared_range():
+    @hookimpl
+    def pagedllm_update_config(config):
+        config.cache_config.gpu_memory_utilization = 2.0
+
+    plugin = type("P", (), {"pagedllm_update_config": staticmethod(pagedllm_update_config)})
+    pm = make_plugin_manager(env={}, extra_plugins=[("badplugin", plugin)])
+    with pytest.raises(ConfigError, match=r"^--gpu-memory-utilization=2.0 is invalid"):
+        EngineArgs(device="cpu").create_engine_config(pm)
+
+
 class _HookDevice(CpuDevice):
     """The cpu under another name, whose hook records the config it saw and adjusts it."""
 

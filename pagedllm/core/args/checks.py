@@ -9,7 +9,6 @@ already; these also catch values given from Python (``LLM(model, seed="abc")``).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 import reprlib
 import typing
@@ -19,12 +18,12 @@ from typing import Any
 from pagedllm.core.args.annotations import describe_type, has_str, value_matches
 from pagedllm.core.args.spec import (
     ArgMeta,
-    Bound,
     field_default,
     field_meta,
     format_value,
     option_name,
 )
+from pagedllm.core.configs.base import invalid_choice, out_of_range
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 80
@@ -166,44 +165,18 @@ def invalid_choices(
             if meta.class_path and isinstance(item, str) and ("." in item or ":" in item):
                 continue
             if item not in valid:
-                problems.append(
-                    f"{option_name(field.name)}: invalid choice {item!r} "
-                    f"(choose from {', '.join(map(str, valid))})"
-                )
+                problems.append(invalid_choice(option_name(field.name), item, valid))
     return problems
-
-
-def _bound(instance: Any, bound: Bound) -> tuple[Any, str]:
-    """The value of a bound, and how a message names it."""
-    if isinstance(bound, str):
-        value = getattr(instance, bound)
-        return value, f"{option_name(bound)} ({format_value(value)})"
-    return bound, format_value(bound)
 
 
 def _out_of_range(instance: Any, meta: ArgMeta, value: Any) -> str | None:
     """Why ``value`` is outside the declared range, or ``None`` when it is inside."""
-    if meta.min is None and meta.max is None:
-        return None
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return None  # a wrong type is check_field_types' message
-    low, low_text = _bound(instance, meta.min)
-    high, high_text = _bound(instance, meta.max)
-    too_low = low is not None and (value <= low if meta.min_exclusive else value < low)
-    too_high = high is not None and value > high
-    if not (too_low or too_high):
-        return None
-    if meta.range_hint is not None:
-        return meta.range_hint
-    if low is not None and high is not None:
-        if meta.min_exclusive:
-            return f"must be in ({low_text}, {high_text}]"
-        return f"must be between {low_text} and {high_text}"
-    if low is not None and meta.min_exclusive:
-        return f"must be more than {low_text}"
-    if low is not None:
-        return f"must be at least {low_text}"
-    return f"must be at most {high_text}"
+
+    def bound(name: str) -> tuple[Any, str]:
+        limit = getattr(instance, name)
+        return limit, f"{option_name(name)} ({format_value(limit)})"
+
+    return out_of_range(meta, value, bound)
 
 
 def invalid_values(instance: Any) -> list[str]:

@@ -29,37 +29,24 @@ class ModelArgs:
         "label in metrics when --served-model-name is not given.",
     )
     task: str = arg(
-        ModelConfig.task,
+        of=ModelConfig.option("task"),
         group="ModelConfig",
         supported=("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
         unsupported="{option} {value}: not supported by pagedllm (use {supported})",
-        choices=(
-            "auto",
-            "classify",
-            "draft",
-            "embed",
-            "embedding",
-            "generate",
-            "reward",
-            "score",
-            "transcription",
-        ),
         help="What the model is used for: 'generate' (text), or a pooling task: 'embed' "
         "(embeddings; 'embedding' is the older name), 'classify', 'score' (sentence pairs: a "
         "cross-encoder's score or the cosine of two embeddings), 'reward'. 'auto' picks "
         "generation for models that generate, else the model's pooling task.",
     )
     runner: str = arg(
-        ModelConfig.runner,
+        of=ModelConfig.option("runner"),
         group="ModelConfig",
-        choices=("auto", "generate", "pooling"),
         help="vLLM's newer spelling of the task: 'generate' text, or 'pooling' (the model's "
         "pooling task, or the one --convert names); 'auto' follows --task.",
     )
     convert: str = arg(
-        ModelConfig.convert,
+        of=ModelConfig.option("convert"),
         group="ModelConfig",
-        choices=("auto", "none", "embed", "classify", "reward"),
         help="With --runner pooling: the pooling task to serve ('embed' turns a generative "
         "model into an embedding model); 'auto'/'none' take the model's own.",
     )
@@ -69,11 +56,10 @@ class ModelArgs:
         help="Name or path of the Hugging Face tokenizer. Defaults to the model's.",
     )
     tokenizer_mode: str = arg(
-        ModelConfig.tokenizer_mode,
+        of=ModelConfig.option("tokenizer_mode"),
         group="ModelConfig",
         supported=("auto", "slow"),
         unsupported="{option} {value}: not supported (use {supported})",
-        choices=("auto", "custom", "mistral", "slow"),
         help="'auto' uses the fast tokenizer when there is one, 'slow' always the slow one, "
         "'mistral' the mistral_common tokenizer, 'custom' a preregistered tokenizer named by "
         "--tokenizer. pagedllm supports 'auto' and 'slow' (refused for a model that has no "
@@ -124,34 +110,28 @@ class ModelArgs:
         help="JSON object of values that override fields of the model's Hugging Face config.",
     )
     config_format: str = arg(
-        ModelConfig.config_format,
+        of=ModelConfig.option("config_format"),
         group="ModelConfig",
-        choices=("auto", "hf", "mistral"),
         help="Format of the model config: 'hf' (config.json), 'mistral' (params.json, "
         "Mistral's own layout; with --load-format mistral), or 'auto' (config.json when "
         "present, else params.json).",
     )
     dtype: str = arg(
-        ModelConfig.dtype,
+        of=ModelConfig.option("dtype"),
         group="ModelConfig",
-        choices=("auto", "bfloat16", "float", "float16", "float32", "half"),
         help="Data type of weights and activations. 'auto' uses float16 for float32 and float16 "
         "models and bfloat16 for bfloat16 models, unless the device has no fast arithmetic "
         "in that type (the cpu device: bfloat16 on CPUs with AVX512-BF16 or AMX, else "
         "float32); 'half' is float16 and 'float' is float32.",
     )
     seed: int | None = arg(
-        None,
+        of=ModelConfig.option("seed"),
         group="ModelConfig",
-        min=-(2**63),
-        max=2**63 - 1,
-        range_hint="must fit in 64 bits",
         help="Random seed, for reproducible sampling.",
     )
     max_model_len: int | None = arg(
-        None,
+        of=ModelConfig.option("max_model_len"),
         group="ModelConfig",
-        min=1,
         parse=human_int,
         help="Context length (prompt plus output) in tokens; defaults to the model config's. "
         "Accepts k/m/g (powers of 1000) and K/M/G (powers of 1024) suffixes, e.g. 1k=1000, "
@@ -168,10 +148,8 @@ class ModelArgs:
         help="RoPE theta, used together with --rope-scaling.",
     )
     max_logprobs: int = arg(
-        ModelConfig.max_logprobs,
+        of=ModelConfig.option("max_logprobs"),
         group="ModelConfig",
-        min=-1,
-        range_hint="must be >= 0, or -1 for no limit",
         help="Largest number of log probabilities a request may ask for (the OpenAI Chat "
         "Completions default).",
     )
@@ -245,9 +223,8 @@ class ModelArgs:
         no_op=NO_OP["disable_cascade_attn"],
     )
     model_impl: str = arg(
-        ModelConfig.model_impl,
+        of=ModelConfig.option("model_impl"),
         group="ModelConfig",
-        choices=("auto", "vllm", "pagedllm", "transformers"),
         help="Which model implementation to use: 'pagedllm' (or vLLM's name 'vllm') the "
         "native one; 'transformers' transformers' own model with pagedllm's paged "
         "attention (any causal LM whose attention goes through transformers' attention "

@@ -41,44 +41,32 @@ class RuntimeArgs:
         help="Do not allow additionalProperties in JSON schemas during guided decoding.",
     )
     guided_decoding_compile_timeout: float = arg(
-        DecodingConfig.compile_timeout,
+        of=DecodingConfig.option("compile_timeout"),
         group="DecodingConfig",
-        min=0,
-        min_exclusive=True,
-        range_hint="it must be more than 0 seconds",
         help="Seconds one guided-decoding constraint may take to compile; a longer compile is "
         "stopped and its request refused (or, with fallback, tried on the next backend).",
     )
     guided_decoding_compile_memory: int = arg(
-        DecodingConfig.compile_memory_mib,
+        of=DecodingConfig.option("compile_memory_mib"),
         group="DecodingConfig",
-        min=0,
-        min_exclusive=True,
-        range_hint="it must be more than 0 MiB",
         help="MiB of memory one guided-decoding compile may use beyond its worker's own; a "
         "compile that needs more is stopped like one past the time limit.",
     )
     guided_decoding_compile_workers: int = arg(
-        DecodingConfig.compile_workers,
+        of=DecodingConfig.option("compile_workers"),
         group="DecodingConfig",
-        min=0,
-        range_hint="it must be 0 or more",
         help="Worker processes compiling guided-decoding constraints at once. 0 compiles in "
         "threads of the engine's process, without the time limit and memory budget.",
     )
     guided_decoding_cache_size: int = arg(
-        DecodingConfig.compile_cache_size,
+        of=DecodingConfig.option("compile_cache_size"),
         group="DecodingConfig",
-        min=1,
-        range_hint="it must be at least 1",
         help="Compiled guided-decoding constraints kept for reuse; the least recently used "
         "are dropped first.",
     )
     guided_decoding_cache_memory: float = arg(
-        DecodingConfig.compile_cache_memory_mib,
+        of=DecodingConfig.option("compile_cache_memory_mib"),
         group="DecodingConfig",
-        min=0,
-        range_hint="it must be 0 MiB or more",
         help="MiB of memory the compiled guided-decoding constraints kept for reuse may hold "
         "(each as its backend measures or estimates it); the least recently used are "
         "dropped first, and one larger than this is used but not kept.",
@@ -93,14 +81,14 @@ class RuntimeArgs:
 
     # --------------------------------------------------------------- ParallelConfig
     tensor_parallel_size: int = arg(
-        ParallelConfig.tensor_parallel_size,
+        of=ParallelConfig.option("tensor_parallel_size"),
         group="ParallelConfig",
         aliases=("-tp",),
         help="Number of tensor-parallel ranks: the model's layers split across this many "
         "processes (devices), which exchange partial results with torch.distributed.",
     )
     pipeline_parallel_size: int = arg(
-        ParallelConfig.pipeline_parallel_size,
+        of=ParallelConfig.option("pipeline_parallel_size"),
         group="ParallelConfig",
         aliases=("-pp",),
         help="Number of pipeline stages: the model's layers split across this many "
@@ -108,7 +96,7 @@ class RuntimeArgs:
         "stages.",
     )
     data_parallel_size: int = arg(
-        ParallelConfig.data_parallel_size,
+        of=ParallelConfig.option("data_parallel_size"),
         group="ParallelConfig",
         aliases=("-dp",),
         help="Number of data-parallel replicas of the engine (pagedllm serve): each an "
@@ -131,7 +119,7 @@ class RuntimeArgs:
         "their replicas (and where the head listens for them; all interfaces if unset).",
     )
     data_parallel_rpc_port: int | None = arg(
-        None,
+        of=ParallelConfig.option("data_parallel_rpc_port"),
         group="ParallelConfig",
         aliases=("-dpp",),
         help="Port of the head node where --headless nodes register their replicas "
@@ -171,7 +159,7 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["enable_multimodal_encoder_data_parallel"],
     )
     max_parallel_loading_workers: int | None = arg(
-        None,
+        of=ParallelConfig.option("max_parallel_loading_workers"),
         group="ParallelConfig",
         help="Load the model's weights in at most this many ranks (processes) at once, to "
         "limit the RAM used while loading with --tensor-parallel-size or "
@@ -205,8 +193,8 @@ class RuntimeArgs:
     # ------------------------------------------------------------------ CacheConfig
     block_size: int | None = arg(
         None,
+        of=CacheConfig.option("block_size"),
         group="CacheConfig",
-        choices=(1, 8, 16, 32, 64, 128),
         help="Number of tokens per KV-cache block. If unset, the device picks a size.",
     )
     enable_prefix_caching: bool | None = arg(
@@ -216,33 +204,26 @@ class RuntimeArgs:
         "pagedllm decides.",
     )
     prefix_caching_hash_algo: str = arg(
-        CacheConfig.prefix_caching_hash_algo,
+        of=CacheConfig.option("prefix_caching_hash_algo"),
         group="CacheConfig",
-        choices=("builtin", "sha256"),
         help="Hash used to identify cached prefix blocks: Python's 'builtin' hash, or "
         "'sha256', collision resistant but slower.",
     )
     gpu_memory_utilization: float = arg(
-        CacheConfig.gpu_memory_utilization,
+        of=CacheConfig.option("gpu_memory_utilization"),
         group="CacheConfig",
-        min=0,
-        min_exclusive=True,
-        max=1,
         help="Fraction (0 to 1) of the accelerator's memory this engine instance may use for "
         "weights, activations and KV cache.",
     )
     num_gpu_blocks_override: int | None = arg(
-        None,
+        of=CacheConfig.option("num_gpu_blocks_override"),
         group="CacheConfig",
-        min=1,
         help="Use exactly this many KV-cache blocks instead of the profiled number (useful "
         "for testing preemption).",
     )
     swap_space: float = arg(
-        CacheConfig.swap_space_gib,
+        of=CacheConfig.option("swap_space_gib"),
         group="CacheConfig",
-        min=0,
-        range_hint="must be >= 0 GiB",
         supported=(0,),
         unsupported="{option}={value}: pagedllm never swaps: it preempts by recomputation and "
         "needs no swap space; use 0 or leave it out",
@@ -251,9 +232,8 @@ class RuntimeArgs:
         "other values refused.",
     )
     kv_cache_dtype: str = arg(
-        CacheConfig.kv_cache_dtype,
+        of=CacheConfig.option("kv_cache_dtype"),
         group="CacheConfig",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
         help="Data type of the KV cache. 'auto' uses the model's data type; 'fp8' (= "
         "'fp8_e4m3') stores keys and values as float8_e4m3fn divided by a per-layer scale "
         "(the checkpoint's k_scale/v_scale, else 1.0, or computed with "
@@ -312,12 +292,12 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["enable_lora_bias"],
     )
     max_loras: int = arg(
-        LoRAConfig.max_loras,
+        of=LoRAConfig.option("max_loras"),
         group="LoRAConfig",
         help="Largest number of LoRA adapters in one batch.",
     )
     max_lora_rank: int = arg(
-        LoRAConfig.max_lora_rank,
+        of=LoRAConfig.option("max_lora_rank"),
         group="LoRAConfig",
         help="Largest LoRA rank.",
     )
@@ -328,9 +308,8 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["lora_extra_vocab_size"],
     )
     lora_dtype: str = arg(
-        LoRAConfig.lora_dtype,
+        of=LoRAConfig.option("lora_dtype"),
         group="LoRAConfig",
-        choices=("auto", "bfloat16", "float16"),
         help="Data type of LoRA weights; 'auto' uses the model's.",
     )
     long_lora_scaling_factors: list[float] | None = arg(
@@ -341,7 +320,7 @@ class RuntimeArgs:
         unbuilt=UNSUPPORTED["long_lora_scaling_factors"],
     )
     max_cpu_loras: int | None = arg(
-        None,
+        of=LoRAConfig.option("max_cpu_loras"),
         group="LoRAConfig",
         help="Largest number of LoRA adapters kept in CPU memory (at least --max-loras).",
     )

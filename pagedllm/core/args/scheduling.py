@@ -76,16 +76,16 @@ class SchedulingArgs:
     # -------------------------------------------------------------- SchedulerConfig
     max_num_batched_tokens: int | None = arg(
         None,
+        of=SchedulerConfig.option("max_num_batched_tokens"),
         group="SchedulerConfig",
-        min=1,
         help="Largest number of tokens processed in one step. If unset, pagedllm picks one "
         "for the entry point (8192 for the LLM class, 2048 for the server; 512 for a server "
         "on the cpu device, which chunks prompts finer for a sooner first token).",
     )
     max_num_seqs: int | None = arg(
         None,
+        of=SchedulerConfig.option("max_num_seqs"),
         group="SchedulerConfig",
-        min=1,
         help="Largest number of requests processed in one step. If unset, pagedllm picks one "
         "for the entry point.",
     )
@@ -96,47 +96,39 @@ class SchedulingArgs:
         "--max-num-batched-tokens. If unset, pagedllm decides.",
     )
     max_num_partial_prefills: int = arg(
-        SchedulerConfig.max_num_partial_prefills,
+        of=SchedulerConfig.option("max_num_partial_prefills"),
         group="SchedulerConfig",
-        min=1,
         help="With chunked prefill, the largest number of requests partially prefilled at once.",
     )
     max_long_partial_prefills: int = arg(
-        SchedulerConfig.max_long_partial_prefills,
+        of=SchedulerConfig.option("max_long_partial_prefills"),
         group="SchedulerConfig",
-        min=1,
-        max="max_num_partial_prefills",
         help="With chunked prefill, the largest number of long prompts prefilled at once; a "
         "value below --max-num-partial-prefills lets short prompts overtake long ones.",
     )
     long_prefill_token_threshold: int = arg(
-        SchedulerConfig.long_prefill_token_threshold,
+        of=SchedulerConfig.option("long_prefill_token_threshold"),
         group="SchedulerConfig",
-        min=0,
-        range_hint="must be >= 0",
         help="With chunked prefill, prompts longer than this many tokens count as long.",
     )
     scheduling_policy: str = arg(
-        SchedulerConfig.policy,
+        of=SchedulerConfig.option("policy"),
         group="SchedulerConfig",
-        choices=("fcfs", "priority"),
         help="'fcfs' serves requests in arrival order; 'priority' by their priority (lower "
         "first), then arrival.",
     )
     preemption_mode: str | None = arg(
         None,
+        of=SchedulerConfig.option("preemption_mode"),
         group="SchedulerConfig",
         supported=("recompute",),
         unsupported=_PREEMPTION_SWAP_REFUSED,
-        choices=("recompute", "swap"),
         help="How to preempt a request when the KV cache is full: 'recompute' its KV cache "
         "later or 'swap' it to CPU memory. If unset, recompute.",
     )
     scheduler_delay_factor: float = arg(
-        SchedulerConfig.delay_factor,
+        of=SchedulerConfig.option("delay_factor"),
         group="SchedulerConfig",
-        min=0,
-        range_hint="must be >= 0",
         help="Wait this multiple of the previous prompt's latency before scheduling the next "
         "prompt.",
     )

@@ -2,8 +2,11 @@
 
 Everything the command line, ``--help`` and validation need to know about an option is
 declared here, next to its default: its group, choices, numeric range, the values
-pagedllm supports among the valid ones, and why it refuses the others. Code that needs to
-know whether a user set an option compares with :func:`declared_default`, not a literal.
+pagedllm supports among the valid ones, and why it refuses the others. An option that
+feeds a config field takes its range and choices from that field's declaration
+(``arg(of=CacheConfig.option("block_size"), ...)``), so they are declared once. Code
+that needs to know whether a user set an option compares with :func:`declared_default`,
+not a literal.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
+from pagedllm.core.configs.base import Bound, ConfigOption
+
 # (an option's value as a user writes it: the configs format their errors with it too)
 from pagedllm.core.configs.base import format_value as format_value
 
@@ -19,8 +24,8 @@ META_KEY = "pagedllm"
 
 BoolStyle = Literal["optional", "store_true"]
 
-# A numeric bound: a number, or the name of another field whose value is the bound.
-Bound = float | str | None
+# The ArgMeta fields an option feeding a config field takes from the config's declaration.
+_VALID_FIELDS = ("min", "max", "min_exclusive", "range_hint", "choices")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +68,8 @@ class ArgMeta:
     append: bool = False
     # Inclusive range of a number (``min`` is exclusive with ``min_exclusive``). A bound
     # may name another field (``max="max_num_partial_prefills"``). ``None`` values are
-    # not checked: they mean "unset".
+    # not checked: they mean "unset". An option that feeds a config field takes these and
+    # ``choices`` from the config's declaration (``arg(of=...)``), never restating them.
     min: Bound = None
     max: Bound = None
     min_exclusive: bool = False
@@ -81,13 +87,35 @@ class ArgMeta:
 
 
 def arg(
-    default: Any = None,
+    default: Any = dataclasses.MISSING,
     *,
     group: str,
     help: str,
+    of: ConfigOption | None = None,
     **meta: Any,
 ) -> Any:
-    """A dataclass field carrying CLI metadata; mutable defaults are copied per instance."""
+    """A dataclass field carrying CLI metadata; mutable defaults are copied per instance.
+
+    ``of=SomeConfig.option(name)``: the option feeds that config field, and takes its
+    range and choices from the field's declaration (so the command line checks what the
+    config checks), and its default unless ``default`` is given (``None``: unset, the
+    value is computed where the config is built). Without ``default`` or ``of``, the
+    default is ``None``.
+    """
+    if of is not None:
+        restated = sorted(set(_VALID_FIELDS) & set(meta))
+        if restated:
+            raise TypeError(
+                f"arg(of={of.config.__name__}.option({of.name!r})): {', '.join(restated)} "
+                "are declared on the config field, not restated here"
+            )
+        if of.valid is not None:
+            valid = of.arg_valid()
+            meta.update({name: getattr(valid, name) for name in _VALID_FIELDS})
+        if default is dataclasses.MISSING:
+            default = of.default
+    if default is dataclasses.MISSING:
+        default = None
     metadata = {META_KEY: ArgMeta(group=group, help=help, **meta)}
     if isinstance(default, list | dict | set):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=metadata)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.configs.base import Config, require
+from pagedllm.core.configs.base import Config, require, setting
 from pagedllm.core.default_model import DEFAULT_MODEL
 
 
@@ -15,13 +15,15 @@ class ModelConfig(Config):
     model: str = DEFAULT_MODEL
     # The model's own tokenizer when unset.
     tokenizer: str | None = None
-    tokenizer_mode: str = "auto"
+    tokenizer_mode: str = setting("auto", choices=("auto", "custom", "mistral", "slow"))
     trust_remote_code: bool = False
     revision: str | None = None
     tokenizer_revision: str | None = None
-    dtype: str = "auto"
-    seed: int | None = None
-    max_model_len: int | None = None
+    dtype: str = setting(
+        "auto", choices=("auto", "bfloat16", "float", "float16", "float32", "half")
+    )
+    seed: int | None = setting(None, min=-(2**63), max=2**63 - 1, range_hint="must fit in 64 bits")
+    max_model_len: int | None = setting(None, min=1)
     hf_config_path: str | None = None
     # A dict of config attributes, or (from Python) a callable that edits the config.
     hf_overrides: dict[str, Any] | Callable[[Any], Any] = dataclasses.field(default_factory=dict)
@@ -29,24 +31,37 @@ class ModelConfig(Config):
     rope_theta: float | None = None
     # [model] when unset; one name is taken as a list of one.
     served_model_name: list[str] | None = None
-    task: str = "auto"
+    task: str = setting(
+        "auto",
+        choices=(
+            "auto",
+            "classify",
+            "draft",
+            "embed",
+            "embedding",
+            "generate",
+            "reward",
+            "score",
+            "transcription",
+        ),
+    )
     skip_tokenizer_init: bool = False
-    max_logprobs: int = 20
+    max_logprobs: int = setting(20, min=-1, range_hint="must be >= 0, or -1 for no limit")
     disable_sliding_window: bool = False
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     logits_processor_pattern: str | None = None
-    config_format: str = "auto"
+    config_format: str = setting("auto", choices=("auto", "hf", "mistral"))
     enforce_eager: bool = False
     # --batch-invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT=1).
     batch_invariant: bool = False
     quantization: str | None = None
-    model_impl: str = "auto"
-    runner: str = "auto"
-    convert: str = "auto"
+    model_impl: str = setting("auto", choices=("auto", "vllm", "pagedllm", "transformers"))
+    runner: str = setting("auto", choices=("auto", "generate", "pooling"))
+    convert: str = setting("auto", choices=("auto", "none", "embed", "classify", "reward"))
     override_pooler_config: dict[str, Any] | None = None
 
-    def validate(self) -> None:
+    def check(self) -> None:
         from pagedllm.core.sampling.defaults import check_generation_override
 
         if not self.tokenizer:
@@ -75,6 +90,6 @@ class LoadConfig(Config):
     use_tqdm_on_load: bool = True
     qlora_adapter_name_or_path: str | None = None
 
-    def validate(self) -> None:
+    def check(self) -> None:
         if isinstance(self.ignore_patterns, str):
             self.ignore_patterns = [self.ignore_patterns]

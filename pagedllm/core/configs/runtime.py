@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pagedllm.core.configs.base import Config, require
+from pagedllm.core.configs.base import Config, require, setting
 from pagedllm.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,11 +41,15 @@ class DecodingConfig(Config):
     disable_additional_properties: bool = False
     reasoning_parser: str | None = None
     # --guided-decoding-compile-*: worker processes, and the bounds of one compile.
-    compile_workers: int = 2
-    compile_timeout: float = 5.0
-    compile_memory_mib: int = 512
-    compile_cache_size: int = 256
-    compile_cache_memory_mib: float = 512.0
+    compile_workers: int = setting(2, min=0, range_hint="it must be 0 or more")
+    compile_timeout: float = setting(
+        5.0, min=0, min_exclusive=True, range_hint="it must be more than 0 seconds"
+    )
+    compile_memory_mib: int = setting(
+        512, min=0, min_exclusive=True, range_hint="it must be more than 0 MiB"
+    )
+    compile_cache_size: int = setting(256, min=1, range_hint="it must be at least 1")
+    compile_cache_memory_mib: float = setting(512.0, min=0, range_hint="it must be 0 MiB or more")
 
     arg_names: ClassVar[dict[str, str]] = {
         "disable_fallback": "guided_decoding_disable_fallback",
@@ -61,9 +65,9 @@ class DecodingConfig(Config):
 
 @dataclasses.dataclass
 class ParallelConfig(Config):
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = setting(1, min=1)
+    pipeline_parallel_size: int = setting(1, min=1)
+    data_parallel_size: int = setting(1, min=1)
     # "uni" (one process), "mp" (worker processes: tensor-parallel ranks or pipeline
     # stages) or "ray" (the same as Ray actors); unset: mp for several ranks, else uni.
     distributed_executor_backend: str | None = None
@@ -73,9 +77,11 @@ class ParallelConfig(Config):
     # and where the head node takes the others' registrations.
     data_parallel_size_local: int | None = None
     data_parallel_address: str | None = None
-    data_parallel_rpc_port: int | None = None
+    data_parallel_rpc_port: int | None = setting(
+        None, min=0, min_exclusive=True, max=65535, range_hint="must be a TCP port"
+    )
     # How many ranks load their weights at once (None: all).
-    max_parallel_loading_workers: int | None = None
+    max_parallel_loading_workers: int | None = setting(None, min=1)
 
     @property
     def ranks(self) -> int:
@@ -99,10 +105,7 @@ class ParallelConfig(Config):
         sizes += [f"--pipeline-parallel-size {pp}"] if pp > 1 else []
         return " with ".join(sizes)
 
-    def validate(self) -> None:
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        require(tp >= 1, "--tensor-parallel-size", tp, "must be at least 1")
-        require(pp >= 1, "--pipeline-parallel-size", pp, "must be at least 1")
+    def check(self) -> None:
         ranks = self.ranks
         backend = self.distributed_executor_backend or ("mp" if ranks > 1 else "uni")
         self.distributed_executor_backend = backend
@@ -122,7 +125,6 @@ class ParallelConfig(Config):
             )
         loading = self.max_parallel_loading_workers
         if loading is not None:
-            require(loading >= 1, "--max-parallel-loading-workers", loading, "must be at least 1")
             if ranks == 1:
                 raise ConfigError(
                     "--max-parallel-loading-workers limits how many of the ranks of "
@@ -143,13 +145,10 @@ class ParallelConfig(Config):
                 "spread over them; each replica splits its experts over its own "
                 "--tensor-parallel-size ranks with --enable-expert-parallel and one replica"
             )
-        require(dp >= 1, "--data-parallel-size", dp, "must be at least 1")
         local = self.data_parallel_size_local
         if local is not None:
             require(1 <= local <= dp, "--data-parallel-size-local", local, f"must be 1 to {dp}")
         port = self.data_parallel_rpc_port
-        if port is not None:
-            require(0 < port < 65536, "--data-parallel-rpc-port", port, "must be a TCP port")
         if dp == 1:
             for flag, value in (
                 ("--data-parallel-size-local", local),
@@ -163,20 +162,21 @@ class ParallelConfig(Config):
 @dataclasses.dataclass
 class CacheConfig(Config):
     # The Device ABC's default_block_size; the engine arguments leave it to the device.
-    block_size: int = 16
+    block_size: int = setting(16, choices=(1, 8, 16, 32, 64, 128))
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "builtin"
-    gpu_memory_utilization: float = 0.9
-    swap_space_gib: float = 4.0
-    num_gpu_blocks_override: int | None = None
-    kv_cache_dtype: str = "auto"
+    prefix_caching_hash_algo: str = setting("builtin", choices=("builtin", "sha256"))
+    gpu_memory_utilization: float = setting(0.9, min=0, min_exclusive=True, max=1)
+    # (pagedllm never swaps: the engine arguments refuse any other size than 0 or this)
+    swap_space_gib: float = setting(4.0, min=0, range_hint="must be >= 0 GiB")
+    num_gpu_blocks_override: int | None = setting(None, min=1)
+    kv_cache_dtype: str = setting("auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     calculate_kv_scales: bool = False
     # The KV-cache budget on devices without a memory fraction (the cpu).
     cpu_kvcache_space_gib: float = DEFAULT_CPU_KVCACHE_SPACE_GIB
 
     arg_names: ClassVar[dict[str, str]] = {"swap_space_gib": "swap_space"}
 
-    def validate(self) -> None:
+    def check(self) -> None:
         self.swap_space_gib = float(self.swap_space_gib)
         if self.calculate_kv_scales:
             require(
@@ -192,21 +192,10 @@ class CacheConfig(Config):
 class LoRAConfig(Config):
     """--enable-lora and its limits."""
 
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    lora_dtype: str = "auto"
-
-    def validate(self) -> None:
-        require(self.max_loras >= 1, "--max-loras", self.max_loras, "must be at least 1")
-        require(self.max_lora_rank >= 1, "--max-lora-rank", self.max_lora_rank, "must be positive")
-        if self.max_cpu_loras is not None:
-            require(
-                self.max_cpu_loras >= self.max_loras,
-                "--max-cpu-loras",
-                self.max_cpu_loras,
-                f"must be at least --max-loras ({self.max_loras})",
-            )
+    max_loras: int = setting(1, min=1)
+    max_lora_rank: int = setting(16, min=1, range_hint="must be positive")
+    max_cpu_loras: int | None = setting(None, min="max_loras")
+    lora_dtype: str = setting("auto", choices=("auto", "bfloat16", "float16"))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -215,7 +204,7 @@ class DeviceConfig(Config):
     name: str = ""
     device: Device
 
-    def validate(self) -> None:
+    def check(self) -> None:
         if not self.name:
             self.name = self.device.name
 
@@ -271,7 +260,7 @@ class SpeculativeConfig(Config):
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in fields and v is not None})
 
-    def validate(self) -> None:
+    def check(self) -> None:
         method = self.method or ("draft_model" if self.model else None)
         if method == "[ngram]":
             method = "ngram"

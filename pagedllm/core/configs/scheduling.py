@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from pagedllm.core.configs.base import Config
+from pagedllm.core.configs.base import Config, setting
 from pagedllm.core.errors import ConfigError
 
 
@@ -13,15 +13,16 @@ from pagedllm.core.errors import ConfigError
 class SchedulerConfig(Config):
     # --max-num-batched-tokens depends on the entry point when unset (see
     # pagedllm.core.config.default_step_tokens); this is the engine's.
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = setting(2048, min=1)
+    max_num_seqs: int = setting(256, min=1)
     enable_chunked_prefill: bool = True
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    delay_factor: float = 0.0
+    max_num_partial_prefills: int = setting(1, min=1)
+    max_long_partial_prefills: int = setting(1, min=1, max="max_num_partial_prefills")
+    long_prefill_token_threshold: int = setting(0, min=0, range_hint="must be >= 0")
+    policy: str = setting("fcfs", choices=("fcfs", "priority"))
+    # (pagedllm preempts by recomputation: the engine arguments refuse "swap")
+    preemption_mode: str = setting("recompute", choices=("recompute", "swap"))
+    delay_factor: float = setting(0.0, min=0, range_hint="must be >= 0")
     # A registered scheduler's name, a SchedulerInterface class, or the dotted path to one.
     scheduler_cls: str | type = "pagedllm.core.scheduler.Scheduler"
     # --step-extensions: plugins' step extensions to turn on, by registered name.
@@ -49,7 +50,7 @@ class CompilationConfig(Config):
     # Decode steps with a longer context than this run eagerly.
     max_seq_len_to_capture: int = 8192
 
-    def validate(self) -> None:
+    def check(self) -> None:
         if self.level not in (0, 1, 2, 3):
             raise ConfigError(
                 f"--compilation-config: level {self.level!r} is not one of 0, 1, 2, 3"
