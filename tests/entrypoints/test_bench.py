@@ -79,6 +79,31 @@ def test_latency_takes_the_random_dataset_flags(checkpoint, tmp_path):
     assert len(results["latencies"]) == 1
 
 
+def test_latency_reports_prefill_and_decode_apart(checkpoint, tmp_path):
+    """As llama-bench's pp and tg: prefill tokens/s (prompt tokens / time to the first
+    token) and decode ms per output token after the first, from the engine's request
+    times, in the text and the JSON beside vLLM's keys; together they fit in the request's
+    latency. Without the prefix cache every prompt token is computed."""
+    output = tmp_path / "latency.json"
+    result = run_cli(
+        "bench", "latency", "--model", str(checkpoint), "--input-len", "24", "--output-len",
+        "6", "--batch-size", "1", "--num-iters", "1", "--num-iters-warmup", "1",
+        "--no-enable-prefix-caching", "--output-json", str(output), *ENGINE, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert {"avg_latency", "latencies", "percentiles"} <= set(results)
+    prefill, ttft = results["prefill_tokens_per_s"], results["time_to_first_token_s"]
+    decode_ms = results["decode_ms_per_token"]
+    assert prefill > 0 and ttft > 0 and decode_ms > 0
+    assert results["prefill_cached_tokens"] == 0
+    assert results["num_prompt_tokens"] == 24 and prefill * ttft == pytest.approx(24)
+    (latency,) = results["latencies"]
+    assert ttft + decode_ms / 1000 * (6 - 1) <= latency
+    assert f"Prefill: {prefill:.1f} tokens/s (24 prompt tokens computed, " in result.stdout
+    assert f"Decode: {decode_ms:.2f} ms/token" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -133,17 +158,20 @@ def test_num_warmups_runs_requests_before_the_measured_run(checkpoint, kind):
         "latency": ("--batch-size", "2", "--num-iters", "1"),
     }[kind]
     run = {"throughput": run_throughput, "latency": run_latency}[kind]
-    stats = []
+    stats, figures = [], []
     for warmups in ("0", "2"):
         llm = LLM(str(checkpoint), dtype="float32", enable_prefix_caching=True, block_size=8)
         try:
-            run(llm, _args(kind, *common, *own, "--num-warmups", warmups))
+            figures.append(run(llm, _args(kind, *common, *own, "--num-warmups", warmups)))
             stats.append(llm.llm_engine.kv_manager.total_prefix_cache_stats)
         finally:
             llm.llm_engine.shutdown()
     # (Requests run: 2 measured; 2 warm-up requests, or latency's 2 warm-up batches of 2.)
     assert [s.requests for s in stats] == [2, 4 if kind == "throughput" else 6]
     assert stats[0].hits == 0 and stats[1].hits > 0
+    if kind == "latency":  # the prefill figure says which prompt tokens came from the cache:
+        # of each 16-token prompt, its first block (the last one holds the token to compute)
+        assert [f["prefill_cached_tokens"] for f in figures] == [0, 2 * 8]
 
 
 @pytest.mark.parametrize("kind", ["throughput", "serve"])

@@ -117,3 +117,61 @@ def test_readme_table_goes_between_the_markers(compare, tmp_path):
     assert readme.read_text() == (
         f"intro\n{compare.README_START}\n| new |\n{compare.README_END}\nrest\n"
     )
+
+
+def test_pagedllm_batch1_reads_prefill_and_decode_from_one_latency_run(compare):
+    """``bench latency`` reports prefill tokens/s and decode ms/token: one run gives the
+    three batch-1 figures; an older checkout's JSON without them gets a one-token run
+    for its prefill, as before."""
+    paged = compare.PagedLLM("model.gguf", 2)
+    args = argparse.Namespace(input_len=128, output_len=65)
+    calls = []
+
+    def bench(*arguments, dtype=None, split=True):
+        output_len = int(arguments[arguments.index("--output-len") + 1])
+        calls.append(output_len)
+        data = {"latencies": [2.0, 1.0, 3.0] if output_len > 1 else [0.5, 0.4, 0.6]}
+        if split:
+            data.update(prefill_tokens_per_s=512.0, decode_ms_per_token=20.0)
+        return data
+
+    paged.bench = bench
+    assert paged.batch1(args) == {
+        "request_s": 2.0,
+        "prefill_tok_s": 512.0,
+        "decode_ms_per_token": 20.0,
+    }
+    assert calls == [65]
+    calls.clear()
+    paged.bench = lambda *a, dtype=None: bench(*a, dtype=dtype, split=False)
+    assert paged.batch1(args) == {
+        "request_s": 2.0,
+        "prefill_tok_s": 128 / 0.5,
+        "decode_ms_per_token": 1000 * (2.0 - 0.5) / 64,
+    }
+    assert calls == [65, 1]
+
+
+def test_model_is_a_gguf_file_or_a_checkpoint_directory(compare, tmp_path):
+    """vLLM runs a checkpoint directory as it is, and each GGUF file converted into a
+    directory of its own (the default model's keeps its old place); the table names the
+    model."""
+    default, other = tmp_path / "SmolLM2.gguf", tmp_path / "llama-1b-q4_0.gguf"
+    default.write_bytes(b"GGUF")
+    other.write_bytes(b"GGUF")
+    out = tmp_path / "results"
+    assert compare.checkpoint_for_vllm(default, default, out) == out / "hf-checkpoint"
+    assert compare.checkpoint_for_vllm(other, default, out) == out / "hf-llama-1b-q4_0"
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    with pytest.raises(SystemExit, match="a directory must be a checkpoint"):
+        compare.checkpoint_for_vllm(checkpoint, default, out)
+    (checkpoint / "config.json").write_text("{}")
+    assert compare.checkpoint_for_vllm(checkpoint, default, out) == checkpoint
+    with pytest.raises(SystemExit, match="give a GGUF file or a checkpoint directory"):
+        compare.checkpoint_for_vllm(tmp_path / "missing.gguf", default, out)
+    cpu = {"model": "Test CPU", "cores": 2, "isa": []}
+    args = argparse.Namespace(
+        num_prompts=1, input_len=8, output_len=8, concurrency=[1], model=str(checkpoint)
+    )
+    assert compare.table(cpu, {}, args).splitlines()[0].endswith("; model ckpt")

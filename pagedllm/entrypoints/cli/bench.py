@@ -32,6 +32,14 @@ _KINDS = {
     "throughput": "Benchmark offline inference throughput.",
 }
 PERCENTILES = (10, 25, 50, 75, 90, 99)
+# What ``bench latency --help`` says of its figures beyond vLLM's.
+_LATENCY_FIGURES = (
+    " Besides the request latency it reports, as llama-bench does, prefill throughput "
+    "(prompt tokens computed / time to the first token) and decode time per token "
+    "(ms per output token after the first), medians over the iterations, from the times "
+    "the engine records for each request; both go in --output-json as "
+    "prefill_tokens_per_s and decode_ms_per_token."
+)
 
 
 def _add_temperature(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +131,8 @@ class BenchSubcommand(CLISubcommand):
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
         kinds = parser.add_subparsers(dest="bench_type", required=True, metavar="BENCH")
         for kind, text in _KINDS.items():
-            sub = kinds.add_parser(kind, help=text, description=text, epilog=HELP_TIP)
+            description = text + (_LATENCY_FIGURES if kind == "latency" else "")
+            sub = kinds.add_parser(kind, help=text, description=description, epilog=HELP_TIP)
             if kind == "latency":
                 _add_latency_args(sub)
             elif kind == "throughput":
@@ -207,6 +216,27 @@ def _synthetic(args: argparse.Namespace, count: int, vocab_size: int, rng: rando
         raise ConfigError(str(exc)) from None
 
 
+def phase_times(outputs: list[Any]) -> tuple[float, int, int, float | None] | None:
+    """One batch's prefill and decode, from the times the engine recorded for each
+    request: (seconds from the first arrival to the last request's first token, prompt
+    tokens computed in them, prompt tokens the prefix cache supplied, mean seconds per
+    output token after the first, None when every request asked for one token). None
+    when some request has no recorded times."""
+    metrics = [o.metrics for o in outputs]
+    if not metrics or any(m is None or m.first_token_time is None for m in metrics):
+        return None
+    prefill = max(m.first_token_time for m in metrics) - min(m.arrival_time for m in metrics)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    computed = sum(len(o.prompt_token_ids) for o in outputs) - cached
+    per_token = [
+        (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1)
+        for m in metrics
+        if m.num_generation_tokens > 1
+    ]
+    decode = sum(per_token) / len(per_token) if per_token else None
+    return prefill, computed, cached, decode
+
+
 def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
@@ -225,6 +255,7 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     )
 
     last: list[Any] = []
+    phases: list[tuple[float, int, int, float | None] | None] = []
 
     def run_once() -> float:
         start = time.perf_counter()
@@ -234,7 +265,11 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     warmups = args.num_iters_warmup if args.num_warmups is None else args.num_warmups
     for _ in range(warmups):
         run_once()
-    latencies = np.array([run_once() for _ in range(args.num_iters)])
+    measured = []
+    for _ in range(args.num_iters):
+        measured.append(run_once())
+        phases.append(phase_times(last))
+    latencies = np.array(measured)
     percentiles = np.percentile(latencies, PERCENTILES)
     print(f"Avg latency: {latencies.mean():.4f} seconds")
     for p, value in zip(PERCENTILES, percentiles, strict=True):
@@ -242,7 +277,7 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     output_len = output_tokens / (len(requests) * args.n)
     decode_ms = latencies.mean() / output_len * 1000
     print(f"Per output token: {decode_ms:.2f} ms ({1000 / decode_ms:.1f} tokens/s per sequence)")
-    return {
+    results = {
         # (Of one batch, as it ran.)
         "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in last),
         "num_output_tokens": sum(len(c.token_ids) for o in last for c in o.outputs),
@@ -250,6 +285,43 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
         "latencies": latencies.tolist(),
         "percentiles": {str(p): float(v) for p, v in zip(PERCENTILES, percentiles, strict=True)},
     }
+    results.update(_phase_figures(phases))
+    return results
+
+
+def _phase_figures(phases: list[tuple[float, int, int, float | None] | None]) -> dict[str, Any]:
+    """Prefill tokens/s and decode ms/token, medians over the iterations, printed and as
+    ``--output-json`` keys (llama-bench's pp and tg figures)."""
+    import numpy as np
+
+    known = [p for p in phases if p is not None]
+    if not known:
+        print("Prefill and decode: not recorded by this engine")
+        return {}
+    ttft = float(np.median([p[0] for p in known]))
+    prefill = float(np.median([p[1] / p[0] for p in known]))
+    computed = int(np.median([p[1] for p in known]))
+    cached = max(p[2] for p in known)
+    print(
+        f"Prefill: {prefill:.1f} tokens/s ({computed} prompt tokens computed, median "
+        f"time to first token {ttft * 1000:.1f} ms)"
+    )
+    if cached:
+        print(
+            f"  ({cached} prompt tokens came from the prefix cache, filled by the same "
+            "prompts before: --no-enable-prefix-caching times the whole prefill)"
+        )
+    figures: dict[str, Any] = {
+        "prefill_tokens_per_s": prefill,
+        "time_to_first_token_s": ttft,
+        "prefill_cached_tokens": cached,
+    }
+    decodes = [p[3] for p in known if p[3] is not None]
+    if decodes:
+        decode_ms = float(np.median(decodes)) * 1000
+        print(f"Decode: {decode_ms:.2f} ms/token ({1000 / decode_ms:.1f} tokens/s per sequence)")
+        figures["decode_ms_per_token"] = decode_ms
+    return figures
 
 
 def _sharegpt_prompts(
