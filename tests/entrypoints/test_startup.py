@@ -62,3 +62,44 @@ def test_a_cpu_server_imports_neither_dynamo_nor_triton(tiny_llama):
         check=True,
     )
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_garbage_collection_is_off_while_serve_starts_only(startup, tiny_llama):
+    """``pagedllm serve`` starts with the cyclic garbage collector off (start-up makes
+    long-lived objects only) and turns it back on once the server answers, or when the
+    start fails."""
+    port = startup.free_port()
+    code = (
+        "import gc, http.client, os, signal, sys, threading, time\n"
+        "from pagedllm.entrypoints.cli.main import main\n"
+        "failed = main(['serve', sys.argv[1], '--lora-modules', 'a=b'])\n"
+        "print('FAILED', failed, gc.isenabled(), flush=True)\n"
+        "def probe():\n"
+        "    while True:\n"
+        "        try:\n"
+        f"            connection = http.client.HTTPConnection('127.0.0.1', {port})\n"
+        "            connection.request('GET', '/health')\n"
+        "            if connection.getresponse().status == 200:\n"
+        "                break\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "        time.sleep(0.05)\n"
+        "    print('SERVING', gc.isenabled(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "threading.Thread(target=probe, daemon=True).start()\n"
+        "gc.enable()\n"
+        f"code = main(['serve', sys.argv[1], '--port', '{port}', '--dtype', 'float32',\n"
+        "             '--num-gpu-blocks-override', '64', '--disable-log-stats'])\n"
+        "print('STOPPED', code, gc.isenabled(), flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+    )
+    marks = ("FAILED ", "SERVING ", "STOPPED ")
+    lines = [line for line in result.stdout.splitlines() if line.startswith(marks)]
+    expected = ["FAILED 2 True", "SERVING True", "STOPPED 0 True"]
+    assert lines == expected, result.stdout + result.stderr[-3000:]
