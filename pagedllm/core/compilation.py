@@ -89,6 +89,9 @@ def compile_model(model: torch.nn.Module, level: int) -> None:
     """Compile ``model``'s forward pass for ``level`` (see the module docstring)."""
     if level == 0:
         return
+    from pagedllm.core.attention.layer import prepare_compile
+
+    prepare_compile()
     backend = "eager" if level == 1 else "inductor"
     logger.info(
         "compiling the model's forward pass with torch.compile (%s, level %d)", backend, level

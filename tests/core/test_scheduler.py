@@ -385,6 +385,34 @@ def test_prefix_cache_hits_through_the_scheduler():
     assert sched.kv.total_prefix_cache_stats.hits == 16 + 0
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_requests_one_after_another_reuse_freed_blocks(caching):
+    """Freed KV blocks are reused before never-touched ones (whose pages the OS would
+    commit at their first write): requests served one after another, each finished
+    before the next arrives, keep to a few blocks of the 64 (the prefix cache keeps
+    about as many freed blocks as the most held at once). A shared prefix still hits."""
+    sched = make_scheduler(num_blocks=64, caching=caching)
+    system = list(range(500, 508))  # two full blocks every request starts with
+    handed_out: set[int] = set()
+    most_held = 0
+    for index in range(30):
+        start = 10_000 * (index + 1)
+        add(sched, f"r{index}", [*system, *range(start, start + 6)])
+        while sched.has_unfinished_requests():
+            s = step(sched)
+            held = {b for item in s.out.scheduled for b in item.block_ids}
+            handed_out |= held
+            most_held = max(most_held, len(held))
+    assert most_held == 5  # 14 prompt tokens and 3 of 4 outputs computed: 17 tokens
+    assert len(handed_out) <= 2 * most_held + 1, sorted(handed_out)
+    stats = sched.kv.total_prefix_cache_stats
+    assert stats.hits == (8 * 29 if caching else 0)
+    # The cache still holds the last request's blocks: the same prompt again hits them.
+    last = add(sched, "again", [*system, *range(300_000, 300_006)])
+    run_all(sched)
+    assert last.num_cached_tokens == (12 if caching else 0)
+
+
 def test_delay_factor_holds_new_prompts_back(monkeypatch):
     import pagedllm.core.scheduler as scheduler_module
 

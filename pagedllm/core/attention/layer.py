@@ -3,6 +3,7 @@ backend (``metadata.backend``), chosen by the device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,15 +47,27 @@ class Attention(nn.Module):
         """``query`` ``[T, heads*d]``, ``key``/``value`` ``[T, kv_heads*d]`` -> ``[T, heads*d]``."""
         if torch.compiler.is_compiling():
             # Under -O: the backend's own kernels, between the compiled pieces.
-            return _attend_uncompiled(self, query, key, value, metadata)
+            assert _uncompiled is not None, "prepare_compile() runs before torch.compile"
+            return _uncompiled(self, query, key, value, metadata)
         return metadata.backend.forward(self, query, key, value, metadata)
 
 
-@torch.compiler.disable
 def _attend_uncompiled(
     layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
 ) -> torch.Tensor:
     return metadata.backend.forward(layer, query, key, value, metadata)
+
+
+# _attend_uncompiled under torch.compiler.disable, made by prepare_compile(): the decorator
+# imports torch._dynamo (over 1 s of every start), which only a compiled model needs.
+_uncompiled: Callable[..., torch.Tensor] | None = None
+
+
+def prepare_compile() -> None:
+    """Make the attention layers' escape from torch.compile; call before compiling."""
+    global _uncompiled
+    if _uncompiled is None:
+        _uncompiled = torch.compiler.disable(_attend_uncompiled)
 
 
 def set_kv_scales(model: torch.nn.Module, cache_config: Any, kv_dtype: torch.dtype) -> None:

@@ -2,12 +2,24 @@
 
 A block is free when no request holds it (``ref_cnt == 0``). A free block keeps its hash
 so a later request can still hit it; the hash is dropped only when the block is reused
-for new content (lazy eviction). Free blocks are reused least recently freed first.
+for new content (lazy eviction). Freed blocks are reused least recently freed first.
+
+Which free block a request gets decides both the prefix cache's size and the memory the
+process touches (the OS commits a KV block's pages at its first write). A never-touched
+block is taken only while the freed blocks number no more than the most blocks ever held
+at once (``peak_in_use``); past that, the least recently freed block is reused first. So
+the prefix cache keeps the blocks of finished requests, least recently used evicted
+first, up to about as many as the busiest moment so far held; a server touches about
+twice its peak working set of KV memory, not its whole budget, however many distinct
+prompts it has seen. A prefix hit takes its block back out of the free queue, so a
+prefix in steady use stays cached. Without prefix caching freed blocks hold nothing
+reusable and are always taken before untouched ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 from pagedllm.core.kv_cache.hashing import BlockHash
@@ -88,17 +100,30 @@ class BlockPool:
     """All ``num_blocks`` blocks, their ref counts and (with caching) the hash->block map.
 
     Callers check ``get_num_free_blocks()`` before asking for blocks; asking for more than
-    are free is a bug and raises.
+    are free is a bug and raises. Free blocks are of two kinds: never touched (the ids from
+    ``_next_untouched`` on, taken in order) and freed (``_freed``, the LRU queue); see the
+    module docstring for which one ``get_new_blocks`` takes.
     """
 
-    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "free_block_queue")
+    __slots__ = (
+        "_freed",
+        "_next_untouched",
+        "blocks",
+        "cached_block_hash_to_block",
+        "enable_caching",
+        "peak_in_use",
+    )
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self._next_untouched = 0
+        self._freed = FreeBlockQueue()
+        # The most blocks held at once so far: how many freed blocks the cache keeps
+        # before reusing them rather than touching new ones.
+        self.peak_in_use = 0
         # One block per hash: a second block computed with the same content (two requests
         # prefilled it in the same step) stays unhashed and is simply reused when freed.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
@@ -107,8 +132,14 @@ class BlockPool:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @property
+    def free_block_queue(self) -> Iterator[KVCacheBlock]:
+        """The free blocks: the never-touched ones, then the freed ones least recently
+        freed first (the order they are taken in while the cache is under its size)."""
+        return itertools.chain(self.blocks[self._next_untouched :], self._freed)
+
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return self.num_blocks - self._next_untouched + self._freed.num_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of blocks held by requests (0.0 to 1.0). Free cached blocks count as
@@ -120,7 +151,8 @@ class BlockPool:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blocks from the LRU head, each returned with ``ref_cnt`` 1.
+        """Take ``num_blocks`` free blocks, each returned with ``ref_cnt`` 1: a freed one
+        (LRU) or a never-touched one, as the module docstring says.
 
         A taken block that still holds a hash is evicted from the prefix cache now.
         """
@@ -130,12 +162,22 @@ class BlockPool:
             )
         new_blocks = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self.uncache_block(block)
+            untouched_left = self._next_untouched < self.num_blocks
+            keep_freed = self.enable_caching and len(self._freed) <= self.peak_in_use
+            if untouched_left and (keep_freed or not self._freed):
+                block = self.blocks[self._next_untouched]
+                self._next_untouched += 1
+            else:
+                block = self._freed.popleft()
+                self.uncache_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             new_blocks.append(block)
+        self._note_in_use()
         return new_blocks
+
+    def _note_in_use(self) -> None:
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.get_num_free_blocks())
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget ``block``'s hash (no-op when it has none); its content is untouched."""
@@ -150,8 +192,10 @@ class BlockPool:
         """Take one more reference on each block, pulling free ones out of the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                assert block.block_id < self._next_untouched, "touching a never-used block"
+                self._freed.remove(block)
             block.ref_cnt += 1
+        self._note_in_use()
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; a block reaching 0 joins the queue tail, so
@@ -160,7 +204,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                self._freed.append(block)
 
     def cache_full_blocks(
         self,

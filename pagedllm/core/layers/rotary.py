@@ -10,7 +10,6 @@ from torch import nn
 from pagedllm.core.errors import ConfigError
 from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.rotary import apply_rotary
-from pagedllm.kernels.triton_attention import triton_available, triton_rotary_neox_
 
 # RoPE types whose frequencies do not depend on the sequence being processed.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -116,10 +115,12 @@ class RotaryEmbedding(nn.Module):
             and positions.is_contiguous()
             and self.cos.dtype == torch.float32
             and not torch.compiler.is_compiling()
-            and triton_available()
+            and _triton_available()
         ):
             # In place, bit for bit apply_rotary's. Unchecked positions: the model runner
             # gives positions below --max-model-len, the table's length.
+            from pagedllm.kernels.triton_attention import triton_rotary_neox_
+
             triton_rotary_neox_(query, key, positions, self.cos, self.sin, self.rotary_dim)
             return query, key
         # Every layer of a step passes the same positions tensor: gather once per step.
@@ -149,3 +150,10 @@ def _heads_dense(x: torch.Tensor) -> bool:
         and x.stride(2) == 1
         and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
     )
+
+
+def _triton_available() -> bool:
+    # Imported on a GPU's first call only: triton costs a CPU server 70 MB and 70 ms.
+    from pagedllm.kernels.triton_attention import triton_available
+
+    return triton_available()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 from typing import TYPE_CHECKING
 
 from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs
@@ -44,6 +45,17 @@ class ServeSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        # Start-up makes objects that live as long as the server (modules, the model, the
+        # app): collecting garbage among them finds next to none and took 0.1 s of a
+        # 1.6 s start. Collection resumes once the server is up (run_server's startup),
+        # before anything else this runs, or when it fails.
+        gc.disable()
+        try:
+            return self._run(args, pm)
+        finally:
+            gc.enable()
+
+    def _run(self, args: argparse.Namespace, pm: PluginManager) -> int:
         from pagedllm.entrypoints.openai.serving_setup import (
             apply_log_config,
             start_serving,
@@ -58,6 +70,8 @@ class ServeSubcommand(CLISubcommand):
         if frontend_args.disable_frontend_multiprocessing:
             check_one_process(engine_args, frontend_args)
         log_config = apply_log_config(frontend_args.log_config_file)
+        if frontend_args.headless or frontend_args.api_server_count > 1:
+            gc.enable()  # (these serve from here on)
         if frontend_args.headless:
             from pagedllm.entrypoints.data_parallel.headless import serve_headless
 

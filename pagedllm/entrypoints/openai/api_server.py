@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -82,6 +83,7 @@ def run_server(
 
     @app.on_event("startup")
     async def warm_up() -> None:
+        gc.enable()  # (off while the server started: see ServeSubcommand.run)
         stack.serving.prompts.warm_up()
 
     @app.on_event("shutdown")

@@ -56,13 +56,18 @@ class PromptPreparer:
         self.chat_template = chat_template
         self.content_format = content_format
         self.template_timeout = template_timeout
-        longest_token = 1
-        if tokenizer is not None:
-            longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = max_model_len * max(longest_token, 1)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=PREPARE_WORKERS, thread_name_prefix="pagedllm-prompt"
         )
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt of ``max_model_len`` tokens can have. Worked out
+        on first use (the warm-up's, off the start: listing the vocabulary takes 25 ms)."""
+        longest_token = 1
+        if self.tokenizer is not None:
+            longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return self.max_model_len * max(longest_token, 1)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a prompt thread."""

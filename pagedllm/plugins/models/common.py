@@ -25,7 +25,6 @@ from pagedllm.kernels import triton_rows
 from pagedllm.kernels.batch_invariant import linear
 from pagedllm.kernels.cpu_ops import cpu_ops_for
 from pagedllm.kernels.norms import rms_norm
-from pagedllm.kernels.triton_attention import triton_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +42,9 @@ class RMSNorm(nn.Module):
         if ops is not None and ops.rows_ok(x) and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, self.offset)
         if self.weight.dtype == x.dtype and triton_rows(x):
+            # (Imported here: triton costs a CPU server 70 MB and 70 ms at start-up.)
+            from pagedllm.kernels.triton_attention import triton_rms_norm
+
             return triton_rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm(x, self.weight, self.eps, self.offset)
 
@@ -67,6 +69,8 @@ class RMSNorm(nn.Module):
             and residual.shape == x.shape
             and self.weight.dtype == x.dtype
         ):
+            from pagedllm.kernels.triton_attention import triton_rms_norm
+
             return triton_rms_norm(x, self.weight, self.eps, self.offset, residual=residual)
         total = residual + x
         return total, self(total)

@@ -28,7 +28,6 @@ from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.batch_invariant import batch_invariant
 from pagedllm.kernels.cpu_ops import SILU_KERNEL_MAX_ROWS, cpu_ops_for
-from pagedllm.kernels.triton_attention import triton_silu_mul
 from pagedllm.plugins.models.common import (
     SILU_NAMES,
     CausalLM,
@@ -169,6 +168,8 @@ class LlamaMLP(nn.Module):
         if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
             return self.down_proj(ops.silu_mul(gate, up))
         if self.silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
+            from pagedllm.kernels.triton_attention import triton_silu_mul  # (GPUs only)
+
             return self.down_proj(triton_silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
 

@@ -1,0 +1,105 @@
+"""Start-up: ``benchmarks/startup.py`` run as a smoke test (its timings are the
+benchmark's business, not a test's), and what a CPU start must not import."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from conftest import clean_env
+from repo_paths import ROOT
+from tiny_models import make_checkpoint
+
+SCRIPT = ROOT / "benchmarks" / "startup.py"
+
+
+@pytest.fixture(scope="module")
+def startup():
+    spec = importlib.util.spec_from_file_location("startup", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("startup") / "llama", "llama")
+
+
+def test_the_benchmark_times_help_and_serve_to_health(startup, tiny_llama):
+    assert startup.cpu_model()
+    env = clean_env()
+    assert startup.time_help(env=env) > 0
+    serve_args = [str(tiny_llama), "--dtype", "float32", "--num-gpu-blocks-override", "64"]
+    assert startup.time_serve(serve_args, timeout=300, env=env) > 0
+
+
+def test_a_bad_serve_is_reported_with_its_output(startup):
+    with pytest.raises(RuntimeError, match="did not answer 200 on /health"):
+        startup.time_serve(["--no-such-flag"], timeout=120, env=clean_env())
+
+
+def test_a_cpu_server_imports_neither_dynamo_nor_triton(tiny_llama):
+    """torch._dynamo (1.3 s; imported by torch.compiler.disable) and triton (70 ms, 70 MB)
+    serve compiled models and GPUs only: a CPU server's engine and HTTP app import
+    neither until -O or a GPU asks for them."""
+    code = (
+        "import sys\n"
+        "from pagedllm import LLM\n"
+        "import pagedllm.entrypoints.openai.api_server\n"
+        f"llm = LLM({str(tiny_llama)!r}, dtype='float32', disable_log_stats=True)\n"
+        "llm.generate(['Hello'], use_tqdm=False)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+        check=True,
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_garbage_collection_is_off_while_serve_starts_only(startup, tiny_llama):
+    """``pagedllm serve`` starts with the cyclic garbage collector off (start-up makes
+    long-lived objects only) and turns it back on once the server answers, or when the
+    start fails."""
+    port = startup.free_port()
+    code = (
+        "import gc, http.client, os, signal, sys, threading, time\n"
+        "from pagedllm.entrypoints.cli.main import main\n"
+        "failed = main(['serve', sys.argv[1], '--lora-modules', 'a=b'])\n"
+        "print('FAILED', failed, gc.isenabled(), flush=True)\n"
+        "def probe():\n"
+        "    while True:\n"
+        "        try:\n"
+        f"            connection = http.client.HTTPConnection('127.0.0.1', {port})\n"
+        "            connection.request('GET', '/health')\n"
+        "            if connection.getresponse().status == 200:\n"
+        "                break\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "        time.sleep(0.05)\n"
+        "    print('SERVING', gc.isenabled(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "threading.Thread(target=probe, daemon=True).start()\n"
+        "gc.enable()\n"
+        f"code = main(['serve', sys.argv[1], '--port', '{port}', '--dtype', 'float32',\n"
+        "             '--num-gpu-blocks-override', '64', '--disable-log-stats'])\n"
+        "print('STOPPED', code, gc.isenabled(), flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+    )
+    marks = ("FAILED ", "SERVING ", "STOPPED ")
+    lines = [line for line in result.stdout.splitlines() if line.startswith(marks)]
+    expected = ["FAILED 2 True", "SERVING True", "STOPPED 0 True"]
+    assert lines == expected, result.stdout + result.stderr[-3000:]
