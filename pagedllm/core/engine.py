@@ -17,7 +17,7 @@ from pagedllm.core.batch_invariance import check_batch_invariance
 from pagedllm.core.config import scheduler_class
 from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pagedllm.core.interfaces.executor import Executor, executor_class
-from pagedllm.core.interfaces.extension import StepExtension
+from pagedllm.core.interfaces.extension import StepExtension, overriding
 from pagedllm.core.kv_cache import KVCacheManager
 from pagedllm.core.model_setup import num_kv_blocks, resolve_task
 from pagedllm.core.output_processor import OutputProcessor, ParentRequest
@@ -110,9 +110,9 @@ class LLMEngine:
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
         # The step extensions the configuration turns on (pagedllm's features, a
-        # plugin's), by name; each may change the
-        # configuration (the validated one is frozen: the engine runs with a copy) and
-        # take memory before the KV cache is sized from what is left.
+        # plugin's), by name; each may change the configuration (the validated one is
+        # frozen: the engine runs with a copy) and take memory before the KV cache is
+        # sized from what is left.
         self.extensions = {e.name: e for e in build_step_extensions(self)}
         extensions = list(self.extensions.values())
         # The request tasks served beside generation (each an extension's).
@@ -156,28 +156,18 @@ class LLMEngine:
             hash_algo=cache.prefix_caching_hash_algo,
         )
         # Each rank's runner gets the extensions' runner sides, by name.
-        payloads = {e.name: e.runner_payload() for e in extensions}
-        self.executor.init_cache(
-            layout,
-            num_blocks,
-            extensions={name: p for name, p in payloads.items() if p is not None},
-            graphs=use_graphs,
-        )
+        runner_sides = {e.name: p for e in extensions if (p := e.runner_payload()) is not None}
+        self.executor.init_cache(layout, num_blocks, extensions=runner_sides, graphs=use_graphs)
         for extension in extensions:
             extension.kv_cache_ready(self, num_blocks)
         self._hooks = {
-            hook: [
-                e for e in extensions if getattr(type(e), hook) is not getattr(StepExtension, hook)
-            ]
+            hook: overriding(extensions, StepExtension, hook)
             for hook in ("check_params", "new_parent", "new_request")
         }
-        # Which extension a request keyword and a kind of request parameters belong to.
+        # Which extension each request keyword belongs to.
         self._request_args = {e.request_arg: e for e in extensions if e.request_arg}
-        self._states = [
-            e
-            for e in extensions
-            if e.request_arg or type(e).request_state is not StepExtension.request_state
-        ]
+        stateful = overriding(extensions, StepExtension, "request_state")
+        self._states = [e for e in extensions if e.request_arg or e in stateful]
         sched = config.scheduler_config
         self.scheduler = scheduler_class(sched.scheduler_cls, pm)(
             sched, self.kv_manager, self.max_model_len, extensions=extensions

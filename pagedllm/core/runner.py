@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedllm.core.interfaces.extension import RunnerExtension
+from pagedllm.core.interfaces.extension import RunnerExtension, overriding
 from pagedllm.core.kv_cache.spec import KVCacheSpec
 from pagedllm.core.sampling import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.core.step_data import RunnerOutput
@@ -59,12 +59,6 @@ class StepPlan:
     prompt_rows: list[tuple[Any, list[int], int]] = dataclasses.field(default_factory=list)
 
 
-def _overriding(extensions: list[RunnerExtension], hook: str) -> list[RunnerExtension]:
-    """The extensions whose class overrides ``hook`` (the others would do nothing)."""
-    base = getattr(RunnerExtension, hook)
-    return [e for e in extensions if getattr(type(e), hook) is not base]
-
-
 class ModelRunner:
     """One rank's model and KV cache. A step is :meth:`build_step` (rank 0: the flat
     batch from the scheduler's output), :meth:`hidden_states`, :meth:`logits` of each of
@@ -102,13 +96,15 @@ class ModelRunner:
         self.sampler = Sampler()
         # The step extensions' runner sides, and for each hook those that override it.
         self.extensions = list(extensions or ())
-        self._inputs = _overriding(self.extensions, "step_input")
-        self._claimers = _overriding(self.extensions, "claim")
-        self._before = _overriding(self.extensions, "before_forward")
-        self._splitters = _overriding(self.extensions, "split")
-        self._after_micro_batches = _overriding(self.extensions, "after_micro_batches")
-        self._row_contexts = _overriding(self.extensions, "logits_rows")
-        self._finishers = _overriding(self.extensions, "finish")
+        self._inputs = overriding(self.extensions, RunnerExtension, "step_input")
+        self._claimers = overriding(self.extensions, RunnerExtension, "claim")
+        self._before = overriding(self.extensions, RunnerExtension, "before_forward")
+        self._splitters = overriding(self.extensions, RunnerExtension, "split")
+        self._after_micro_batches = overriding(
+            self.extensions, RunnerExtension, "after_micro_batches"
+        )
+        self._row_contexts = overriding(self.extensions, RunnerExtension, "logits_rows")
+        self._finishers = overriding(self.extensions, RunnerExtension, "finish")
         # The device's replayer of decode steps (Device.decode_graphs), built on this
         # runner's cache.
         self.graphs = None if decode_graphs is None else decode_graphs(self)

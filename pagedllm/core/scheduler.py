@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces.extension import StepExtension, StepOutcome
+from pagedllm.core.interfaces.extension import StepExtension, StepOutcome, overriding
 from pagedllm.core.interfaces.scheduler import SchedulerInterface
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -25,12 +25,6 @@ if TYPE_CHECKING:
     from pagedllm.core.kv_cache import KVCacheManager
 
 __all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
-
-
-def _overriding(extensions: Sequence[StepExtension], hook: str) -> list[StepExtension]:
-    """The extensions whose class overrides ``hook`` (the others would do nothing)."""
-    base = getattr(StepExtension, hook)
-    return [e for e in extensions if getattr(type(e), hook) is not base]
 
 
 class Scheduler(SchedulerInterface):
@@ -53,10 +47,10 @@ class Scheduler(SchedulerInterface):
         self.extensions = {e.name: e for e in extensions}
         if len(self.extensions) != len(extensions):
             raise ConfigError(f"step extensions with the same name: {[e.name for e in extensions]}")
-        self._per_step = _overriding(extensions, "begin_step")
-        self._masks = _overriding(extensions, "token_mask")
-        self._readers = _overriding(extensions, "read_outputs")
-        verifiers = _overriding(extensions, "extra_tokens")
+        self._per_step = overriding(extensions, StepExtension, "begin_step")
+        self._masks = overriding(extensions, StepExtension, "token_mask")
+        self._readers = overriding(extensions, StepExtension, "read_outputs")
+        verifiers = overriding(extensions, StepExtension, "extra_tokens")
         if len(verifiers) > 1:
             raise ConfigError(
                 f"step extensions {[e.name for e in verifiers]} all add tokens to verify; "

@@ -59,14 +59,14 @@ class GuidedExtension(StepExtension):
     def check_params(self, params: Any) -> None:
         """Compile the request's constraint now (cached): ``ValueError`` names what is
         wrong with it."""
-        future = self._submit(params)
+        _, future = self._submit(params)
         if future is not None:
             future.result()
 
     def request_state(self, params: Any, given: Any) -> Future[Any] | None:
         """The future of the request's compiled constraint, submitted now (a compile
         that already failed refuses the request); its params get the normalized form."""
-        future = self._submit(params)
+        guided, future = self._submit(params)
         if future is None:
             return None
         if future.done():
@@ -74,16 +74,18 @@ class GuidedExtension(StepExtension):
                 raise EngineDeadError("compiling the request's constraint was stopped")
             if future.exception() is not None:
                 raise InvalidRequestError("guided_decoding", str(future.exception()))
-        params.guided_decoding = as_guided_params(params.guided_decoding)
+        params.guided_decoding = guided
         return future
 
-    def _submit(self, params: Any) -> Future[Any] | None:
+    def _submit(self, params: Any) -> tuple[Any, Future[Any] | None]:
+        """The request's constraint in its normalized form and the future of its compile,
+        or ``(None, None)`` when it has none."""
         guided = as_guided_params(getattr(params, "guided_decoding", None))
         if guided is None:
-            return None
+            return None, None
         if self.manager is None:
             raise self.not_enabled_error()
-        return self.manager.submit(guided)
+        return guided, self.manager.submit(guided)
 
     @classmethod
     def not_enabled_error(cls) -> InvalidRequestError:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.interfaces.extension import RunnerExtension, StepExtension, StepOutcome
 from pagedllm.core.model_files import resolve_model_path
@@ -20,11 +22,10 @@ from pagedllm.core.pooling import (
     sentence_transformers_pooler,
 )
 from pagedllm.core.sampling import SamplingParams
+from pagedllm.core.transfer import host_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import torch
 
     from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -176,10 +177,6 @@ class PoolingRunner(RunnerExtension):
 
     def before_forward(self, step: Any, data: Any, built_here: bool) -> None:
         if self.encoder:
-            import torch
-
-            from pagedllm.core.transfer import host_tensor
-
             types = None if data is None else host_tensor(data, torch.long, self.device)
             self.model.token_type_ids = types
 

@@ -4,20 +4,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
 import pytest
-from repo_paths import ROOT
+from repo_paths import ROOT, load_script
 
 SCRIPT = ROOT / "benchmarks" / "compare_engines.py"
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare_engines", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_table_names_the_cpu_and_every_figure(compare):

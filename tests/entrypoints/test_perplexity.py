@@ -3,7 +3,6 @@ is transformers' on the same chunks (float32), and it runs as a script."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 import transformers
-from repo_paths import ROOT
+from repo_paths import ROOT, load_script
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM
@@ -20,10 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "perplexity.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("perplexity_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

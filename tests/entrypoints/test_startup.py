@@ -3,13 +3,12 @@ benchmark's business, not a test's), and what a CPU start must not import."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 from conftest import clean_env
-from repo_paths import ROOT
+from repo_paths import ROOT, load_script
 from tiny_models import make_checkpoint
 
 SCRIPT = ROOT / "benchmarks" / "startup.py"
@@ -17,10 +16,7 @@ SCRIPT = ROOT / "benchmarks" / "startup.py"
 
 @pytest.fixture(scope="module")
 def startup():
-    spec = importlib.util.spec_from_file_location("startup", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

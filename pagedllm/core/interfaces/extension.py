@@ -54,6 +54,13 @@ if TYPE_CHECKING:
     from pagedllm.core.step_data import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
+def overriding(extensions: Any, base: type, hook: str) -> list[Any]:
+    """The ``extensions`` whose class overrides ``base``'s ``hook``: the only ones the loop
+    calls for it (the others would do nothing), so that an unused hook costs nothing."""
+    default = getattr(base, hook)
+    return [e for e in extensions if getattr(type(e), hook) is not default]
+
+
 class StepOutcome(NamedTuple):
     """What a step produced for one request, as an extension reads it from the output."""
 
