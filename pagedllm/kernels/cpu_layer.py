@@ -1,11 +1,15 @@
 """A Llama-family decoder layer as one native call (``csrc/cpu_layer.c``) for decode steps
-on the CPU with GGUF weights.
+on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 
 :func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
-when every part qualifies (Q/K/V and gate/up each one packed Q4_0/Q4_1/Q8_0 weight, packed
-output and down projections, no biases, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE
-tables in float32; a float32 model, or a bfloat16 one where the CPU has the bfloat16
-products and attention cache), else None. Calling it runs the layer for a step of at most
+when every part qualifies (Q/K/V and gate/up each one fused weight, with the output and down
+projections either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases,
+no LoRA, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE tables in float32; a float32 model,
+or a bfloat16 one where the CPU has the attention kernel's bfloat16 cache, and for packed
+weights the bfloat16 products), else None. Dense products are
+:mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call for as many
+rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer takes steps of
+at most that many tokens. Calling it runs the layer for a step of at most
 :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is all in the
 paged-attention kernel (decodes and short chunks), and returns None for any other step, which
 the module then computes op by op. The native call runs the very kernels of that path in
@@ -15,7 +19,8 @@ both take the panel products at every row count).
 The kernels sit below the plugins that build those parts, so they are recognised by what
 they hold, not by class: a packed product by its GGML type (a fused group of packed layers,
 pagedllm.plugins.quantization.gguf's ``PackedFusedLinear``, or a layer whose method holds
-one, its ``GGUFLinearMethod``), the cpu device's attention step by its :class:`PagedMetadata`.
+one, its ``GGUFLinearMethod``), a dense one by its float weight and no method, the cpu
+device's attention step by its :class:`PagedMetadata`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pagedllm.kernels.cpu_ops import (
     PagedMetadata,
     cpu_ops,
 )
+from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
@@ -48,6 +54,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # many as the module path gives the SiLU kernel (past that it uses torch's SiLU, and the
 # two paths would no longer agree bit for bit).
 MAX_STEP_TOKENS = 1024
+# The "GGML types" csrc/cpu_layer.c gives dense weights.
+DENSE_TYPES = {torch.float32: -1, torch.bfloat16: -2}
 
 
 class _StepArgs(ctypes.Structure):
@@ -113,6 +121,31 @@ def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, 
     return weight, int(qtype)
 
 
+def _dense(
+    module: Any, dtype: torch.dtype, sizes: list[int] | None = None
+) -> tuple[torch.Tensor, int] | None:
+    """(weight, dense type) of a bias-free unquantized product in ``dtype``: a fused group
+    of plain layers (``sizes`` its parts) or a plain layer, whose product the modules take
+    through :func:`pagedllm.kernels.batch_invariant.linear`."""
+    if getattr(module, "method", None) is not None or getattr(module, "qtype", None) is not None:
+        return None
+    if (sizes is None) != (getattr(module, "sizes", None) is None):
+        return None
+    if sizes is not None and module.sizes != sizes:
+        return None
+    weight = getattr(module, "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or module.bias is not None
+        or weight.dtype != dtype
+        or weight.dim() != 2
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+    ):
+        return None
+    return weight, DENSE_TYPES[dtype]
+
+
 def _plain_norm(norm: Any, dtype: torch.dtype) -> bool:
     return (
         getattr(norm, "offset", None) == 0.0
@@ -135,6 +168,8 @@ class NativeDecoderLayer:
         self.layer_index = attn.attn.layer_index
         self.rotary = rotary
         self._max_tokens: int | None = None
+        # Steps computed natively (for tests and profiles).
+        self.steps = 0
         # Kept so the pointers below stay valid (and are checked against on every call).
         self.tensors = [
             layer.input_layernorm.weight,
@@ -151,11 +186,12 @@ class NativeDecoderLayer:
         args.ln1, args.ln2 = self.pointers[0], self.pointers[1]
         args.eps1 = layer.input_layernorm.eps
         args.eps2 = layer.post_attention_layernorm.eps
+        self.dense = parts["qkv"][1] < 0
         for name in ("qkv", "o", "gate_up", "down"):
             weight, qtype = parts[name]
             setattr(args, name, weight.data_ptr())
             setattr(args, f"{name}_type", qtype)
-            setattr(args, f"{name}_row_bytes", weight.shape[-1])
+            setattr(args, f"{name}_row_bytes", weight.shape[-1] * weight.element_size())
         args.cos_table, args.sin_table = rotary.cos.data_ptr(), rotary.sin.data_ptr()
         args.table_stride, args.rot_dim = rotary.cos.stride(0), rotary.rotary_dim
         args.scale = attn.attn.scale
@@ -181,8 +217,7 @@ class NativeDecoderLayer:
             step = metadata.native_step = (
                 positions,
                 *self._step_args(positions, metadata),
-                # (the modules' 8-bit products widen bfloat16 rows: not here)
-                self.dtype != torch.bfloat16 or self._int8_panels(),
+                self._step_ok(),
             )
         if not step[-1]:
             return None
@@ -201,7 +236,19 @@ class NativeDecoderLayer:
             raise MemoryError("the native decoder layer could not allocate its buffers")
         if status != 0:
             raise RuntimeError(f"the native decoder layer failed ({status})")
+        self.steps += 1
         return out
+
+    def _step_ok(self) -> bool:
+        """Whether this step's products are the modules' ones."""
+        if self.dense:
+            # (batch-invariant bfloat16: the modules' panels in bfloat16 pairs, which the
+            # layer calls; without AVX512-BF16 they widen the rows, which it does not)
+            kernels = cpu_kernels()
+            bf16_panels = kernels is not None and kernels.bf16
+            return self.dtype != torch.bfloat16 or not batch_invariant() or bf16_panels
+        # (the modules' 8-bit products widen bfloat16 rows: not here)
+        return self.dtype != torch.bfloat16 or self._int8_panels()
 
     def _int8_panels(self) -> bool:
         """Whether this layer's 8-bit products (if any) are the panel kernel's, which the
@@ -215,7 +262,8 @@ class NativeDecoderLayer:
     def max_tokens(self) -> int:
         """The most tokens of a step this layer takes natively."""
         if self._max_tokens is None:
-            limit = fused_max_rows() or MAX_STEP_TOKENS
+            limit = SMALL_ROWS_MAX[self.dtype] if self.dense else None
+            limit = limit or fused_max_rows() or MAX_STEP_TOKENS
             bf16 = self.dtype == torch.bfloat16
             self._max_tokens = limit if bf16 else min(limit, SILU_KERNEL_MAX_ROWS)
         return self._max_tokens
@@ -254,18 +302,14 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None
     dtype = layer.input_layernorm.weight.dtype
-    if dtype == torch.bfloat16:
-        # The bfloat16 layer needs the bfloat16 products and a bfloat16 cache the
-        # attention kernel reads.
-        kernels, ops = cpu_kernels(), cpu_ops()
-        if (
-            kernels is None
-            or not kernels.bf16
-            or ops is None
-            or not ops.bf16_cache_ok(attn.head_dim)
-        ):
-            return None
-    elif dtype != torch.float32:
+    if dtype not in DENSE_TYPES:
+        return None
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj)
+    if any(getattr(lin, "lora", None) is not None for lin in (*linears, mlp.down_proj)):
+        return None  # (the layer adds no LoRA deltas)
+    ops = cpu_ops()
+    # The bfloat16 layer needs a bfloat16 cache the attention kernel reads.
+    if dtype == torch.bfloat16 and (ops is None or not ops.bf16_cache_ok(attn.head_dim)):
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(_plain_norm(norm, dtype) for norm in norms):
@@ -277,14 +321,27 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     if len(attn.qkv.runs) != 1 or len(mlp.gate_up.runs) != 1:
         return None
     inter = mlp.down_proj.input_size
+    qkv_sizes, gate_up_sizes = [q_size, kv_size, kv_size], [inter, inter]
     parts = {
-        "qkv": _packed(attn.qkv.runs[0], [q_size, kv_size, kv_size]),
+        "qkv": _packed(attn.qkv.runs[0], qkv_sizes),
         "o": _packed(attn.o_proj),
-        "gate_up": _packed(mlp.gate_up.runs[0], [inter, inter]),
+        "gate_up": _packed(mlp.gate_up.runs[0], gate_up_sizes),
         "down": _packed(mlp.down_proj),
     }
     if any(part is None for part in parts.values()):
-        return None
+        parts = {
+            "qkv": _dense(attn.qkv.runs[0], dtype, qkv_sizes),
+            "o": _dense(attn.o_proj, dtype),
+            "gate_up": _dense(mlp.gate_up.runs[0], dtype, gate_up_sizes),
+            "down": _dense(mlp.down_proj, dtype),
+        }
+        if any(part is None for part in parts.values()) or dense_kernels() is None:
+            return None
+    elif dtype == torch.bfloat16:
+        # (the bfloat16 layer's packed products: AVX512-BF16)
+        kernels = cpu_kernels()
+        if kernels is None or not kernels.bf16:
+            return None
     lib = _library()
     if lib is None:
         return None

@@ -7,7 +7,9 @@ flags, and loaded with ctypes; OpenMP is linked under the same soname as torch's
 both share one thread pool. The vector paths (AVX-512, AVX2, ...) are therefore chosen
 by the compiler for the CPU at hand, at run time. Without a compiler, or with
 ``PAGEDLLM_DISABLE_CPU_KERNELS=1``, :func:`load_kernel_library` returns None (after one
-warning) and callers use their torch reference.
+warning) and callers use their torch reference. Tests build a library for another
+(older) x86 target with ``load_kernel_library(name, march="haswell")``, say, to run its
+AVX2 or plain C paths on this machine.
 """
 
 from __future__ import annotations
@@ -87,14 +89,15 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(source: Path) -> Path:
+def _build(source: Path, march: str = "native") -> Path:
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC or install gcc)")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
     # Every file of csrc/ is part of the key: a source may #include the others.
     sources = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]")))
     key = hashlib.sha256(
-        source.name.encode() + sources + " ".join([compiler, *_FLAGS, cpu_flags()]).encode()
+        source.name.encode() + sources + " ".join([compiler, *flags, cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -103,7 +106,7 @@ def _build(source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(source), "-lm"],
+            [compiler, *flags, "-o", str(built), str(source), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -115,23 +118,24 @@ def _build(source: Path) -> Path:
     return target
 
 
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """``csrc/<name>.c`` compiled and loaded (once per process), or None when it cannot
-    be built or kernels are disabled."""
-    if name in _libraries:
-        return _libraries[name]
+def load_kernel_library(name: str, march: str = "native") -> ctypes.CDLL | None:
+    """``csrc/<name>.c`` compiled (for ``-march=<march>``) and loaded (once per process),
+    or None when it cannot be built or kernels are disabled."""
+    key = name if march == "native" else f"{name}:{march}"
+    if key in _libraries:
+        return _libraries[key]
     with _lock:
-        if name in _libraries:
-            return _libraries[name]
+        if key in _libraries:
+            return _libraries[key]
         library = None
         if not kernels_disabled():
             try:
-                library = ctypes.CDLL(str(_build(CSRC / f"{name}.c")))
+                library = ctypes.CDLL(str(_build(CSRC / f"{name}.c", march)))
             except (OSError, RuntimeError) as exc:
                 logger.warning(
                     "CPU kernels %s unavailable, using the (slower) torch reference: %s",
                     name,
                     exc,
                 )
-        _libraries[name] = library
+        _libraries[key] = library
     return library

@@ -1,7 +1,8 @@
 /* One Llama-family decoder layer in a single call, for decode steps on the CPU with GGUF
- * weights (pagedllm/kernels/cpu_layer.py builds and loads this file). It runs the same
- * kernels the layer's modules call one by one from Python (gguf_cpu.c, cpu_ops.c, compiled
- * into this library), in the same order on the same buffers, so its results are
+ * or dense float32 / bfloat16 weights (pagedllm/kernels/cpu_layer.py builds and loads this
+ * file). It runs the same kernels the layer's modules call one by one from Python
+ * (gguf_cpu.c, dense_cpu.c, cpu_ops.c, compiled into this library), in the same order on
+ * the same buffers, so its results are
  * bit-identical to that path; what it saves is the Python between them (about 10 calls
  * and their tensors per layer).
  *
@@ -11,7 +12,13 @@
  *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
  */
 #include "gguf_cpu.c"
+#include "dense_cpu.c"
 #include "cpu_ops.c"
+
+/* The "types" of dense weights (GGML types are not negative): float32 or bfloat16 rows,
+ * row_bytes their stride. */
+#define DENSE_F32 (-1)
+#define DENSE_BF16 (-2)
 
 typedef struct {
     int64_t tokens;
@@ -32,7 +39,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     const void *ln1, *ln2; /* float32, or bfloat16 for the bfloat16 layer */
     const uint8_t *qkv, *o, *gate_up, *down;
-    int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t qkv_type, o_type, gate_up_type, down_type; /* GGML types, or DENSE_F32/_BF16 */
     int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
     const float *cos_table, *sin_table;
     int64_t table_stride, rot_dim;
@@ -41,8 +48,21 @@ typedef struct {
     float eps1, eps2, scale, pad;
 } layer_args;
 
+/* A dense weight's product, as the modules' (batch_invariant.linear): the panels in
+ * batch-invariant mode, else the small-row kernel (the layer takes no more rows than it). */
+static int dense_product(const step_args *S, int64_t qtype, const uint8_t *w, int64_t n,
+                         int64_t k, const void *x, int x_bf16, int64_t m, void *y) {
+    const int w_bf16 = qtype == DENSE_BF16;
+    if (S->invariant)
+        return pagedllm_dense_matmul_panels(w, w_bf16, n, k, x, m, k, y, n, (int)S->nthreads,
+                                            x_bf16, x_bf16);
+    return pagedllm_dense_matmul_small(w, w_bf16, n, k, x, x_bf16, m, k, y, x_bf16, n,
+                                       (int)S->nthreads, 0);
+}
+
 static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                    int64_t row_bytes, int64_t k, const float *x, int64_t m, float *y) {
+    if (qtype < 0) return dense_product(S, qtype, raw, n, k, x, 0, m, y);
     if (S->invariant) { /* (without 8-bit panels, the 8-bit row loop at every count) */
         int status = -1;
         if (S->int8 > 0)
@@ -71,6 +91,7 @@ static int product(const step_args *S, int64_t qtype, const uint8_t *raw, int64_
 static int product_bf16(const step_args *S, int64_t qtype, const uint8_t *raw, int64_t n,
                         int64_t row_bytes, int64_t k, const uint16_t *x, int64_t m,
                         uint16_t *y) {
+    if (qtype < 0) return dense_product(S, qtype, raw, n, k, x, 1, m, y);
     if (S->invariant)
         return S->int8 > 0 ? pagedllm_gguf_matmul_q8p((int)qtype, raw, n, row_bytes, k, x, m, k, y,
                                                       n, (int)S->nthreads, 1, 1)

@@ -1,0 +1,319 @@
+/* Products of a few activation rows with a dense float32 or bfloat16 weight, for decode
+ * steps on the CPU (pagedllm/kernels/dense_cpu.py builds and loads this file; the native
+ * decoder layer, cpu_layer.c, includes it).
+ *
+ *   y[m, n] = x[m, k] . W[n, k]      m small (a decode step's rows), W read once
+ *
+ * A decode step reads every weight once from memory for a handful of rows: the product
+ * is bound by memory bandwidth, and the BLAS GEMMs behind F.linear lose to a kernel that
+ * streams each weight row once and meets every activation row with it in registers
+ * (tiles of DENSE_NR weight rows x DENSE_MR activation rows).
+ *
+ * Each output is one fixed chain of operations over k, whatever the rows, tiles or
+ * threads of the call (threads split the output features), so one row's result does not
+ * depend on the others of the step, and the native decoder layer and the modules' calls
+ * agree bit for bit:
+ *   - AVX512-BF16, bfloat16 rows and weights: 16 float32 lanes, lane l summing the pair
+ *     products of elements 32t + 2l, 32t + 2l + 1 (dpbf16ps), then one fixed add tree;
+ *   - AVX-512F (or AVX2 with FMA): 16 (8) float32 lanes, lane l the fused multiply-adds
+ *     of elements l, l + 16, ... (bfloat16 widened exactly), then a fixed add tree;
+ *   - otherwise, or with `portable`: the same in plain C on 8 lanes, multiply then add
+ *     (built with -ffp-contract=off).
+ * Outputs in bfloat16 are rounded once, to nearest even (as torch's .to() rounds).
+ *
+ * Plain C, no torch headers: called through ctypes with raw pointers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define DENSE_NR 8 /* weight rows per tile (8 chains in flight at one row) */
+#define DENSE_MR 2 /* activation rows per tile */
+#define DENSE_AHEAD 2 /* tiles prefetched ahead */
+/* Below this many weight elements a product runs on one thread (the fork costs more). */
+#define DENSE_MIN_PARALLEL (1 << 16)
+
+static inline uint16_t dense_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float dense_from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void dense_store(void *y, int y_bf16, int64_t at, float v) {
+    if (y_bf16)
+        ((uint16_t *)y)[at] = dense_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+static inline float dense_elem(const void *p, int bf16, int64_t c) {
+    return bf16 ? dense_from_bf16(((const uint16_t *)p)[c]) : ((const float *)p)[c];
+}
+
+/* The body of a tile function: MR activation rows (at most DENSE_MR) x DENSE_NR weight
+ * rows of accumulators (named, so that they stay in registers), VEC elements per step,
+ * whole steps unmasked then the tail (DENSE_W / DENSE_X load weight row r / activation
+ * row i from element c up to END, zeros past it; DENSE_OP accumulates), each accumulator
+ * reduced by RED. */
+#define DENSE_ROW(i, XT)                                                                   \
+    if (MR > i) {                                                                          \
+        const XT xv = DENSE_X(i, END);                                                     \
+        DENSE_OP(a##i##0, xv, w0);                                                         \
+        DENSE_OP(a##i##1, xv, w1);                                                         \
+        DENSE_OP(a##i##2, xv, w2);                                                         \
+        DENSE_OP(a##i##3, xv, w3);                                                         \
+        DENSE_OP(a##i##4, xv, w4);                                                         \
+        DENSE_OP(a##i##5, xv, w5);                                                         \
+        DENSE_OP(a##i##6, xv, w6);                                                         \
+        DENSE_OP(a##i##7, xv, w7);                                                         \
+    }
+#define DENSE_STEP(XT)                                                                     \
+    do {                                                                                   \
+        const XT w0 = DENSE_W(0, END), w1 = DENSE_W(1, END);                               \
+        const XT w2 = DENSE_W(2, END), w3 = DENSE_W(3, END);                               \
+        const XT w4 = DENSE_W(4, END), w5 = DENSE_W(5, END);                               \
+        const XT w6 = DENSE_W(6, END), w7 = DENSE_W(7, END);                               \
+        DENSE_ROW(0, XT) DENSE_ROW(1, XT)                                                  \
+    } while (0)
+#define DENSE_OUT(i, RED)                                                                  \
+    if (MR > i) {                                                                          \
+        out[i][0] = RED(a##i##0);                                                          \
+        out[i][1] = RED(a##i##1);                                                          \
+        out[i][2] = RED(a##i##2);                                                          \
+        out[i][3] = RED(a##i##3);                                                          \
+        out[i][4] = RED(a##i##4);                                                          \
+        out[i][5] = RED(a##i##5);                                                          \
+        out[i][6] = RED(a##i##6);                                                          \
+        out[i][7] = RED(a##i##7);                                                          \
+    }
+#define DENSE_TILE(AT, XT, ZERO, VEC, RED)                                                 \
+    do {                                                                                   \
+        AT a00 = ZERO, a01 = ZERO, a02 = ZERO, a03 = ZERO, a04 = ZERO, a05 = ZERO;         \
+        AT a06 = ZERO, a07 = ZERO, a10 = ZERO, a11 = ZERO, a12 = ZERO, a13 = ZERO;         \
+        AT a14 = ZERO, a15 = ZERO, a16 = ZERO, a17 = ZERO;                                 \
+        const int64_t full = k - k % (VEC);                                                \
+        int64_t c = 0;                                                                     \
+        for (; c < full; c += (VEC)) {                                                     \
+            const int64_t END = c + (VEC);                                                 \
+            DENSE_STEP(XT);                                                                \
+        }                                                                                  \
+        if (c < k) {                                                                       \
+            const int64_t END = k;                                                         \
+            DENSE_STEP(XT);                                                                \
+        }                                                                                  \
+        DENSE_OUT(0, RED) DENSE_OUT(1, RED)                                                \
+    } while (0)
+
+/* ---- portable: 8 lanes, lane l summing elements l, l + 8, ... ------------------------ */
+
+#define DENSE_LANES 8
+static void dense_tile_portable(int mr, const void *const w[DENSE_NR], int w_bf16, int64_t k,
+                                const void *x, int x_bf16, int64_t xs, float out[DENSE_MR][DENSE_NR]) {
+    for (int i = 0; i < mr; i++) {
+        const void *xr = x_bf16 ? (const void *)((const uint16_t *)x + i * xs)
+                                : (const void *)((const float *)x + i * xs);
+        for (int r = 0; r < DENSE_NR; r++) {
+            float acc[DENSE_LANES] = {0};
+            for (int64_t c0 = 0; c0 < k; c0 += DENSE_LANES)
+                for (int l = 0; l < DENSE_LANES; l++) {
+                    const int64_t c = c0 + l;
+                    if (c < k) {
+                        const float p = dense_elem(xr, x_bf16, c) * dense_elem(w[r], w_bf16, c);
+                        acc[l] = acc[l] + p;
+                    }
+                }
+            out[i][r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) +
+                        ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        }
+    }
+}
+
+/* ---- AVX-512 ------------------------------------------------------------------------- */
+
+#ifdef __AVX512F__
+/* 16 elements from c as float32 (bfloat16 widened exactly), zeros past k. */
+static inline __m512 dense_load16(const void *p, int bf16, int64_t c, int64_t k) {
+    const __mmask16 mask = k - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - c)) - 1u);
+    if (bf16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + c);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)p + c);
+}
+
+static inline __attribute__((always_inline)) void dense_tile_f32(
+    const int MR, const void *const w[DENSE_NR], int w_bf16, int64_t k, const void *x,
+    int x_bf16, int64_t xs, float out[DENSE_MR][DENSE_NR]) {
+    const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+#define DENSE_W(r, END) dense_load16(w[r], w_bf16, c, END)
+#define DENSE_X(i, END) dense_load16((const char *)x + (i) * xs * xe, x_bf16, c, END)
+#define DENSE_OP(a, xv, wv) a = _mm512_fmadd_ps(xv, wv, a)
+    DENSE_TILE(__m512, __m512, _mm512_setzero_ps(), 16, _mm512_reduce_add_ps);
+#undef DENSE_W
+#undef DENSE_X
+#undef DENSE_OP
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 rows with a bfloat16 weight: 32 elements (16 pairs) per step. */
+static inline __m512bh dense_load32_bf16(const uint16_t *p, int64_t c, int64_t k) {
+    const __mmask32 mask =
+        k - c >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k - c)) - 1u);
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p + c);
+}
+
+static inline __attribute__((always_inline)) void dense_tile_bf16(
+    const int MR, const void *const w[DENSE_NR], int64_t k, const uint16_t *x, int64_t xs,
+    float out[DENSE_MR][DENSE_NR]) {
+#define DENSE_W(r, END) dense_load32_bf16((const uint16_t *)w[r], c, END)
+#define DENSE_X(i, END) dense_load32_bf16(x + (i) * xs, c, END)
+#define DENSE_OP(a, xv, wv) a = _mm512_dpbf16_ps(a, xv, wv)
+    DENSE_TILE(__m512, __m512bh, _mm512_setzero_ps(), 32, _mm512_reduce_add_ps);
+#undef DENSE_W
+#undef DENSE_X
+#undef DENSE_OP
+}
+#define DENSE_HAVE_BF16 1
+#endif
+
+/* ---- AVX2 with FMA (no AVX-512) ------------------------------------------------------ */
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+static inline __m256 dense_load8(const void *p, int bf16, int64_t c, int64_t k) {
+    if (k - c >= 8) {
+        if (bf16) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + c));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return _mm256_loadu_ps((const float *)p + c);
+    }
+    float tmp[8] = {0};
+    for (int64_t l = 0; l < k - c; l++) tmp[l] = dense_elem(p, bf16, c + l);
+    return _mm256_loadu_ps(tmp);
+}
+
+static inline float dense_hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+static inline __attribute__((always_inline)) void dense_tile_f32(
+    const int MR, const void *const w[DENSE_NR], int w_bf16, int64_t k, const void *x,
+    int x_bf16, int64_t xs, float out[DENSE_MR][DENSE_NR]) {
+    const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+#define DENSE_W(r, END) dense_load8(w[r], w_bf16, c, END)
+#define DENSE_X(i, END) dense_load8((const char *)x + (i) * xs * xe, x_bf16, c, END)
+#define DENSE_OP(a, xv, wv) a = _mm256_fmadd_ps(xv, wv, a)
+    DENSE_TILE(__m256, __m256, _mm256_setzero_ps(), 8, dense_hsum8);
+#undef DENSE_W
+#undef DENSE_X
+#undef DENSE_OP
+}
+#define DENSE_HAVE_SIMD 1
+#endif
+#ifdef __AVX512F__
+#define DENSE_HAVE_SIMD 1
+#endif
+
+/* What this build takes: bit 0 vector float32 products (AVX-512F, or AVX2 with FMA), bit
+ * 1 bfloat16 pairs (AVX512-BF16). */
+int pagedllm_dense_features(void) {
+    int features = 0;
+#ifdef DENSE_HAVE_SIMD
+    features |= 1;
+#endif
+#ifdef DENSE_HAVE_BF16
+    features |= 2;
+#endif
+    return features;
+}
+
+/* One tile: weight rows j..j+DENSE_NR (rows past n repeat row n - 1 and are not stored)
+ * against activation rows i0..i0+mr. */
+static inline void dense_tile(int path, const void *w, int w_bf16, int64_t n, int64_t k,
+                              int64_t j, const void *x, int x_bf16, int64_t xs, int mr,
+                              float out[DENSE_MR][DENSE_NR]) {
+    const size_t we = w_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const void *rows[DENSE_NR];
+    for (int r = 0; r < DENSE_NR; r++)
+        rows[r] = (const char *)w + (size_t)(j + r < n ? j + r : n - 1) * (size_t)k * we;
+    switch (path) {
+#ifdef DENSE_HAVE_BF16
+    case 2:
+        switch (mr) {
+        case 1: dense_tile_bf16(1, rows, k, (const uint16_t *)x, xs, out); return;
+        default: dense_tile_bf16(2, rows, k, (const uint16_t *)x, xs, out); return;
+        }
+#endif
+#ifdef DENSE_HAVE_SIMD
+    case 1:
+        switch (mr) {
+        case 1: dense_tile_f32(1, rows, w_bf16, k, x, x_bf16, xs, out); return;
+        default: dense_tile_f32(2, rows, w_bf16, k, x, x_bf16, xs, out); return;
+        }
+#endif
+    default:
+        dense_tile_portable(mr, rows, w_bf16, k, x, x_bf16, xs, out);
+    }
+}
+
+/* y[m, n] = x[m, k] . W[n, k] for a dense W (contiguous rows, bfloat16 where w_bf16 else
+ * float32) and x rows of stride x_stride elements (bfloat16 where x_bf16), into y (row
+ * stride y_stride; bfloat16 where y_bf16). `portable` forces the plain C path. Returns 0
+ * (every combination of dtypes is taken; bfloat16 pairs only for bfloat16 rows and weights). */
+int pagedllm_dense_matmul_small(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
+                                int x_bf16, int64_t m, int64_t x_stride, void *y, int y_bf16,
+                                int64_t y_stride, int nthreads, int portable) {
+    int path = 0;
+#ifdef DENSE_HAVE_SIMD
+    path = 1;
+#endif
+#ifdef DENSE_HAVE_BF16
+    if (w_bf16 && x_bf16) path = 2;
+#endif
+    if (portable) path = 0;
+    if (n <= 0 || m <= 0) return 0;
+    const int64_t tiles = (n + DENSE_NR - 1) / DENSE_NR;
+    const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int threads = n * k >= DENSE_MIN_PARALLEL ? nthreads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t j = t * DENSE_NR;
+#if defined(__AVX2__) || defined(__AVX512F__)
+        /* The tile DENSE_AHEAD tiles on (one contiguous run of the weight) fetched while
+         * this one is multiplied: the prefetchers alone left a bfloat16 product of one row
+         * at two thirds of the memory bandwidth a float32 one reaches (which the extra
+         * instructions slow down: float32 weights go without). */
+        if (w_bf16 && t + DENSE_AHEAD < tiles) {
+            const size_t we = sizeof(uint16_t);
+            const char *ahead = (const char *)w + (size_t)((j + DENSE_AHEAD * DENSE_NR) * k) * we;
+            const int64_t rows_ahead = n - (j + DENSE_AHEAD * DENSE_NR);
+            const size_t bytes = (size_t)((rows_ahead < DENSE_NR ? rows_ahead : DENSE_NR) * k) * we;
+            for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
+#endif
+        for (int64_t i0 = 0; i0 < m; i0 += DENSE_MR) {
+            const int mr = (int)(m - i0 < DENSE_MR ? m - i0 : DENSE_MR);
+            float out[DENSE_MR][DENSE_NR];
+            dense_tile(path, w, w_bf16, n, k, j, (const char *)x + (size_t)(i0 * x_stride) * xe,
+                       x_bf16, x_stride, mr, out);
+            for (int i = 0; i < mr; i++)
+                for (int r = 0; r < DENSE_NR && j + r < n; r++)
+                    dense_store(y, y_bf16, (i0 + i) * y_stride + j + r, out[i][r]);
+        }
+    }
+    return 0;
+}

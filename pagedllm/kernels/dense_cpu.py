@@ -1,0 +1,123 @@
+"""Products of a few rows with dense float32 / bfloat16 weights on the CPU
+(``csrc/dense_cpu.c``), for decode steps of unquantized (safetensors) models.
+
+A decode step reads every weight once for a handful of activation rows, so its products
+are bound by memory bandwidth; the kernel streams each weight row once and meets every row
+with it in registers (bfloat16 pairs with AVX512-BF16's dpbf16ps, float32 fused
+multiply-adds with AVX-512F or AVX2, plain C elsewhere), where the BLAS GEMM behind
+``F.linear`` reaches about half the bandwidth at one row. :func:`small_linear` takes it for
+up to :data:`SMALL_ROWS_MAX` rows (by dtype); more rows (prefills, large batches) stay on the GEMM.
+
+Each output is one fixed chain of operations over the input features, whatever rows,
+tiles or threads share the call (see the C file): a row's result does not depend on the
+rest of the step, and the native decoder layer (:mod:`pagedllm.kernels.cpu_layer`), which
+calls the same function, agrees with the modules bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagedllm.kernels.native import load_kernel_library
+
+__all__ = ["SMALL_ROWS_MAX", "DenseCpuKernels", "dense_kernels", "small_linear"]
+
+# Up to how many activation rows the kernel takes a product, by dtype: past that the BLAS
+# GEMM, which reuses each weight tile over many rows (AMX tiles for bfloat16 where the CPU
+# has them), is as fast. Sapphire Rapids, 2 cores, SmolLM2-135M's 121 products of a step
+# from memory, ms: bfloat16 1 row 14.0 against torch's 20.5, 4 rows 17.4 / 23.7, 8 rows
+# 23.7 / 22.8; float32 1 row 20.6 / 20.6, 4 rows 27.0 / 37.0, 16 rows 40.4 / 48.2.
+SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 16}
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class DenseCpuKernels:
+    """ctypes bindings of the compiled library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn = lib.pagedllm_dense_matmul_small
+        fn.argtypes = [ptr, i32, i64, i64, ptr, i32, i64, i64, ptr, i32, i64, i32, i32]
+        fn.restype = i32
+        lib.pagedllm_dense_features.argtypes = []
+        lib.pagedllm_dense_features.restype = i32
+        features = lib.pagedllm_dense_features()
+        # Vector float32 products (AVX-512F, or AVX2 with FMA); bfloat16 pairs (AVX512-BF16).
+        self.simd, self.bf16 = bool(features & 1), bool(features & 2)
+        self.lib = lib
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+        portable: bool = False,
+    ) -> torch.Tensor:
+        """``x @ weight.T`` for float32 or bfloat16 ``x`` ``[m, k]`` (rows of any stride,
+        elements dense) and a contiguous float32 or bfloat16 ``weight`` ``[n, k]``, into
+        ``out_dtype`` (default ``x``'s). ``portable`` takes the plain C path."""
+        if weight.dtype not in _DTYPES or x.dtype not in _DTYPES:
+            raise TypeError(
+                f"dense products take float32 or bfloat16, not {x.dtype} x {weight.dtype}"
+            )
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if out_dtype not in _DTYPES:
+            raise TypeError(f"dense products give float32 or bfloat16, not {out_dtype}")
+        if weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError("the weight must be a contiguous matrix")
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"activations of shape {tuple(x.shape)} for {k} input features")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=out_dtype)
+        self.lib.pagedllm_dense_matmul_small(
+            weight.data_ptr(),
+            int(weight.dtype == torch.bfloat16),
+            n,
+            k,
+            x.data_ptr(),
+            int(x.dtype == torch.bfloat16),
+            m,
+            x.stride(0),
+            y.data_ptr(),
+            int(out_dtype == torch.bfloat16),
+            n,
+            torch.get_num_threads(),
+            int(portable),
+        )
+        return y
+
+
+@functools.cache
+def dense_kernels() -> DenseCpuKernels | None:
+    """The compiled kernels, or ``None`` (after one warning) when they cannot be built."""
+    lib = load_kernel_library("dense_cpu")
+    return None if lib is None else DenseCpuKernels(lib)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x, weight)`` by the kernel where it applies: CPU tensors, at most
+    :data:`SMALL_ROWS_MAX` rows, ``x`` and ``weight`` both float32 or both bfloat16, a
+    contiguous weight; else None (the caller's GEMM)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in _DTYPES
+        or weight.dtype != x.dtype
+        or weight.dim() != 2
+        or not weight.is_contiguous()
+        or x.numel() > SMALL_ROWS_MAX[x.dtype] * weight.shape[1]
+        or x.shape[-1] != weight.shape[1]
+        or x.numel() == 0
+        or weight.requires_grad
+    ):
+        return None
+    kernels = dense_kernels()
+    if kernels is None:
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    return kernels.matmul(flat, weight).reshape(*x.shape[:-1], weight.shape[0])

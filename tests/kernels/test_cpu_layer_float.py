@@ -1,0 +1,84 @@
+"""The native decoder layer (pagedllm/kernels/cpu_layer.py) with dense float32 / bfloat16
+weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
+as one native call per layer, bit-identical to the op-by-op module path, in
+batch-invariant mode too; layers it cannot compute (biases) keep the module path."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_checkpoint
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.batch_invariant import unavailable_reason
+from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
+
+pytestmark = pytest.mark.skipif(
+    dense_kernels() is None or cpu_ops() is None, reason="no compiled CPU kernels"
+)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # (heads of 32: the bfloat16 attention cache's kernel path)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("llama"),
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def _run(llm: LLM, prompts, params):
+    out = llm.generate(prompts, params, use_tqdm=False)
+    # (and one prompt alone: decode steps of one row)
+    return out + llm.generate(prompts[:1], params, use_tqdm=False)
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in s.items()} for s in x.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in s.items()} for s in y.outputs[0].logprobs
+        ]
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
+    if invariant and unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    llm = LLM(
+        str(llama),
+        dtype=dtype,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+        batch_invariant=invariant,
+    )
+    layers = llm.llm_engine.runner.model.model.layers
+    limit = SMALL_ROWS_MAX[layers[0].input_layernorm.weight.dtype]
+    prompts = [{"prompt_token_ids": list(range(100, 140))}, {"prompt_token_ids": [5, 6, 7]}]
+    # More prompts than the layer takes rows: those decode steps stay op by op.
+    prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(limit + 2)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = _run(llm, prompts, params)
+    assert all(layer._native for layer in layers)
+    # (the steps of one row at least: 7 decode steps of the prompt alone)
+    assert all(layer._native.steps >= 7 for layer in layers)
+    assert layers[0]._native.max_tokens() == limit
+    for layer in layers:
+        layer._native = False
+    _same(native, _run(llm, prompts, params))
+
+
+def test_layers_with_biases_keep_the_module_path(tmp_path):
+    checkpoint = make_checkpoint(tmp_path, "llama", attention_bias=True)
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    # (False: inspected at the first step, and declined)
+    assert all(layer._native is False for layer in llm.llm_engine.runner.model.model.layers)

@@ -1,0 +1,127 @@
+"""The small-row product of dense float32 / bfloat16 weights (csrc/dense_cpu.c): against
+torch on this machine's vector path, the plain C path (``portable``), and the AVX2 and
+plain x86-64 builds of the same source; each row's result independent of the rest of the
+call and of the thread count; and the dispatch of ``batch_invariant.linear`` to it."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.batch_invariant import linear
+from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, DenseCpuKernels, dense_kernels, small_linear
+from pagedllm.kernels.native import load_kernel_library
+
+pytestmark = pytest.mark.skipif(dense_kernels() is None, reason="no C compiler")
+
+# (n, k): tails of every vector width (k % 32, k % 16, k % 8, odd k), n past and below one
+# tile of 8 weight rows.
+SHAPES = [(40, 576), (13, 100), (5, 33), (1000, 72), (3, 7)]
+ROWS = [1, 2, 3, 5, 8, 16]
+
+
+def _tolerance(dtype: torch.dtype, k: int) -> dict[str, float]:
+    if dtype == torch.float32:
+        return dict(rtol=1e-5, atol=1e-5 * k**0.5)
+    # (a bfloat16 output: one rounding, 2^-8 relative, on top of float32 sums)
+    return dict(rtol=1e-2, atol=1e-2)
+
+
+def _check(kernels: DenseCpuKernels, dtype: torch.dtype, portable: bool = False) -> None:
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            expected = F.linear(x.double(), w.double())
+            out = kernels.matmul(x, w, portable=portable)
+            assert out.dtype == dtype and out.shape == (m, n)
+            torch.testing.assert_close(out.double(), expected, **_tolerance(dtype, k))
+            # float32 out of bfloat16 rows: the sums unrounded
+            if dtype == torch.bfloat16:
+                wide = kernels.matmul(x, w, out_dtype=torch.float32, portable=portable)
+                torch.testing.assert_close(wide.double(), expected, rtol=1e-5, atol=1e-4)
+                assert torch.equal(wide.to(torch.bfloat16), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_matches_torch(dtype, portable):
+    _check(dense_kernels(), dtype, portable)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_builds_for_older_cpus_match_torch(march, dtype):
+    """The AVX2 build (haswell) and the plain one (x86-64) of the same source, run here."""
+    lib = load_kernel_library("dense_cpu", march=march)
+    if lib is None:
+        pytest.skip(f"no build for -march={march}")
+    kernels = DenseCpuKernels(lib)
+    assert kernels.simd == (march == "haswell") and not kernels.bf16
+    _check(kernels, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_mixed_rows_and_weights(dtype, portable):
+    """float32 rows with a bfloat16 weight and the reverse: widened exactly."""
+    g = torch.Generator().manual_seed(1)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    w, x = torch.randn(24, 80, generator=g).to(other), torch.randn(3, 80, generator=g).to(dtype)
+    out = dense_kernels().matmul(x, w, out_dtype=torch.float32, portable=portable)
+    expected = F.linear(x.double(), w.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_a_row_ignores_the_others_and_the_threads(dtype, portable):
+    """Each output one fixed chain over k: a row alone, among others, in a strided buffer
+    or on one thread gives the same bits (what the native layer's agreement rests on)."""
+    kernels = dense_kernels()
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 200, generator=g).to(dtype)
+    wide = torch.randn(7, 256, generator=g).to(dtype)
+    rows = wide[:, :200]  # (a row stride past k)
+    together = kernels.matmul(rows, w, portable=portable)
+    for i in range(rows.shape[0]):
+        alone = kernels.matmul(rows[i : i + 1].contiguous(), w, portable=portable)
+        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.matmul(rows, w, portable=portable), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_takes_the_kernel_for_few_rows_only():
+    g = torch.Generator().manual_seed(3)
+    for dtype, limit in SMALL_ROWS_MAX.items():
+        w, bias = torch.randn(64, 96, generator=g).to(dtype), torch.randn(64).to(dtype)
+        x = torch.randn(2, limit, 96, generator=g).to(dtype)
+        few = x[:1]
+        assert torch.equal(linear(few, w), dense_kernels().matmul(few[0], w)[None])
+        out = linear(few, w, bias)
+        assert torch.equal(out, dense_kernels().matmul(few[0], w)[None] + bias)
+        torch.testing.assert_close(out, F.linear(few, w, bias), **_tolerance(dtype, 96))
+        # more rows than the limit, mixed dtypes or a strided weight: the GEMM
+        assert small_linear(x, w) is None
+        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert small_linear(few.float() if dtype != torch.float32 else few.bfloat16(), w) is None
+        assert small_linear(few, w.t().contiguous().t()) is None
+
+
+def test_refuses_what_it_cannot_take():
+    kernels = dense_kernels()
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        kernels.matmul(torch.ones(1, 4, dtype=torch.float16), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="input features"):
+        kernels.matmul(torch.ones(1, 5), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.matmul(torch.ones(1, 4), torch.ones(4, 2).t())
