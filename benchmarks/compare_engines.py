@@ -149,14 +149,15 @@ class BenchCLI(Engine):
     follows_best_dtype = False
 
     def offline(self, args):
-        """``bench throughput`` in float32 and in bfloat16; the best one is the figure."""
+        """``bench throughput`` in float32 and in bfloat16 (only in ``--dtype`` when it is
+        given); the best one is the figure."""
         figures = {}
-        for dtype in ("float32", "bfloat16"):
+        for dtype in (args.dtype,) if args.dtype else ("float32", "bfloat16"):
             data = self.bench("throughput", *self.throughput_args(args), dtype=dtype)
             figures[f"total_tok_s_{dtype}"] = data["tokens_per_second"]
-        best = max(("float32", "bfloat16"), key=lambda d: figures[f"total_tok_s_{d}"])
+        best = max(figures, key=figures.__getitem__).removeprefix("total_tok_s_")
         figures["total_tok_s"] = figures[f"total_tok_s_{best}"]
-        if self.follows_best_dtype:
+        if self.follows_best_dtype and not args.dtype:
             self.run_dtype = best
         return figures
 
@@ -242,6 +243,7 @@ class PagedLLM(BenchCLI):
             "--served-model-name",
             self.served_model,
             "--disable-log-requests",
+            *(["--dtype", self.run_dtype] if self.run_dtype else []),
         ], self.env
 
 
@@ -563,14 +565,15 @@ def plot(results: dict[str, dict[str, Any]], cpu: dict[str, Any], path: Path) ->
     print(f"plot: {path}")
 
 
-README_START, README_END = "<!-- compare_engines:start -->", "<!-- compare_engines:end -->"
-
-
-def update_readme(path: Path, text: str) -> None:
+def update_readme(path: Path, text: str, tag: str = "") -> None:
+    name = f"compare_engines-{tag}" if tag else "compare_engines"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     content = path.read_text(encoding="utf-8")
-    head, rest = content.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    path.write_text(f"{head}{README_START}\n{text}\n{README_END}{tail}", encoding="utf-8")
+    if start not in content or end not in content:
+        raise SystemExit(f"{path} has no {start} ... {end} markers")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{text}\n{end}{tail}", encoding="utf-8")
 
 
 def main() -> None:
@@ -596,6 +599,14 @@ def main() -> None:
         default=None,
         help="also run pagedllm from this checkout (e.g. a git worktree of an older commit)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="run every part of pagedllm and vLLM in this dtype (the same-checkpoint, "
+        "same-dtype contest); default: offline in both, the rest in vLLM's best offline "
+        "dtype and pagedllm's --dtype auto",
+    )
     parser.add_argument("--parts", default="offline,batch1,serve")
     parser.add_argument(
         "--readme",
@@ -603,6 +614,11 @@ def main() -> None:
         default=None,
         help="write the table (without baselines) between the compare_engines markers of "
         "this Markdown file",
+    )
+    parser.add_argument(
+        "--readme-tag",
+        default="",
+        help="which table of --readme: between <!-- compare_engines[-TAG]:start/end -->",
     )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -634,6 +650,9 @@ def main() -> None:
     elif "llama.cpp" in wanted:
         print(f"llama.cpp not found under {args.peers / 'llama'}: skipped")
     engines = [e for e in engines if e.name in wanted]
+    if args.dtype:
+        for engine in engines:
+            engine.run_dtype = args.dtype
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else args.model
 
     results: dict[str, dict[str, Any]] = {e.name: {} for e in engines}
@@ -661,7 +680,11 @@ def main() -> None:
     plot(results, cpu, args.out / "throughput_vs_concurrency.png")
     if args.readme is not None:
         shown = {name: figures for name, figures in results.items() if "@" not in name}
-        update_readme(args.readme, f"{table(cpu, shown, args)}\n\n({time.strftime('%Y-%m-%d')})")
+        update_readme(
+            args.readme,
+            f"{table(cpu, shown, args)}\n\n({time.strftime('%Y-%m-%d')})",
+            args.readme_tag,
+        )
     if shutil.which("lscpu"):
         print(run(["lscpu"]).split("Flags")[0])
 

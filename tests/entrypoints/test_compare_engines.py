@@ -80,7 +80,7 @@ def test_vllm_runs_batch1_and_serves_in_its_best_offline_dtype(compare, tmp_path
         return {"tokens_per_second": {"float32": 400.0, "bfloat16": 700.0}[dtype]}
 
     vllm.bench = bench
-    args = argparse.Namespace(num_prompts=4, input_len=8, output_len=8)
+    args = argparse.Namespace(num_prompts=4, input_len=8, output_len=8, dtype=None)
     figures = vllm.offline(args)
     assert figures["total_tok_s"] == 700.0 and vllm.run_dtype == "bfloat16"
     assert vllm.server(8000)[0][-2:] == ["--dtype", "bfloat16"]
@@ -107,12 +107,44 @@ def test_cpu_description_reads_this_machine(compare):
 
 
 def test_readme_table_goes_between_the_markers(compare, tmp_path):
+    """The default table and a tagged one (``--readme-tag``) each have their markers."""
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{compare.README_START}\nold\n{compare.README_END}\nrest\n")
+    start, end = "<!-- compare_engines:start -->", "<!-- compare_engines:end -->"
+    tagged = "<!-- compare_engines-bf16:start -->", "<!-- compare_engines-bf16:end -->"
+    readme.write_text(f"intro\n{start}\nold\n{end}\n{tagged[0]}\nold\n{tagged[1]}\nrest\n")
     compare.update_readme(readme, "| new |")
+    compare.update_readme(readme, "| bf16 |", "bf16")
     assert readme.read_text() == (
-        f"intro\n{compare.README_START}\n| new |\n{compare.README_END}\nrest\n"
+        f"intro\n{start}\n| new |\n{end}\n{tagged[0]}\n| bf16 |\n{tagged[1]}\nrest\n"
     )
+    with pytest.raises(SystemExit, match="compare_engines-f32:start"):
+        compare.update_readme(readme, "| f32 |", "f32")
+
+
+def test_dtype_runs_every_part_of_both_engines_in_it(compare, tmp_path):
+    """``--dtype``: one offline run per engine in that dtype, and batch-1 and the server in
+    it too, for pagedllm and vLLM alike (vLLM does not switch to its best offline dtype)."""
+    args = argparse.Namespace(num_prompts=4, input_len=8, output_len=8, dtype="bfloat16")
+    for engine in (
+        compare.VLLM(tmp_path / "python", tmp_path / "hf", 2),
+        compare.PagedLLM("ckpt", 2),
+    ):
+        engine.run_dtype = args.dtype
+        calls = []
+
+        def bench(*arguments, dtype=None, calls=calls):
+            calls.append((arguments[0], dtype))
+            if arguments[0] == "latency":
+                return {"latencies": [1.0], "prefill_tokens_per_s": 1.0, "decode_ms_per_token": 1.0}
+            return {"tokens_per_second": 500.0}
+
+        engine.bench = bench
+        assert engine.offline(args) == {"total_tok_s_bfloat16": 500.0, "total_tok_s": 500.0}
+        engine.batch1(args)
+        assert calls == [("throughput", "bfloat16"), ("latency", "bfloat16")]
+        assert engine.run_dtype == "bfloat16"
+        command = engine.server(8000)[0]
+        assert command[command.index("--dtype") + 1] == "bfloat16"
 
 
 def test_pagedllm_batch1_reads_prefill_and_decode_from_one_latency_run(compare):
