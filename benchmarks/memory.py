@@ -73,7 +73,9 @@ def torch_floor() -> float:
     return int(subprocess.check_output([sys.executable, "-c", code], text=True)) / 1024
 
 
-def measure(command: list[str], port: int, concurrency: int, prompts: int) -> dict:
+def measure(
+    command: list[str], port: int, concurrency: int, prompts: int, tokenizer: str | None = None
+) -> dict:
     log = tempfile.TemporaryFile()  # not a pipe: a full pipe would stall the server
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
@@ -87,6 +89,8 @@ def measure(command: list[str], port: int, concurrency: int, prompts: int) -> di
         time.sleep(1)
         figures["idle"] = memory(proc.pid)
         figures["idle_files"] = mapped_files(proc.pid)
+        if prompts == 0:
+            return figures
         peak = dict(figures["idle"])
         done = threading.Event()
 
@@ -105,6 +109,7 @@ def measure(command: list[str], port: int, concurrency: int, prompts: int) -> di
                 "--random-output-len", "128", "--num-prompts", str(prompts),
                 "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
                 "--save-result", "--result-dir", out, "--result-filename", "r.json",
+                *(("--tokenizer", tokenizer) if tokenizer else ()),
             ]  # fmt: skip
             subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
             result = json.loads((Path(out) / "r.json").read_text())
@@ -127,7 +132,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", help="a server command line with {port} (default: ours)")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--tokenizer", help="bench serve's --tokenizer (e.g. the GGUF file)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="0: idle figures only")
     parser.add_argument("serve_args", nargs="*", help="after --: pagedllm serve's arguments")
     args = parser.parse_args()
     port = free_port()
@@ -137,13 +143,16 @@ def main() -> None:
         command = [*CLI, "serve", *args.serve_args, "--host", "127.0.0.1", "--port", str(port)]
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}")
     print(f"import torch RSS: {torch_floor():.0f} MiB")
-    figures = measure(command, port, args.concurrency, args.num_prompts)
+    figures = measure(command, port, args.concurrency, args.num_prompts, args.tokenizer)
     print(f"start to /health: {figures['start_s']:.2f} s")
     for key in ("idle", "load_peak", "after_load"):
+        if key not in figures:
+            continue
         m = figures[key]
         print(f"{key:>10}: RSS {m['rss']:.0f} MiB (anon {m['anon']:.0f}, file {m['file']:.0f})")
     print("idle, most resident files:", ", ".join(f"{n} {s:.0f}" for n, s in figures["idle_files"]))
-    print(f"output tok/s at concurrency {args.concurrency}: {figures['output_tok_s']:.0f}")
+    if "output_tok_s" in figures:
+        print(f"output tok/s, concurrency {args.concurrency}: {figures['output_tok_s']:.0f}")
     print(json.dumps(figures))
 
 
