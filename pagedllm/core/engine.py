@@ -186,6 +186,7 @@ class LLMEngine:
             str(layout.dtype).removeprefix("torch."),
         )
         pm.hook.pagedllm_engine_started(engine=self)
+        config.device_config.device.release_startup_memory()
         # Everything built so far (modules, weights' wrappers, plugins, the tokenizer)
         # lives as long as the engine: out of the cyclic collector's way, which otherwise
         # walks it again at every full collection (3-4% of a batched decode step's time,

@@ -124,6 +124,12 @@ class Device(ABC):
         once before the model is built. The default changes nothing."""
         return None
 
+    def release_startup_memory(self) -> None:
+        """Give back to the system what start-up allocated and freed (its parsing and
+        loading buffers), once the model and the KV cache are built; the memory the
+        steps use is kept. The default changes nothing."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for ``pagedllm collect-env`` (name, count, versions, ...)."""
         return {"name": self.name}

@@ -84,7 +84,11 @@ def run_server(
     @app.on_event("startup")
     async def warm_up() -> None:
         gc.enable()  # (off while the server started: see ServeSubcommand.run)
-        stack.serving.prompts.warm_up()
+        # Then what the start freed since the engine gave its own back (the app's
+        # routes and schemas, the template's first render) goes back too.
+        device = config.device_config.device
+        warmed = stack.serving.prompts.warm_up()
+        warmed.add_done_callback(lambda _: device.release_startup_memory())
 
     @app.on_event("shutdown")
     async def stop_engine() -> None:

@@ -60,6 +60,59 @@ class TensorInfo:
         return tuple(reversed(self.ne))
 
 
+class _Cursor:
+    """Reads metadata values from a header's bytes, advancing ``pos``.
+
+    (A class, not closures over the parse: a recursive closure is a reference cycle,
+    which kept the GGUFFile and its memory map of the whole file alive until a cyclic
+    collection, and never where the server freezes its start-up objects.)"""
+
+    __slots__ = ("head", "max_decoded_array", "path", "pos")
+
+    def __init__(self, head: bytes, pos: int, path: Path, max_decoded_array: int) -> None:
+        self.head = head
+        self.pos = pos
+        self.path = path
+        self.max_decoded_array = max_decoded_array
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.head, self.pos)
+        self.pos += 8 + n
+        if self.pos > len(self.head):
+            raise struct.error("past the end")
+        return self.head[self.pos - n : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        head = self.head
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", head, self.pos)
+            self.pos += 12
+            if count <= self.max_decoded_array:
+                return [self.value(etype) for _ in range(count)]
+            if etype in _SCALARS:
+                self.pos += struct.calcsize(_SCALARS[etype]) * count
+            elif etype == _STRING:  # skipped, not decoded (the vocabulary: 0.2 s)
+                length = _U64.unpack_from
+                pos = self.pos
+                for _ in range(count):
+                    pos += 8 + length(head, pos)[0]
+                self.pos = pos
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            if self.pos > len(head):
+                raise struct.error("past the end")
+            return ArrayInfo(etype, count)
+        fmt = _SCALARS.get(vtype)
+        if fmt is None:
+            raise ConfigError(f"{self.path}: unknown GGUF metadata type {vtype}")
+        (v,) = struct.unpack_from(fmt, head, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+
 class GGUFFile:
     """Metadata (scalars and strings decoded, arrays as :class:`ArrayInfo` unless they
     are short) and the tensor index of one GGUF file."""
@@ -93,60 +146,25 @@ class GGUFFile:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
         if version not in (2, 3):
             raise ConfigError(f"{self.path}: GGUF version {version} is not supported (2, 3)")
-        pos = 24
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", head, pos)
-            pos += 8 + n
-            if pos > len(head):
-                raise struct.error("past the end")
-            return head[pos - n : pos].decode("utf-8", errors="replace")
-
-        def value(vtype: int) -> Any:
-            nonlocal pos
-            if vtype == _STRING:
-                return string()
-            if vtype == _ARRAY:
-                etype, count = struct.unpack_from("<IQ", head, pos)
-                pos += 12
-                if count <= self.max_decoded_array:
-                    return [value(etype) for _ in range(count)]
-                if etype in _SCALARS:
-                    pos += struct.calcsize(_SCALARS[etype]) * count
-                elif etype == _STRING:  # skipped, not decoded (the vocabulary: 0.2 s)
-                    length = _U64.unpack_from
-                    for _ in range(count):
-                        pos += 8 + length(head, pos)[0]
-                else:
-                    for _ in range(count):
-                        value(etype)
-                if pos > len(head):
-                    raise struct.error("past the end")
-                return ArrayInfo(etype, count)
-            fmt = _SCALARS.get(vtype)
-            if fmt is None:
-                raise ConfigError(f"{self.path}: unknown GGUF metadata type {vtype}")
-            (v,) = struct.unpack_from(fmt, head, pos)
-            pos += struct.calcsize(fmt)
-            return v
-
+        cursor = _Cursor(head, 24, self.path, self.max_decoded_array)
+        string, value = cursor.string, cursor.value
         metadata = {}
         for _ in range(n_kv):
             key = string()
-            (vtype,) = struct.unpack_from("<I", head, pos)
-            pos += 4
+            (vtype,) = struct.unpack_from("<I", head, cursor.pos)
+            cursor.pos += 4
             metadata[key] = value(vtype)
         alignment = int(metadata.get("general.alignment", 32))
         infos = []
         for _ in range(n_tensors):
             name = string()
+            pos = cursor.pos
             (n_dims,) = struct.unpack_from("<I", head, pos)
             ne = struct.unpack_from(f"<{n_dims}Q", head, pos + 4)
             qtype, offset = struct.unpack_from("<IQ", head, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
+            cursor.pos = pos + 4 + 8 * n_dims + 12
             infos.append((name, ne, qtype, offset))
-        data_start = (pos + alignment - 1) // alignment * alignment
+        data_start = (cursor.pos + alignment - 1) // alignment * alignment
         self.metadata = metadata
         self.tensors = {
             name: TensorInfo(name, tuple(int(n) for n in ne), qtype, data_start + offset)

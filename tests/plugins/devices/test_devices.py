@@ -244,6 +244,8 @@ CpuDevice().prepare_process()
 before = rss()
 t = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
 del t
+if os.environ.get("PAGEDLLM_PROBE_RELEASE"):
+    CpuDevice().release_startup_memory()
 print(tune_malloc(), (rss() - before) >> 20)
 """
 
@@ -277,3 +279,6 @@ def test_cpu_device_keeps_large_buffers_for_the_next_step():
     for extra in ({"PAGEDLLM_CPU_MALLOC_TUNING": "0"}, {"MALLOC_TRIM_THRESHOLD_": "131072"}):
         tuned, kept = probe(**extra)
         assert not tuned and kept < 16
+    # Once start-up is over, the engine has what it freed given back.
+    tuned, kept = probe(PAGEDLLM_PROBE_RELEASE="1")
+    assert tuned and kept < 16
