@@ -392,6 +392,39 @@ def test_int8_activation_matmul_matches_its_emulation(cpu_kernels, qtype):
     assert cpu_kernels.matmul_q8(x, raw, T.Q4_K, out_features, in_features) is None
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_few_row_int8_products_match_the_emulation(cpu_kernels, qtype):
+    """1-3 rows (decode steps; AVX512-VNNI: two blocks per register, no row buffer): the
+    emulation's quantization and integer sums for odd and even block counts (an odd count
+    ends on a half pair), weight rows split across threads; each row's result the same
+    whatever rows share its call, and on one thread or two."""
+    g = torch.Generator().manual_seed(13)
+    for out_features, in_features in ((37, 544), (5, 32), (300, 2048), (9, 8192)):
+        raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=14))
+        w = dequantize(raw, qtype, (out_features, in_features))
+        x = torch.randn(3, in_features, generator=g)
+        x[0, :32] = 0.0  # an all-zero block (scale 0)
+        x[2] *= 1e3
+        got = cpu_kernels.matmul_q8(x, raw, qtype, out_features, in_features)
+        if got is None:
+            pytest.skip("this CPU has no AVX2: the float kernels are used")
+        expected = _q8_emulation(x, w)
+        scale = expected.abs().amax(-1, keepdim=True)
+        assert ((got - expected).abs() <= 1e-5 * scale + 1e-6).all(), (out_features, in_features)
+        exact = F.linear(x, w)
+        assert ((got - exact).abs() <= 0.05 * exact.abs().amax(-1, keepdim=True)).all()
+        for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(0, 2), slice(1, 3)):
+            part = cpu_kernels.matmul_q8(x[rows], raw, qtype, out_features, in_features)
+            assert torch.equal(part, got[rows]), rows
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = cpu_kernels.matmul_q8(x, raw, qtype, out_features, in_features)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, got)
+
+
 def test_activation_mode_selects_the_kernel(cpu_kernels, monkeypatch):
     from pagedllm.kernels.gguf_matmul import ACTIVATIONS_ENV, INT8_AUTO_MIN_ROWS, gguf_linear
 
