@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.dense_amx import amx_linear
 from pagedllm.kernels.dense_cpu import small_linear
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 
@@ -67,7 +68,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pairs on CPUs with AVX512-BF16, else in float32 on the exact widening, rounded once to
     ``x``'s dtype)."""
     if not _MODE[0]:
-        out = small_linear(x, weight) if x.device.type == "cpu" else None
+        out = None
+        if x.device.type == "cpu":
+            out = small_linear(x, weight)
+            if out is None:
+                out = amx_linear(x, weight)
         if out is None:
             return F.linear(x, weight, bias)
         if bias is not None:
