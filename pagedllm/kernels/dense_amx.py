@@ -97,7 +97,8 @@ def amx_kernels() -> AmxKernels | None:
 
 def amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, weight)`` by the kernel where it applies (CPU bfloat16 tensors,
-    :data:`AMX_ROWS` rows, see :meth:`AmxKernels.fits`), else None (the caller's GEMM)."""
+    :data:`AMX_ROWS` rows, see :meth:`AmxKernels.fits`), else None (the caller's GEMM; also
+    while ``torch.compile`` traces, which a call into the library would split)."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.bfloat16
@@ -105,6 +106,7 @@ def amx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         or weight.requires_grad
         or x.shape[-1] == 0
         or x.numel() // x.shape[-1] not in AMX_ROWS
+        or torch.compiler.is_compiling()
     ):
         return None
     kernels = amx_kernels()
