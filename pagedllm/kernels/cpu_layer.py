@@ -11,10 +11,10 @@ weights the bfloat16 products), else None. Dense products are
 rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer takes steps of
 at most that many tokens; a bfloat16 one whose products the AMX kernel takes
 (:mod:`pagedllm.kernels.dense_amx`, as the modules do for more rows) up to its
-:data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the layer for a step of at most
-:meth:`NativeDecoderLayer.max_tokens` tokens whose attention is all in the
-paged-attention kernel (decodes and short chunks), and returns None for any other step, which
-the module then computes op by op. The native call runs the very kernels of that path in
+:data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
+layer for a step of at most :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is
+all in the paged-attention kernel (decodes and short chunks), and returns None for any other
+step, which the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results (in batch-invariant mode too, where
 both take the panel products at every row count).
 
