@@ -62,8 +62,9 @@ def unavailable_reason() -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: for a few CPU rows of float32 or bfloat16 (decode
-    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, the bias added after
-    (the native decoder layer calls the same kernel); in batch-invariant mode, for CPU
+    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, for more bfloat16 rows
+    (batched decodes) :mod:`pagedllm.kernels.dense_amx`'s on CPUs with AMX, the bias added
+    after (the native decoder layer calls the same kernels); in batch-invariant mode, for CPU
     tensors, the panel product (bfloat16 activations with a bfloat16 weight in bfloat16
     pairs on CPUs with AVX512-BF16, else in float32 on the exact widening, rounded once to
     ``x``'s dtype)."""
