@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.dense_amx import amx_linear
 from pagedllm.kernels.dense_cpu import small_linear
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 
@@ -61,13 +62,18 @@ def unavailable_reason() -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: for a few CPU rows of float32 or bfloat16 (decode
-    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, the bias added after
-    (the native decoder layer calls the same kernel); in batch-invariant mode, for CPU
+    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, for more bfloat16 rows
+    (batched decodes) :mod:`pagedllm.kernels.dense_amx`'s on CPUs with AMX, the bias added
+    after (the native decoder layer calls the same kernels); in batch-invariant mode, for CPU
     tensors, the panel product (bfloat16 activations with a bfloat16 weight in bfloat16
     pairs on CPUs with AVX512-BF16, else in float32 on the exact widening, rounded once to
     ``x``'s dtype)."""
     if not _MODE[0]:
-        out = small_linear(x, weight) if x.device.type == "cpu" else None
+        out = None
+        if x.device.type == "cpu":
+            out = small_linear(x, weight)
+            if out is None:
+                out = amx_linear(x, weight)
         if out is None:
             return F.linear(x, weight, bias)
         if bias is not None:

@@ -9,10 +9,12 @@ or a bfloat16 one where the CPU has the attention kernel's bfloat16 cache, and f
 weights the bfloat16 products), else None. Dense products are
 :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call for as many
 rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer takes steps of
-at most that many tokens. Calling it runs the layer for a step of at most
-:meth:`NativeDecoderLayer.max_tokens` tokens whose attention is all in the
-paged-attention kernel (decodes and short chunks), and returns None for any other step, which
-the module then computes op by op. The native call runs the very kernels of that path in
+at most that many tokens; a bfloat16 one whose products the AMX kernel takes
+(:mod:`pagedllm.kernels.dense_amx`, as the modules do for more rows) up to its
+:data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
+layer for a step of at most :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is
+all in the paged-attention kernel (decodes and short chunks), and returns None for any other
+step, which the module then computes op by op. The native call runs the very kernels of that path in
 the same order, so both give bit-identical results (in batch-invariant mode too, where
 both take the panel products at every row count).
 
@@ -40,6 +42,7 @@ from pagedllm.kernels.cpu_ops import (
     PagedMetadata,
     cpu_ops,
 )
+from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels
 from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_cpu import cpu_kernels
@@ -146,6 +149,16 @@ def _dense(
     return weight, DENSE_TYPES[dtype]
 
 
+def _amx_fits(parts: dict[str, Any]) -> bool:
+    """Whether the modules give every dense product of more than the small-row kernel's
+    rows (up to ``AMX_ROWS``) to the AMX kernel, as the native layer then does."""
+    kernels = amx_kernels()
+    if kernels is None or not kernels.available:
+        return False
+    weights = [parts[name][0] for name in ("qkv", "o", "gate_up", "down")]
+    return all(kernels.fits(w[:1], w) for w in weights)
+
+
 def _plain_norm(norm: Any, dtype: torch.dtype) -> bool:
     return (
         getattr(norm, "offset", None) == 0.0
@@ -187,6 +200,8 @@ class NativeDecoderLayer:
         args.eps1 = layer.input_layernorm.eps
         args.eps2 = layer.post_attention_layernorm.eps
         self.dense = parts["qkv"][1] < 0
+        # (bfloat16 dense weights the AMX kernel takes: steps of its rows too, see max_tokens)
+        self.amx = self.dense and self.dtype == torch.bfloat16 and _amx_fits(parts)
         for name in ("qkv", "o", "gate_up", "down"):
             weight, qtype = parts[name]
             setattr(args, name, weight.data_ptr())
@@ -263,6 +278,8 @@ class NativeDecoderLayer:
         """The most tokens of a step this layer takes natively."""
         if self._max_tokens is None:
             limit = SMALL_ROWS_MAX[self.dtype] if self.dense else None
+            if self.amx:
+                limit = AMX_ROWS[-1]
             limit = limit or fused_max_rows() or MAX_STEP_TOKENS
             bf16 = self.dtype == torch.bfloat16
             self._max_tokens = limit if bf16 else min(limit, SILU_KERNEL_MAX_ROWS)

@@ -6,11 +6,13 @@ batch-invariant mode too; layers it cannot compute (biases) keep the module path
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.batch_invariant import unavailable_reason
 from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels
 from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -61,6 +63,9 @@ def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
     )
     layers = llm.llm_engine.runner.model.model.layers
     limit = SMALL_ROWS_MAX[layers[0].input_layernorm.weight.dtype]
+    if dtype == "bfloat16" and _amx():
+        # (the AMX kernel's rows too; its test below runs steps of those)
+        limit = AMX_ROWS[-1]
     prompts = [{"prompt_token_ids": list(range(100, 140))}, {"prompt_token_ids": [5, 6, 7]}]
     # More prompts than the layer takes rows: those decode steps stay op by op.
     prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(limit + 2)]
@@ -73,6 +78,28 @@ def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
     for layer in layers:
         layer._native = False
     _same(native, _run(llm, prompts, params))
+
+
+def _amx() -> bool:
+    return amx_kernels() is not None and amx_kernels().available
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX on this CPU")
+def test_bfloat16_batched_decodes_run_natively_on_amx(llama):
+    """Decode steps of more rows than the small-row kernel takes (the AMX kernel's, in the
+    modules and in the layer alike): one native call per layer, the same bits."""
+    if not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    llm = LLM(str(llama), dtype="bfloat16", disable_log_stats=True, enable_prefix_caching=False)
+    layers = llm.llm_engine.runner.model.model.layers
+    rows = SMALL_ROWS_MAX[torch.bfloat16] + 12
+    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(rows)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    assert all(layer._native.steps >= 5 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    _same(native, llm.generate(prompts, params, use_tqdm=False))
 
 
 def test_layers_with_biases_keep_the_module_path(tmp_path):
