@@ -515,10 +515,15 @@ def table(cpu: dict[str, Any], results: dict[str, dict[str, Any]], args) -> str:
     for label, keys, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(cell(e, *keys, fmt=fmt) for e in engines) + " |")
     by_dtype = [
-        f"{engine} float32 {offline['total_tok_s_float32']:.0f}, bfloat16 "
-        f"{offline['total_tok_s_bfloat16']:.0f}"
+        f"{engine} "
+        + ", ".join(
+            f"{dtype} {offline[key]:.0f}"
+            for dtype in ("float32", "bfloat16")
+            if (key := f"total_tok_s_{dtype}") in offline
+        )
         for engine in engines
         if "total_tok_s_float32" in (offline := results[engine].get("offline", {}))
+        or "total_tok_s_bfloat16" in offline
     ]
     if by_dtype:
         lines.append("")

