@@ -106,6 +106,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     contiguous weight; else None (the caller's GEMM)."""
     if (
         x.device.type != "cpu"
+        # (a library call would split a graph torch.compile traces: its GEMM stays in it)
+        or torch.compiler.is_compiling()
         or x.dtype not in _DTYPES
         or weight.dtype != x.dtype
         or weight.dim() != 2
