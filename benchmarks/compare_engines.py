@@ -36,7 +36,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,9 @@ import urllib.request
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from startup import free_port, stop_group
 
 VLLM_MAIN = (
     "import importlib.metadata as m, sys\n"
@@ -92,12 +94,6 @@ def random_workload(args, num_prompts: int) -> list[str]:
         "--num-prompts",
         str(num_prompts),
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_tree_rss(pid: int) -> float:
@@ -443,12 +439,7 @@ def serve(engine: Engine, args, tokenizer: str) -> dict[str, Any]:
             }
         return figures
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, signal.SIGTERM)
 
 
 def convert_checkpoint(python: Path, gguf: str, target: Path) -> None:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import CLI, _health_ok, cpu_model, free_port
+from startup import CLI, _health_ok, cpu_model, free_port, stop_group
 
 
 def _kib(text: str) -> dict[str, int]:
@@ -120,12 +120,7 @@ def measure(
         figures["output_tok_s"] = result["output_throughput"]
         return figures
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, signal.SIGINT)
 
 
 def main() -> None:

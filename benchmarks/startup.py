@@ -49,6 +49,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_group(process: subprocess.Popen, first: signal.Signals) -> None:
+    """Stop a server started in its own session and every process it started: ``first``,
+    then SIGKILL after 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, first)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def time_help(cli: Sequence[str] = CLI, env: dict[str, str] | None = None) -> float:
     """Seconds for ``pagedllm --help`` to print its help and exit (which it must, 0)."""
     start = time.perf_counter()
