@@ -151,19 +151,15 @@ def tune_malloc() -> bool:
     The memory stays with the process at its high-water mark (as a caching allocator's
     would). Not done where glibc's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ are
     set, with PAGEDLLM_CPU_MALLOC_TUNING=0, or without glibc. Whether it was done."""
-    import ctypes
     import logging
 
     if os.environ.get(ENV_MALLOC_TUNING, "1") == "0":
         return False
     if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
-    except (ValueError, OSError, AttributeError):  # not glibc
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(None)
     done = all(
         libc.mallopt(param, MALLOC_KEEP_BYTES) == 1
         for param in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)
@@ -177,11 +173,17 @@ def trim_malloc() -> bool:
     :func:`tune_malloc`'s threshold, what start-up freed (the tokenizer's parse, the
     weights' loading) would otherwise stay resident for the server's life, 5 MiB of the
     default model's start. Whether glibc released any."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
+def _glibc() -> Any:
+    """The C library of the process (a ``ctypes.CDLL``) when it is glibc, else None."""
     import ctypes
 
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
+            return None
     except (ValueError, OSError, AttributeError):  # not glibc
-        return False
-    return bool(ctypes.CDLL(None).malloc_trim(0))
+        return None
+    return ctypes.CDLL(None)
