@@ -4,7 +4,19 @@ a plugin."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+# GNU OpenMP (torch's and our kernels') lets a thread that has finished its share spin
+# ~300k iterations before sleeping. When the cores are shared with other processes the
+# spinning thread holds the core its partner waits for: a decode step took 4-16x as long.
+# 10k spins keep a quiet machine's speed. libgomp reads this once, when torch loads it, so
+# it is set before torch is imported; a user's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+if "torch" not in sys.modules and not (
+    "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+):
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from pagedllm.core.hookspecs import hookimpl
 
