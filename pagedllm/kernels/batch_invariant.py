@@ -62,8 +62,8 @@ def unavailable_reason() -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: for a few CPU rows of float32 or bfloat16 (decode
-    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, for more bfloat16 rows
-    (batched decodes) :mod:`pagedllm.kernels.dense_amx`'s on CPUs with AMX, the bias added
+    steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, but bfloat16 rows from
+    four up (batched decodes) :mod:`pagedllm.kernels.dense_amx`'s on CPUs with AMX, the bias added
     after (the native decoder layer calls the same kernels); in batch-invariant mode, for CPU
     tensors, the panel product (bfloat16 activations with a bfloat16 weight in bfloat16
     pairs on CPUs with AVX512-BF16, else in float32 on the exact widening, rounded once to
@@ -71,9 +71,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _MODE[0]:
         out = None
         if x.device.type == "cpu":
-            out = small_linear(x, weight)
+            out = amx_linear(x, weight)
             if out is None:
-                out = amx_linear(x, weight)
+                out = small_linear(x, weight)
         if out is None:
             return F.linear(x, weight, bias)
         if bias is not None:

@@ -10,7 +10,7 @@ weights the bfloat16 products), else None. Dense products are
 :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call for as many
 rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer takes steps of
 at most that many tokens; a bfloat16 one whose products the AMX kernel takes
-(:mod:`pagedllm.kernels.dense_amx`, as the modules do for more rows) up to its
+(:mod:`pagedllm.kernels.dense_amx`, from four rows, as the modules do) up to its
 :data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
 layer for a step of at most :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is
 all in the paged-attention kernel (decodes and short chunks), and returns None for any other

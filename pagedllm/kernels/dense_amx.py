@@ -6,8 +6,8 @@ oneDNN's AMX GEMM behind ``F.linear`` re-lays the stored weight into the tiles' 
 every call, which at tens of rows costs more than the product itself; the kernel takes
 the weight as stored (as the tiles' A operand of the transposed product) and re-lays only
 the activations. :func:`amx_linear` takes it for :data:`AMX_ROWS` rows (past that the
-GEMM's re-laying is paid back, and it blocks for caches better); fewer rows go to
-:mod:`pagedllm.kernels.dense_cpu`'s kernel, and batch-invariant mode never comes here
+GEMM's re-laying is paid back, and it blocks for caches better; below, for 1-3 rows,
+:mod:`pagedllm.kernels.dense_cpu`'s kernel is faster), and batch-invariant mode never comes here
 (:func:`pagedllm.kernels.batch_invariant.linear` takes its panels first).
 """
 
@@ -22,10 +22,11 @@ from pagedllm.kernels.native import load_kernel_library
 
 __all__ = ["AMX_ROWS", "AmxKernels", "amx_kernels", "amx_linear"]
 
-# The row counts the kernel takes. Sapphire Rapids, one core, SmolLM2-135M's products of
-# a 64-row step within the model (weights from memory): 35 ms against F.linear's 55 ms;
-# from cache, 128 rows 10.9 / 15.6 ms, 256 rows 27.5 / 25.6 ms.
-AMX_ROWS = range(9, 193)
+# The row counts the kernel takes (the first is csrc's PAGEDLLM_AMX_MIN_ROWS, checked at
+# load). Sapphire Rapids, one core, SmolLM2-135M's products of a 64-row step within the
+# model (weights from memory): 35 ms against F.linear's 55 ms; from cache, 128 rows 10.9 /
+# 15.6 ms, 256 rows 27.5 / 25.6 ms.
+AMX_ROWS = range(4, 193)
 
 
 class AmxKernels:
@@ -38,6 +39,9 @@ class AmxKernels:
         fn.restype = i32
         lib.pagedllm_amx_available.argtypes = []
         lib.pagedllm_amx_available.restype = i32
+        lib.pagedllm_amx_min_rows.restype = i32
+        if lib.pagedllm_amx_min_rows() != AMX_ROWS.start:
+            raise RuntimeError("dense_amx.c and AMX_ROWS disagree on the fewest rows")
         # Compiled with the tiles, and this process granted their state by the kernel.
         self.available = bool(lib.pagedllm_amx_available())
         self.lib = lib

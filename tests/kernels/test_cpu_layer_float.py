@@ -85,14 +85,14 @@ def _amx() -> bool:
 
 
 @pytest.mark.skipif(not _amx(), reason="no AMX on this CPU")
-def test_bfloat16_batched_decodes_run_natively_on_amx(llama):
+@pytest.mark.parametrize("rows", [AMX_ROWS.start + 1, SMALL_ROWS_MAX[torch.bfloat16] + 12])
+def test_bfloat16_batched_decodes_run_natively_on_amx(llama, rows):
     """Decode steps of more rows than the small-row kernel takes (the AMX kernel's, in the
     modules and in the layer alike): one native call per layer, the same bits."""
     if not cpu_ops().bf16_cache_ok(32):
         pytest.skip("no bfloat16 attention cache kernel on this CPU")
     llm = LLM(str(llama), dtype="bfloat16", disable_log_stats=True, enable_prefix_caching=False)
     layers = llm.llm_engine.runner.model.model.layers
-    rows = SMALL_ROWS_MAX[torch.bfloat16] + 12
     prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(rows)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
     native = llm.generate(prompts, params, use_tqdm=False)

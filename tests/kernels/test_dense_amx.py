@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.batch_invariant import batch_invariant_mode, linear, unavailable_reason
 from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels, amx_linear
-from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX
 
 needs_amx = pytest.mark.skipif(
     amx_kernels() is None or not amx_kernels().available, reason="no AMX on this CPU"
@@ -21,7 +20,7 @@ needs_amx = pytest.mark.skipif(
 # (n, k): one 16-row weight half past the 32-row groups, a long k; rows: one block, odd
 # counts past each 16-row block and 32-row pair, the range's ends.
 SHAPES = [(48, 64), (960, 576), (80, 1536)]
-ROWS = [1, 9, 17, 33, 64, 100, AMX_ROWS[-1]]
+ROWS = [1, AMX_ROWS.start, 9, 17, 33, 64, 100, AMX_ROWS[-1]]
 
 
 @needs_amx
@@ -100,7 +99,7 @@ def test_falls_back_where_it_does_not_apply():
         (x[:, :80], w[:, :80].contiguous()),  # k not a multiple of 32
         (x, w[:40].contiguous()),  # n not a multiple of 16
         (x, w.t().contiguous().t()),  # a strided weight
-        (x[: SMALL_ROWS_MAX[torch.bfloat16]], w),  # few rows: the small-row kernel's
+        (x[: AMX_ROWS.start - 1], w),  # 1-3 rows: the small-row kernel's
         (torch.randn(AMX_ROWS[-1] + 1, 96, generator=g).bfloat16(), w),  # many: the GEMM's
     ]
     for xs, ws in cases:

@@ -49,23 +49,21 @@ typedef struct {
     float eps1, eps2, scale, pad;
 } layer_args;
 
-/* The most bfloat16 rows the modules give the small-row kernel (dense_cpu.SMALL_ROWS_MAX);
- * more go to the AMX one (dense_amx.AMX_ROWS), and the layer takes more only where that
- * applies (cpu_layer.py checks). */
-#define LAYER_SMALL_ROWS_BF16 8
-
 /* A dense weight's product, as the modules' (batch_invariant.linear): the panels in
- * batch-invariant mode, else the small-row kernel (the layer takes no more rows than it),
- * or for more bfloat16 rows the AMX kernel. */
+ * batch-invariant mode, else for PAGEDLLM_AMX_MIN_ROWS or more bfloat16 rows the AMX kernel
+ * where the CPU has it, else the small-row kernel (the layer then takes no more rows than
+ * it does; cpu_layer.py checks). */
 static int dense_product(const step_args *S, int64_t qtype, const uint8_t *w, int64_t n,
                          int64_t k, const void *x, int x_bf16, int64_t m, void *y) {
     const int w_bf16 = qtype == DENSE_BF16;
     if (S->invariant)
         return pagedllm_dense_matmul_panels(w, w_bf16, n, k, x, m, k, y, n, (int)S->nthreads,
                                             x_bf16, x_bf16);
-    if (w_bf16 && x_bf16 && m > LAYER_SMALL_ROWS_BF16)
-        return pagedllm_dense_matmul_amx((const uint16_t *)w, n, k, x, m, k, y, 1, n,
-                                         (int)S->nthreads);
+    if (w_bf16 && x_bf16 && m >= PAGEDLLM_AMX_MIN_ROWS) {
+        const int status = pagedllm_dense_matmul_amx((const uint16_t *)w, n, k, x, m, k, y, 1,
+                                                     n, (int)S->nthreads);
+        if (status != -1) return status;
+    }
     return pagedllm_dense_matmul_small(w, w_bf16, n, k, x, x_bf16, m, k, y, x_bf16, n,
                                        (int)S->nthreads, 0);
 }
