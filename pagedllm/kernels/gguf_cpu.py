@@ -55,7 +55,16 @@ class GGUFCpuKernels:
         self.row_tiles, self.bf16 = bool(features & 1), bool(features & 2)
         # The 8-bit products in panels (AVX512-VNNI).
         self.q8_panels = bool(features & 4)
+        lib.pagedllm_gguf_q8_tiles.argtypes = [i32]
+        lib.pagedllm_gguf_q8_tiles.restype = i32
+        # ... and those products of 8 rows or more on AMX tiles, bit-identical to the panels.
+        self.q8_tiles = bool(lib.pagedllm_gguf_q8_tiles(1))
         self.lib = lib
+
+    def use_q8_tiles(self, on: bool) -> bool:
+        """Turns the AMX tiles of the 8-bit products on or off (tests compare the two);
+        returns whether they are now used."""
+        return bool(self.lib.pagedllm_gguf_q8_tiles(int(on)))
 
     def supports(self, qtype: int) -> bool:
         return bool(self.lib.pagedllm_gguf_supported(int(qtype)))

@@ -515,6 +515,39 @@ def test_int8_panels_match_the_emulation(cpu_kernels, qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_products_on_amx_tiles_are_the_panels_bits(cpu_kernels, qtype):
+    """From 16 rows the 8-bit products run on AMX tiles where the CPU has them: the same
+    integer sums, scaled in the same order, so the very bits of the panel product (odd
+    and even block counts, partial weight panels and activation tiles, float32 and
+    bfloat16 in and out, one thread or two)."""
+    if not cpu_kernels.q8_tiles:
+        pytest.skip("no AMX tiles on this CPU (or in this build)")
+    g = torch.Generator().manual_seed(21)
+    threads = torch.get_num_threads()
+    for (out_features, in_features), rows in [((37, 576), 16), ((300, 2048), 67), ((48, 8192), 17)]:
+        raw = torch.from_numpy(_any_blocks(qtype, (out_features, in_features), seed=22))
+        x = torch.randn(rows, in_features, generator=g)
+        x[1, :32] = 0.0  # an all-zero block (scale 0)
+        x[2] *= 1e3
+        for xs, out_dtype in ((x, torch.float32), (x.bfloat16(), torch.bfloat16)):
+            runs = {}
+            for tiles, nthreads in ((True, threads), (True, 1), (False, threads)):
+                assert cpu_kernels.use_q8_tiles(tiles) == tiles
+                torch.set_num_threads(nthreads)
+                try:
+                    runs[tiles, nthreads] = cpu_kernels.matmul_q8_panels(
+                        xs, raw, qtype, out_features, in_features, out_dtype=out_dtype
+                    )
+                finally:
+                    torch.set_num_threads(threads)
+                    cpu_kernels.use_q8_tiles(True)
+            panels = runs[False, threads]
+            assert panels.dtype == out_dtype
+            assert torch.equal(runs[True, threads], panels)
+            assert torch.equal(runs[True, 1], panels)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_small_row_products_do_not_depend_on_the_other_rows(cpu_kernels, qtype):
     """Up to 8 rows (decode steps) on AVX-512 each row's result is the same sums whatever
     rows share the call, from 2 rows (1 row has its own kernel)."""

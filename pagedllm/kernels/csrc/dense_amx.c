@@ -19,6 +19,8 @@
  *
  * Plain C, no torch headers: called through ctypes with raw pointers.
  */
+#ifndef PAGEDLLM_DENSE_AMX_C /* (gguf_cpu.c includes this file too, and both go into cpu_layer.c) */
+#define PAGEDLLM_DENSE_AMX_C
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,3 +208,4 @@ int pagedllm_dense_matmul_amx(const uint16_t *w, int64_t n, int64_t k, const uin
     return -1;
 #endif
 }
+#endif /* PAGEDLLM_DENSE_AMX_C */
