@@ -79,19 +79,52 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Index vectors of the 16 x 16 transpose below, built once when the library loads: at
+ * stage s (block size b = 8 >> s) rows i and i + b swap their off-diagonal b x b blocks,
+ * lo taking row i's kept elements and row i + b's moved ones, hi the other way. */
+static int32_t amx_swap_idx[4][2][16];
+
+__attribute__((constructor)) static void amx_build_swaps(void) {
+    for (int s = 0; s < 4; s++) {
+        const int b = 8 >> s;
+        for (int j = 0; j < 16; j++) {
+            amx_swap_idx[s][0][j] = (j & b) ? 16 + j - b : j;
+            amx_swap_idx[s][1][j] = (j & b) ? 16 + j : j + b;
+        }
+    }
+}
+
+/* v[16] (16 x 16 float32, v[r] lane i) transposed in registers: v[i] lane r. Permutes, not
+ * gathers (a gather of 16 is tens of cycles where the microcode mitigates GDS). */
+static inline __attribute__((always_inline)) void amx_transpose16(__m512 v[16]) {
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        const int b = 8 >> s;
+        const __m512i lo = _mm512_loadu_si512(amx_swap_idx[s][0]);
+        const __m512i hi = _mm512_loadu_si512(amx_swap_idx[s][1]);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            if (i & b) continue;
+            const __m512 a = v[i], c = v[i + b];
+            v[i] = _mm512_permutex2var_ps(a, lo, c);
+            v[i + b] = _mm512_permutex2var_ps(a, hi, c);
+        }
+    }
+}
+
 /* Stores an accumulator tile's 16 x 16 block (weight rows n0.., activation rows m0..)
- * transposed into y, rows past m left out: column j of the tile gathered, rounded to
- * bfloat16 (nearest even, NaN kept quiet; as amx_to_bf16) or stored as is. */
+ * transposed into y, rows past m left out, rounded to bfloat16 (nearest even, NaN kept
+ * quiet; as amx_to_bf16) or stored as is. */
 static inline void amx_store(const float *c, void *y, int y_bf16, int64_t ldy, int64_t n0,
                              int64_t m0, int64_t m) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                               6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) v[r] = _mm512_load_ps(c + 16 * r);
+    amx_transpose16(v);
     for (int j = 0; j < 16 && m0 + j < m; j++) {
-        const __m512 v = _mm512_i32gather_ps(column, c + j, 4);
         const int64_t row = (m0 + j) * ldy + n0;
         if (y_bf16) {
-            const __m512i u = _mm512_castps_si512(v);
+            const __m512i u = _mm512_castps_si512(v[j]);
             const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
             __m512i r = _mm512_srli_epi32(
                 _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -101,7 +134,7 @@ static inline void amx_store(const float *c, void *y, int y_bf16, int64_t ldy, i
             r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
             _mm256_storeu_si256((__m256i *)((uint16_t *)y + row), _mm512_cvtepi32_epi16(r));
         } else {
-            _mm512_storeu_ps((float *)y + row, v);
+            _mm512_storeu_ps((float *)y + row, v[j]);
         }
     }
 }
