@@ -1721,10 +1721,15 @@ static void q8a_configure(void) {
 }
 
 /* Rows j0..j0+rows-1 of the weight into A[b * 512 + r * 32 + e] = unsigned byte of element
- * e of row r's block b (rows past `rows` zeros), with dc as q8p_decode gives it. */
+ * e of row r's block b (rows past `rows` zeros), with dc as q8p_decode gives it; the next
+ * panel (next_bytes from next) fetched in step, as q8p_decode does. */
 static void q8a_decode(int qtype, int block_bytes, int qs_off, const uint8_t *raw,
-                       int64_t row_bytes, int64_t nb, int rows, uint8_t *A, float *dc) {
+                       int64_t row_bytes, int64_t nb, int rows, uint8_t *A, float *dc,
+                       const uint8_t *next, int64_t next_bytes) {
+    const int64_t slice = next_bytes / nb + 64;
     for (int64_t b = 0; b < nb; b++) {
+        for (int64_t off = b * slice; off < (b + 1) * slice && off < next_bytes; off += 64)
+            _mm_prefetch((const char *)next + off, _MM_HINT_T0);
         for (int r = 0; r < 16; r++) {
             uint8_t *dst = A + b * 512 + r * 32;
             if (r >= rows) {
@@ -1863,8 +1868,11 @@ static int q8a_matmul(int qtype, int block_bytes, int qs_off, const uint8_t *raw
                 if (A == NULL || dc == NULL) continue;
                 const int64_t j0 = pi * 16;
                 const int cols = (int)(n - j0 < 16 ? n - j0 : 16);
+                /* (the thread's next panel, in its static share; none after the last) */
+                const int64_t jn = j0 + 16;
+                const int64_t next_rows = jn >= n ? 0 : (n - jn < 16 ? n - jn : 16);
                 q8a_decode(qtype, block_bytes, qs_off, raw + j0 * row_bytes, row_bytes, nb, cols,
-                           A, dc);
+                           A, dc, raw + jn * row_bytes, next_rows * row_bytes);
                 for (int64_t t = t0; t < t1; t++) {
                     const int valid = (int)(m - t * 16 < 16 ? m - t * 16 : 16);
                     q8a_tile(A, dc, nb, xb + t * nb * 512, dxt + t * nb * 16, sxt + t * nb * 16,
