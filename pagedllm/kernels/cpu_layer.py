@@ -3,13 +3,13 @@ on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 
 :func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
 when every part qualifies (Q/K/V and gate/up each one fused weight, with the output and down
-projections either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases,
-no LoRA, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE tables in float32; a float32 model,
-or a bfloat16 one where the CPU has the attention kernel's bfloat16 cache, and for packed
-weights the bfloat16 products), else None. Dense products are
-:mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call for as many
-rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer takes steps of
-at most that many tokens; a bfloat16 one whose products the AMX kernel takes
+projections either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases
+but the Q/K/V group's (Qwen2's), no LoRA, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE
+tables in float32; a float32 model, or a bfloat16 one where the CPU has the attention
+kernel's bfloat16 cache, and for packed weights the bfloat16 products), else None. Dense
+products are :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call
+for as many rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer
+takes steps of at most that many tokens; a bfloat16 one whose products the AMX kernel takes
 (:mod:`pagedllm.kernels.dense_amx`, from four rows, as the modules do) up to its
 :data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
 layer for a step of at most :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is
@@ -91,6 +91,8 @@ class _LayerArgs(ctypes.Structure):
         ("cache", _ptr),
         *[(name, _i64) for name in ("num_slots", "block_size", "window")],
         *[(name, _f32) for name in ("eps1", "eps2", "scale", "pad")],
+        ("qkv_bias", _ptr),
+        ("qkv_bias_bf16", _i64),
     ]
 
 
@@ -104,10 +106,13 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, int] | None:
-    """(raw weight, GGML type) of a bias-free packed GGUF product of a fused type."""
+def _packed(
+    module: Any, sizes: list[int] | None = None, bias: bool = False
+) -> tuple[torch.Tensor, int] | None:
+    """(raw weight, GGML type) of a packed GGUF product of a fused type, bias-free unless
+    ``bias`` (the Q/K/V group's, which the layer adds)."""
     if isinstance(getattr(module, "qtype", None), GGMLQuantizationType):  # (a fused group)
-        if module.bias is not None or (sizes is not None and module.sizes != sizes):
+        if (module.bias is not None and not bias) or (sizes is not None and module.sizes != sizes):
             return None
         weight, qtype = module.weight, module.qtype
     elif (
@@ -125,11 +130,11 @@ def _packed(module: Any, sizes: list[int] | None = None) -> tuple[torch.Tensor, 
 
 
 def _dense(
-    module: Any, dtype: torch.dtype, sizes: list[int] | None = None
+    module: Any, dtype: torch.dtype, sizes: list[int] | None = None, bias: bool = False
 ) -> tuple[torch.Tensor, int] | None:
-    """(weight, dense type) of a bias-free unquantized product in ``dtype``: a fused group
-    of plain layers (``sizes`` its parts) or a plain layer, whose product the modules take
-    through :func:`pagedllm.kernels.batch_invariant.linear`."""
+    """(weight, dense type) of an unquantized product in ``dtype``, bias-free unless
+    ``bias``: a fused group of plain layers (``sizes`` its parts) or a plain layer, whose
+    product the modules take through :func:`pagedllm.kernels.batch_invariant.linear`."""
     if getattr(module, "method", None) is not None or getattr(module, "qtype", None) is not None:
         return None
     if (sizes is None) != (getattr(module, "sizes", None) is None):
@@ -139,7 +144,7 @@ def _dense(
     weight = getattr(module, "weight", None)
     if (
         not isinstance(weight, torch.Tensor)
-        or module.bias is not None
+        or (module.bias is not None and not bias)
         or weight.dtype != dtype
         or weight.dim() != 2
         or weight.device.type != "cpu"
@@ -191,6 +196,9 @@ class NativeDecoderLayer:
             rotary.cos,
             rotary.sin,
         ]
+        bias = attn.qkv.runs[0].bias
+        if bias is not None:
+            self.tensors.append(bias)
         self.pointers = [t.data_ptr() for t in self.tensors]
         args = _LayerArgs()
         args.hidden = layer.input_layernorm.weight.shape[0]
@@ -211,6 +219,8 @@ class NativeDecoderLayer:
         args.table_stride, args.rot_dim = rotary.cos.stride(0), rotary.rotary_dim
         args.scale = attn.attn.scale
         args.window = attn.attn.sliding_window or 0
+        if bias is not None:
+            args.qkv_bias, args.qkv_bias_bf16 = bias.data_ptr(), int(bias.dtype == torch.bfloat16)
         self.args = args
 
     def __call__(
@@ -340,14 +350,14 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     inter = mlp.down_proj.input_size
     qkv_sizes, gate_up_sizes = [q_size, kv_size, kv_size], [inter, inter]
     parts = {
-        "qkv": _packed(attn.qkv.runs[0], qkv_sizes),
+        "qkv": _packed(attn.qkv.runs[0], qkv_sizes, bias=True),
         "o": _packed(attn.o_proj),
         "gate_up": _packed(mlp.gate_up.runs[0], gate_up_sizes),
         "down": _packed(mlp.down_proj),
     }
     if any(part is None for part in parts.values()):
         parts = {
-            "qkv": _dense(attn.qkv.runs[0], dtype, qkv_sizes),
+            "qkv": _dense(attn.qkv.runs[0], dtype, qkv_sizes, bias=True),
             "o": _dense(attn.o_proj, dtype),
             "gate_up": _dense(mlp.gate_up.runs[0], dtype, gate_up_sizes),
             "down": _dense(mlp.down_proj, dtype),
@@ -359,6 +369,11 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
         kernels = cpu_kernels()
         if kernels is None or not kernels.bf16:
             return None
+    bias = attn.qkv.runs[0].bias
+    if bias is not None and (
+        bias.dtype not in DENSE_TYPES or bias.device.type != "cpu" or not bias.is_contiguous()
+    ):
+        return None
     lib = _library()
     if lib is None:
         return None

@@ -1,12 +1,14 @@
 """The native decoder layer (pagedllm/kernels/cpu_layer.py) with dense float32 / bfloat16
 weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
 as one native call per layer, bit-identical to the op-by-op module path, in
-batch-invariant mode too; layers it cannot compute (biases) keep the module path."""
+batch-invariant mode too (Qwen2's Q/K/V biases included); layers it cannot compute (an
+output projection's bias) keep the module path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams
@@ -100,6 +102,35 @@ def test_bfloat16_batched_decodes_run_natively_on_amx(llama, rows):
     for layer in layers:
         layer._native = False
     _same(native, llm.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen2_layers_add_their_qkv_bias_natively(tmp_path, dtype):
+    """Qwen2's Q/K/V products have a bias (its output projection none): the native layer
+    adds it as the modules do (rounded to bfloat16 first in a bfloat16 model), and its
+    decode steps give the module path's bits."""
+    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    checkpoint = make_checkpoint(
+        tmp_path, "qwen2", hidden_size=128, intermediate_size=256, num_attention_heads=4
+    )
+    # (transformers starts biases at zero, which would add nothing to compare)
+    weights = load_file(checkpoint / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for name, tensor in weights.items():
+        if name.endswith("_proj.bias"):
+            weights[name] = torch.randn(tensor.shape, generator=g).to(tensor.dtype)
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(checkpoint), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
+    layers = llm.llm_engine.runner.model.model.layers
+    assert layers[0].self_attn.qkv.runs[0].bias is not None
+    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = _run(llm, prompts, params)
+    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    _same(native, _run(llm, prompts, params))
 
 
 def test_layers_with_biases_keep_the_module_path(tmp_path):

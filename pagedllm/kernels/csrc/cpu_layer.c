@@ -6,7 +6,7 @@
  * bit-identical to that path; what it saves is the Python between them (about 10 calls
  * and their tensors per layer).
  *
- *   normed = rms_norm(x, ln1)          qkv = normed @ Wqkv.T        rope(q, k)
+ *   normed = rms_norm(x, ln1)          qkv = normed @ Wqkv.T (+ bias)  rope(q, k)
  *   attn = paged_attention(q, k, v)    o = attn @ Wo.T
  *   s = x + o, normed = rms_norm(s, ln2)
  *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
@@ -47,7 +47,32 @@ typedef struct {
     void *cache; /* float32, or bfloat16 for the bfloat16 layer */
     int64_t num_slots, block_size, window;
     float eps1, eps2, scale, pad;
+    /* The Q/K/V products' bias (Qwen2's), float32 or bfloat16 (qkv_bias_bf16); NULL: none. */
+    const void *qkv_bias;
+    int64_t qkv_bias_bf16;
 } layer_args;
+
+/* The bias added to T rows of n outputs as the modules add it, out += bias.to(out.dtype):
+ * the float32 layer's sums widen a bfloat16 bias exactly; the bfloat16 layer's round the
+ * bias to bfloat16 first, then each sum once. */
+static float bias_at(const layer_args *L, int64_t j) {
+    return L->qkv_bias_bf16 ? from_bf16(((const uint16_t *)L->qkv_bias)[j])
+                            : ((const float *)L->qkv_bias)[j];
+}
+
+static void add_bias(const layer_args *L, float *y, int64_t T, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const float b = bias_at(L, j);
+        for (int64_t t = 0; t < T; t++) y[t * n + j] += b;
+    }
+}
+
+static void add_bias_bf16(const layer_args *L, uint16_t *y, int64_t T, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const float b = from_bf16(to_bf16(bias_at(L, j)));
+        for (int64_t t = 0; t < T; t++) y[t * n + j] = to_bf16(from_bf16(y[t * n + j]) + b);
+    }
+}
 
 /* A dense weight's product, as the modules' (batch_invariant.linear): the panels in
  * batch-invariant mode, else for PAGEDLLM_AMX_MIN_ROWS or more bfloat16 rows the AMX kernel
@@ -138,6 +163,7 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     pagedllm_rms_norm(x, H, NULL, NULL, (const float *)L->ln1, 0.0f, L->eps1, normed, H, T, H, nt);
     status = product(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
+    if (L->qkv_bias != NULL) add_bias(L, qkv, T, nqkv);
     pagedllm_rotary_neox(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
                          L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
     status = pagedllm_paged_attention(qkv, nqkv, qkv + nq, nqkv, qkv + nq + nkv, nqkv, L->cache,
@@ -185,6 +211,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     pagedllm_rms_norm_bf16(x, H, NULL, NULL, ln1, 0.0f, L->eps1, normed, H, T, H, nt);
     status = product_bf16(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
+    if (L->qkv_bias != NULL) add_bias_bf16(L, qkv, T, nqkv);
     pagedllm_rotary_neox_bf16(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
                               L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
     for (int64_t i = 0; i < T * nqkv; i++) qkv32[i] = from_bf16(qkv[i]);
