@@ -1396,6 +1396,23 @@ __attribute__((constructor)) static void q8p_build_indices(void) {
     }
 }
 
+/* One row's block as 32 unsigned bytes in element order (Q4_0/Q4_1: the nibbles; Q8_0:
+ * q + 128), with its scale d at dc[0] and offset c at dc[16] (Q4_0: -8d, Q4_1: the min,
+ * Q8_0: -128d): w = d * byte + c. */
+static inline __m256i q8p_block(int qtype, const uint8_t *blk, int qs_off, float *dc) {
+    const float d = f16_to_f32(blk);
+    dc[0] = d;
+    if (qtype == T_Q8_0) {
+        dc[16] = -128.0f * d;
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + qs_off)),
+                                _mm256_set1_epi8((char)0x80));
+    }
+    dc[16] = qtype == T_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * d;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_off));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
 /* Rows j0..j0+15 of the weight (rows past `rows` as zeros) into the panel: for block b and
  * quad p, P[(b * 8 + p) * 16 + r] = bytes 4p..4p+3 of row r's block; dc[b * 32 + r] = d,
  * dc[b * 32 + 16 + r] = c. */
@@ -1420,19 +1437,8 @@ static void q8p_decode(int qtype, int block_bytes, int qs_off, const uint8_t *ra
                 dc[b * 32 + 16 + r] = 0.0f;
                 continue;
             }
-            const uint8_t *blk = raw + r * row_bytes + b * block_bytes;
-            const float d = f16_to_f32(blk);
-            dc[b * 32 + r] = d;
-            if (qtype == T_Q8_0) {
-                v[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + qs_off)),
-                                        _mm256_set1_epi8((char)0x80));
-                dc[b * 32 + 16 + r] = -128.0f * d;
-            } else {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_off));
-                const __m128i m = _mm_set1_epi8(0x0F);
-                v[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-                dc[b * 32 + 16 + r] = qtype == T_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * d;
-            }
+            v[r] = q8p_block(qtype, raw + r * row_bytes + b * block_bytes, qs_off,
+                             dc + b * 32 + r);
         }
         __m512i z[8], s1[8], s2[8];
         for (int j = 0; j < 8; j++)
@@ -1738,21 +1744,9 @@ static void q8a_decode(int qtype, int block_bytes, int qs_off, const uint8_t *ra
                 dc[b * 32 + 16 + r] = 0.0f;
                 continue;
             }
-            const uint8_t *blk = raw + r * row_bytes + b * block_bytes;
-            const float d = f16_to_f32(blk);
-            dc[b * 32 + r] = d;
-            __m256i v;
-            if (qtype == T_Q8_0) {
-                v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + qs_off)),
-                                     _mm256_set1_epi8((char)0x80));
-                dc[b * 32 + 16 + r] = -128.0f * d;
-            } else {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_off));
-                const __m128i m = _mm_set1_epi8(0x0F);
-                v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-                dc[b * 32 + 16 + r] = qtype == T_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * d;
-            }
-            _mm256_storeu_si256((__m256i *)dst, v);
+            _mm256_storeu_si256((__m256i *)dst,
+                                q8p_block(qtype, raw + r * row_bytes + b * block_bytes, qs_off,
+                                          dc + b * 32 + r));
         }
     }
 }
