@@ -6,6 +6,9 @@ and preemption; the vision encoder runs once per image."""
 
 from __future__ import annotations
 
+import types
+from typing import ClassVar
+
 import pytest
 
 pytest.importorskip("PIL")
@@ -13,8 +16,11 @@ pytest.importorskip("PIL")
 from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
 from tiny_models import make_checkpoint
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, hookimpl
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.interfaces import content_hash
+from pagedllm.core.plugins import make_plugin_manager
+from pagedllm.plugins.models.llava_processor import LlavaProcessor
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -197,3 +203,48 @@ def test_a_text_model_refuses_images(tmp_path, images):
     with pytest.raises(InvalidRequestError, match="this model takes text only") as refused:
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert refused.value.param == "multi_modal_data"
+
+
+def test_given_uuids_are_the_images_identity(checkpoint, images):
+    # vLLM's multi_modal_uuids: the caller's id stands for the image (its encoder output
+    # and its KV blocks), as a content hash the engine would compute otherwise.
+    llm = build(checkpoint, enable_prefix_caching=False)
+    for image in images[:2]:
+        prompt = {
+            "prompt": ONE,
+            "multi_modal_data": {"image": image},
+            "multi_modal_uuids": {"image": ["photo-1"]},
+        }
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert encoder_runs(llm)[0] == 1
+
+
+def test_content_hash_is_the_pixels_mode_and_size(images):
+    image = images[0]
+    assert content_hash(image) == content_hash(image.copy())
+    assert content_hash(image) != content_hash(images[1])
+    assert content_hash(image) != content_hash(image.convert("RGBA"))
+    assert content_hash(image) != content_hash(make_image(0, width=36, height=40))
+
+
+class CountingProcessor(LlavaProcessor):
+    prompts: ClassVar[list[int]] = []
+
+    def process(self, token_ids, data, hashes):
+        self.prompts.append(len(data["image"]))
+        return super().process(token_ids, data, hashes)
+
+
+def test_a_plugin_registers_the_multimodal_processor(checkpoint, reference, images):
+    plugin = types.ModuleType("vision_plugin")
+
+    @hookimpl
+    def pagedllm_register_multimodal_processors(registry):
+        registry.add("LlavaForConditionalGeneration", CountingProcessor, override=True)
+
+    plugin.pagedllm_register_multimodal_processors = pagedllm_register_multimodal_processors
+    pm = make_plugin_manager(extra_plugins=[("vision_plugin", plugin)])
+    llm = build(checkpoint, plugin_manager=pm)
+    (out,) = generate(llm, [(TWO, images[:2])])
+    assert CountingProcessor.prompts == [2]
+    assert out.outputs[0].token_ids == reference.greedy(TWO, images[:2], NEW_TOKENS)
