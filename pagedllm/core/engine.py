@@ -316,9 +316,10 @@ class LLMEngine:
             raise self._extension_off(type(params), "params_type")
         text, token_ids = self.prompt_tokens(new, params.truncate_prompt_tokens)
         features: dict[str, Any] = {}
-        if isinstance(new.prompt, dict):
+        if self._hooks["process_prompt"]:
+            prompt = new.prompt if isinstance(new.prompt, dict) else {}
             for extension in self._hooks["process_prompt"]:
-                processed = extension.process_prompt(new.prompt, token_ids, params)
+                processed = extension.process_prompt(prompt, token_ids, params)
                 if processed is not None:
                     token_ids, features[extension.name] = processed
         if len(token_ids) >= self.max_model_len:

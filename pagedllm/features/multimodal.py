@@ -94,6 +94,8 @@ class MultiModalExtension(StepExtension):
         if not data:
             if uuids:
                 raise InvalidRequestError("multi_modal_uuids", "given without multi_modal_data")
+            # (a placeholder without its image is refused by the processor)
+            self.processor.process(token_ids, {}, {})
             return None
         if not isinstance(data, dict):
             raise InvalidRequestError(

@@ -169,9 +169,10 @@ class StepExtension(ABC):
     def process_prompt(
         self, prompt: dict[str, Any], token_ids: list[int], params: Any
     ) -> tuple[list[int], Any] | None:
-        """For a prompt dict that has one of :attr:`prompt_keys`: the prompt's token ids as
-        the model takes them (``token_ids``: as tokenized) and the state its request
-        carries under ``request.features[self.name]``; None leaves the prompt as it is.
+        """Every prompt (its dict; ``{}`` for a string or a token list), when overridden:
+        the prompt's token ids as the model takes them (``token_ids``: as tokenized), from
+        the prompt's :attr:`prompt_keys`, and the state its request carries under
+        ``request.features[self.name]``; None leaves the prompt as it is.
         ``params``: its ``SamplingParams``. Raise
         :class:`~pagedllm.core.errors.InvalidRequestError` to refuse it."""
         return None

@@ -168,6 +168,9 @@ def _prompt(data, text=ONE, **extra):
     [
         (_prompt(lambda i: {"image": [i]}, text=TWO), "multi_modal_data.image", "1 image(s) for 2"),
         (_prompt(lambda i: {"image": b"png"}), "multi_modal_data.image[0]", "not bytes"),
+        # A placeholder without its image (a dict, or a plain string).
+        (_prompt(lambda i: None), "multi_modal_data.image", "0 image(s) for 1"),
+        (lambda i: ONE, "multi_modal_data.image", "0 image(s) for 1"),
         (_prompt(lambda i: {"video": i}), "multi_modal_data.video", "takes image only"),
         (_prompt(lambda i: i), "multi_modal_data", "a dict"),
         (
