@@ -17,6 +17,7 @@ from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams, hookimpl
+from pagedllm.core.beam_search import BeamSearchParams
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.interfaces import content_hash
 from pagedllm.core.plugins import make_plugin_manager
@@ -198,6 +199,13 @@ def test_truncating_a_prompt_with_images_is_refused(llm, images):
     with pytest.raises(InvalidRequestError) as refused:
         llm.generate({"prompt": ONE, "multi_modal_data": {"image": images[0]}}, params)
     assert refused.value.param == "truncate_prompt_tokens"
+
+
+def test_beam_search_refuses_images(llm, images):
+    prompt = {"prompt": ONE, "multi_modal_data": {"image": images[0]}}
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert refused.value.param == "multi_modal_data"
 
 
 def test_a_text_model_refuses_images(tmp_path, images):
