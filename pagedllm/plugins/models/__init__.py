@@ -25,6 +25,11 @@ def pagedllm_register_models(registry):
     registry.add("FalconForCausalLM", "pagedllm.plugins.models.falcon:FalconForCausalLM")
     registry.add("GPTNeoXForCausalLM", "pagedllm.plugins.models.gpt_neox:GPTNeoXForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
+    # Vision-language models (their prompts' images: the multimodal processors below).
+    registry.add(
+        "LlavaForConditionalGeneration",
+        "pagedllm.plugins.models.llava:LlavaForConditionalGeneration",
+    )
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -39,4 +44,11 @@ def pagedllm_register_models(registry):
     registry.add(
         "TransformersForCausalLM",
         "pagedllm.plugins.models.transformers_backend:TransformersForCausalLM",
+    )
+
+
+@hookimpl
+def pagedllm_register_multimodal_processors(registry):
+    registry.add(
+        "LlavaForConditionalGeneration", "pagedllm.plugins.models.llava_processor:LlavaProcessor"
     )

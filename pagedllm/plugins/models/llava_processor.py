@@ -1,0 +1,92 @@
+"""LLaVA's multimodal processor: each ``<image>`` token of a prompt becomes the image's
+number of feature tokens, and each image its pixel values, made by the checkpoint's own
+image processor (transformers' ``AutoImageProcessor``, as transformers' ``LlavaProcessor``
+makes them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.interfaces.multimodal import (
+    MultiModalItem,
+    MultiModalProcessor,
+    ProcessedPrompt,
+    content_hash,
+)
+
+
+class LlavaProcessor(MultiModalProcessor):
+    modalities = ("image",)
+
+    def __init__(self, image_processor: Any, image_token_id: int, patch_size: int, full: bool):
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.patch_size = patch_size
+        # The 'full' feature-select strategy keeps the CLS row: one token more.
+        self.full = full
+
+    @classmethod
+    def from_model(cls, model_path: str, hf_config: Any, tokenizer: Any) -> LlavaProcessor:
+        import transformers
+
+        try:
+            image_processor = transformers.AutoImageProcessor.from_pretrained(model_path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{model_path}: no image processor (preprocessor_config.json or "
+                f"processor_config.json) for its images: {exc}"
+            ) from exc
+        token = getattr(hf_config, "image_token_index", None)
+        if token is None:
+            token = getattr(hf_config, "image_token_id", None)
+        if token is None:
+            raise ConfigError(f"{model_path}: the config names no image_token_index")
+        return cls(
+            image_processor,
+            int(token),
+            int(hf_config.vision_config.patch_size),
+            getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
+        )
+
+    def process(
+        self, token_ids: list[int], data: dict[str, list[Any]], hashes: dict[str, list[str]]
+    ) -> ProcessedPrompt:
+        images = data.get("image", [])
+        placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(placeholders) != len(images):
+            raise InvalidRequestError(
+                "multi_modal_data.image",
+                f"{len(images)} image(s) for {len(placeholders)} image placeholder(s) in the "
+                "prompt: one placeholder per image",
+            )
+        given = hashes.get("image") or [None] * len(images)
+        expanded: list[int] = []
+        items: list[MultiModalItem] = []
+        last = 0
+        for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
+            pixels = self._pixels(image, index)
+            height, width = pixels.shape[-2:]
+            length = (height // self.patch_size) * (width // self.patch_size) + int(self.full)
+            expanded.extend(token_ids[last:position])
+            key = given[index] or content_hash(image)
+            items.append(MultiModalItem("image", str(key), pixels, len(expanded), length))
+            expanded.extend([self.image_token_id] * length)
+            last = position + 1
+        expanded.extend(token_ids[last:])
+        return ProcessedPrompt(expanded, items)
+
+    def _pixels(self, image: Any, index: int) -> Any:
+        if not (hasattr(image, "mode") and hasattr(image, "size")):
+            raise InvalidRequestError(
+                f"multi_modal_data.image[{index}]",
+                f"an image (PIL.Image.Image), not {type(image).__name__}",
+            )
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        try:
+            return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"multi_modal_data.image[{index}]", f"cannot preprocess the image: {exc}"
+            ) from exc
