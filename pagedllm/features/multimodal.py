@@ -192,14 +192,19 @@ class MultiModalRunner(RunnerExtension):
         self.model = model
         self.device = device
         self.cache = EncoderCache(cache_rows)
+        # (a model placing its items' tokens by their grids gets each step's: M-RoPE)
+        self.grids = bool(getattr(model, "uses_item_grids", False))
         # Items encoded, and item slices taken from the cache instead.
         self.num_encoded = 0
         self.num_cache_hits = 0
 
     def step_input(self, output: SchedulerOutput) -> Any:
-        """``(first row in the step, first row of the item's output, rows, item)`` for each
-        item whose placeholders this step computes (all or part of them); None: none."""
+        """``(pieces, grids)``: ``(first row in the step, first row of the item's output,
+        rows, item)`` for each item whose placeholders this step computes (all or part of
+        them), and where the model uses them, its requests' item grids
+        (:meth:`SupportsMultiModal.set_item_grids`); None: neither."""
         pieces = []
+        grids = []
         offset = 0
         for scheduled in output.scheduled:
             items = scheduled.request.features.get(self.name)
@@ -213,11 +218,19 @@ class MultiModalRunner(RunnerExtension):
                         pieces.append(
                             (offset + first - start, first - item.offset, last - first, item)
                         )
+                layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
+                if self.grids and layout:
+                    grids.append((offset, start, scheduled.num_new_tokens, layout))
             offset += scheduled.num_new_tokens
-        return pieces or None
+        return (pieces, grids) if pieces or grids else None
 
     def before_forward(self, step: Any, data: Any, built_here: bool) -> None:
         if data is None:
+            return
+        data, grids = data
+        if grids:
+            self.model.set_item_grids(grids)
+        if not data:
             return
         rows: list[int] = []
         embeddings = []

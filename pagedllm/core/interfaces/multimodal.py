@@ -45,10 +45,16 @@ class MultiModalItem:
     inputs: Any
     offset: int
     length: int
+    # For a model whose rotary positions are 3-D (M-RoPE: Qwen2-VL), the (t, h, w) grid of
+    # the item's placeholder tokens (t * h * w == length), which places them; None: they
+    # take positions as text does. (Small: it goes with each step of its request.)
+    grid: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length <= 0:
             raise ValueError(f"bad placeholder range ({self.offset}, {self.length})")
+        if self.grid is not None and self.grid[0] * self.grid[1] * self.grid[2] != self.length:
+            raise ValueError(f"a grid {self.grid} of other than {self.length} tokens")
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,6 +107,18 @@ class SupportsMultiModal(ABC):
         """The next forward pass takes ``embeddings`` (``[len(rows), hidden]``) as its
         input embeddings at ``rows`` of its flat batch, instead of the token ids' (once:
         the pass after it embeds its tokens again)."""
+
+    #: Its rotary positions follow its items' grids (:attr:`MultiModalItem.grid`): each
+    #: step gives it those of its requests (:meth:`set_item_grids`).
+    uses_item_grids: ClassVar[bool] = False
+
+    def set_item_grids(self, spans: list[tuple[int, int, int, tuple[Any, ...]]]) -> None:
+        """The next forward pass's requests that have items with grids: for each, ``(first
+        row in the flat batch, its position, number of rows, items)``, its rows taking the
+        consecutive positions from there, and ``items`` its ``(offset, length, grid)`` in
+        prompt order (once, as :meth:`set_input_embeddings`). Called only where
+        ``uses_item_grids``."""
+        raise NotImplementedError
 
 
 def content_hash(item: Any) -> str:

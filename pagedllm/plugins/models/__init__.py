@@ -3,6 +3,7 @@
 from pagedllm.core.hookspecs import hookimpl
 
 _LLAMA = "pagedllm.plugins.models.llama"
+_QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 @hookimpl
@@ -30,6 +31,8 @@ def pagedllm_register_models(registry):
         "LlavaForConditionalGeneration",
         "pagedllm.plugins.models.llava:LlavaForConditionalGeneration",
     )
+    for name in _QWEN_VL:
+        registry.add(name, f"pagedllm.plugins.models.qwen2_vl:{name}")
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -52,3 +55,5 @@ def pagedllm_register_multimodal_processors(registry):
     registry.add(
         "LlavaForConditionalGeneration", "pagedllm.plugins.models.llava_processor:LlavaProcessor"
     )
+    for name in _QWEN_VL:
+        registry.add(name, "pagedllm.plugins.models.qwen2_vl_processor:Qwen2VLProcessor")
