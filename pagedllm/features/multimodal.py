@@ -218,9 +218,10 @@ class MultiModalRunner(RunnerExtension):
                         pieces.append(
                             (offset + first - start, first - item.offset, last - first, item)
                         )
-                layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
-                if self.grids and layout:
-                    grids.append((offset, start, scheduled.num_new_tokens, layout))
+                if self.grids:
+                    layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
+                    if layout:
+                        grids.append((offset, start, scheduled.num_new_tokens, layout))
             offset += scheduled.num_new_tokens
         return (pieces, grids) if pieces or grids else None
 

@@ -13,12 +13,14 @@ import pytest
 pytest.importorskip("PIL")
 
 import torch
+import transformers
 from tiny_llava import make_image
 from tiny_qwen2_vl import IMAGE, Qwen2VLReference, make_qwen2_vl
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.plugins.models.qwen2_vl import span_positions
+from pagedllm.plugins.models.qwen2_vl_processor import Qwen2VLProcessor
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -202,3 +204,10 @@ def test_qwen2_5_vl_matches_transformers(checkpoint_2_5, images):
     llm = build(checkpoint_2_5, enable_chunked_prefill=True, max_num_batched_tokens=16)
     cases = [(ONE, [images[0]]), (TWO, images[1:3]), (TWO, [images[3], images[0]])]
     check(reference, cases, generate(llm, cases))
+
+
+def test_an_image_processor_of_another_patch_grid_is_refused(checkpoint):
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    config.vision_config.spatial_merge_size = 4
+    with pytest.raises(ConfigError, match="merge size and patch size"):
+        Qwen2VLProcessor.from_model(str(checkpoint), config, None)
