@@ -27,6 +27,7 @@ from pagedllm.core.batch_invariance import batch_invariant_setting, check_batch_
 from pagedllm.core.compilation import compilation_config
 from pagedllm.core.configs.base import Config
 from pagedllm.core.configs.model import LoadConfig, ModelConfig
+from pagedllm.core.configs.multimodal import MultiModalConfig
 from pagedllm.core.configs.runtime import (
     DEFAULT_CPU_KVCACHE_SPACE_GIB,
     CacheConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "LoRAConfig",
     "LoadConfig",
     "ModelConfig",
+    "MultiModalConfig",
     "ObservabilityConfig",
     "PagedLLMConfig",
     "ParallelConfig",
@@ -99,6 +101,8 @@ class PagedLLMConfig(Config):
     speculative_config: SpeculativeConfig | None = None
     # -O, --cuda-graph-sizes, --max-seq-len-to-capture, --enforce-eager.
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    # --limit-mm-per-prompt, --mm-processor-kwargs, --disable-mm-preprocessor-cache.
+    multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
 
     def check(self) -> None:
         """Each config's own checks (again, unless frozen: a plugin may have changed it),
@@ -184,6 +188,7 @@ def create_engine_config(
             else None
         ),
         compilation_config=compilation_config(args, scheduler.max_num_seqs),
+        multimodal_config=MultiModalConfig.from_args(args),
     )
     _check_data_parallel(config, usage_context)
     pm.hook.pagedllm_update_config(config=config)

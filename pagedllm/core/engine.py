@@ -105,7 +105,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
-        self.vocab_size = loaded.hf_config.vocab_size
+        self.vocab_size = loaded.text_config.vocab_size
         self.attention_backend_cls = backend_cls
         mc = config.model_config
         self.task = resolve_task(mc.task, loaded.model, mc.runner, mc.convert)
@@ -162,8 +162,10 @@ class LLMEngine:
             extension.kv_cache_ready(self, num_blocks)
         self._hooks = {
             hook: overriding(extensions, StepExtension, hook)
-            for hook in ("check_params", "new_parent", "new_request")
+            for hook in ("check_params", "new_parent", "new_request", "process_prompt")
         }
+        # Which extension reads each key of a prompt dict beside the prompt itself.
+        self._prompt_keys = {key: e for e in extensions for key in e.prompt_keys}
         # Which extension each request keyword belongs to.
         self._request_args = {e.request_arg: e for e in extensions if e.request_arg}
         stateful = overriding(extensions, StepExtension, "request_state")
@@ -303,6 +305,8 @@ class LLMEngine:
         )
         if unknown:
             raise self._extension_off(unknown[0], "request_arg")
+        if isinstance(new.prompt, dict):
+            self._check_prompt_keys(new.prompt)
         for extension in self._hooks["new_parent"]:
             parent = extension.new_parent(self, new)
             if parent is not None:
@@ -311,6 +315,13 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise self._extension_off(type(params), "params_type")
         text, token_ids = self.prompt_tokens(new, params.truncate_prompt_tokens)
+        features: dict[str, Any] = {}
+        if self._hooks["process_prompt"]:
+            prompt = new.prompt if isinstance(new.prompt, dict) else {}
+            for extension in self._hooks["process_prompt"]:
+                processed = extension.process_prompt(prompt, token_ids, params)
+                if processed is not None:
+                    token_ids, features[extension.name] = processed
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -326,7 +337,6 @@ class LLMEngine:
                     f"requested {asked} logprobs; the limit is --max-logprobs={limit}",
                 )
         params = params.clone()
-        features: dict[str, Any] = {}
         for extension in self._states:
             given = new.extension_args.get(extension.request_arg) if extension.request_arg else None
             state = extension.request_state(params, given)
@@ -338,6 +348,19 @@ class LLMEngine:
         # The generation config's max_new_tokens caps every request, however it came.
         params.max_tokens = self.loaded.sampling_defaults.cap(params.max_tokens)
         return self.build_parent(new, text, token_ids, params, features)
+
+    def _check_prompt_keys(self, prompt: dict[str, Any]) -> None:
+        """A prompt dict's keys that a step extension reads (``prompt_keys``) are refused
+        where that extension is off (its own error)."""
+        extra = [k for k in prompt if k not in ("prompt", "prompt_token_ids")]
+        off = [k for k in extra if k not in self._prompt_keys and prompt[k] is not None]
+        if not off:
+            return
+        registry = self.pm.registry("step_extensions")
+        for entry in registry:
+            cls = registry.load(entry.name)
+            if any(key in getattr(cls, "prompt_keys", ()) for key in off):
+                raise cls.not_enabled_error()
 
     def _extension_off(self, key: Any, attribute: str) -> InvalidRequestError:
         """The error for a request keyword (or a kind of parameters) of a step extension

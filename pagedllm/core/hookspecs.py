@@ -100,6 +100,11 @@ class RegistrationSpecs:
         """Add :class:`~pagedllm.core.interfaces.extension.StepExtension` classes (a
         plugin's is turned on by ``--step-extensions NAME``)."""
 
+    @hookspec
+    def pagedllm_register_multimodal_processors(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.multimodal.MultiModalProcessor` classes,
+        under the Hugging Face architecture names whose prompts they process."""
+
 
 class LifecycleSpecs:
     """Hooks called at a few well-defined moments."""
@@ -141,4 +146,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "executors": "pagedllm_register_executors",
     "schedulers": "pagedllm_register_schedulers",
     "step_extensions": "pagedllm_register_step_extensions",
+    "multimodal_processors": "pagedllm_register_multimodal_processors",
 }

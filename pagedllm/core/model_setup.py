@@ -55,6 +55,17 @@ class LoadedModel:
     sampling_defaults: SamplingDefaults
     load_seconds: float
 
+    @property
+    def text_config(self) -> Any:
+        """The language model's part of ``hf_config`` (a multimodal model's
+        ``text_config``; the whole config otherwise): its vocabulary and layers."""
+        return text_config(self.hf_config)
+
+
+def text_config(hf_config: Any) -> Any:
+    """The language model's config within ``hf_config`` (itself for a text model)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
 
 def load_hf_config(config: PagedLLMConfig, loader: ModelLoader | None = None) -> Any:
     """The model's HF config: ``--hf-config-path`` when given, else the config the
@@ -138,7 +149,7 @@ def derive_max_model_len(
 ) -> int:
     derived = None
     # (a multimodal model's context is its language model's)
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:

@@ -242,5 +242,6 @@ REGISTRY_BASES: dict[str, str | None] = {
     "executors": "pagedllm.core.interfaces.executor:Executor",
     "schedulers": "pagedllm.core.interfaces.scheduler:SchedulerInterface",
     "step_extensions": "pagedllm.core.interfaces.extension:StepExtension",
+    "multimodal_processors": "pagedllm.core.interfaces.multimodal:MultiModalProcessor",
 }
 assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()

@@ -55,6 +55,10 @@ class Request:
     priority: int = 0
     # Extra keys mixed into prefix-cache hashes (e.g. a LoRA id); empty when none.
     cache_salt: str | None = None
+    # Token ranges ``(start, end, key)`` whose content is more than their token ids (an
+    # image's placeholder tokens, keyed by the image's content hash): a block of the
+    # prefix cache that overlaps one mixes its key into its hash. Empty when none.
+    range_keys: tuple[tuple[int, int, Any], ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     all_token_ids: list[int] = dataclasses.field(default_factory=list)

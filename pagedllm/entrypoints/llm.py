@@ -11,7 +11,12 @@ from pagedllm.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPa
 from pagedllm.core.config import UsageContext
 from pagedllm.core.engine import LLMEngine
 from pagedllm.core.engine_args import EngineArgs
-from pagedllm.core.errors import ConfigError, EngineDeadError, RequestFailedError
+from pagedllm.core.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.plugins import PluginManager, make_plugin_manager
 from pagedllm.core.pooling import (
@@ -288,7 +293,10 @@ class LLM:
         ``tokens`` prompt included, ``cum_logprob``, ``text``), searched as vLLM does (see
         :mod:`pagedllm.core.beam_search`)."""
         engine = self.llm_engine
-        token_lists = [engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        prompt_list = _as_prompt_list(prompts)
+        if any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompt_list):
+            raise InvalidRequestError("multi_modal_data", "beam search takes text prompts only")
+        token_lists = [engine.tokenize_prompt(p)[1] for p in prompt_list]
         capped = engine.loaded.sampling_defaults.cap(params.max_tokens)
         params = dataclasses.replace(params, max_tokens=capped)
         eos = engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else None

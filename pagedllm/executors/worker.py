@@ -207,7 +207,7 @@ class Worker:
             spec,
             num_blocks,
             config.cache_config.block_size,
-            self.loaded.hf_config.vocab_size,
+            self.loaded.text_config.vocab_size,
             config.device_config.torch_device,
             self.backend,
             reserved_blocks=int(graphs),

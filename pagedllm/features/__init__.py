@@ -15,5 +15,6 @@ __all__ = ["StepExtension", "StepOutcome"]
 def pagedllm_register_step_extensions(registry):
     registry.add("guided", "pagedllm.features.guided:GuidedExtension")
     registry.add("lora", "pagedllm.features.lora:LoRAExtension")
+    registry.add("multimodal", "pagedllm.features.multimodal:MultiModalExtension")
     registry.add("pooling", "pagedllm.features.pooling:PoolingExtension")
     registry.add("spec", "pagedllm.features.speculative:SpeculativeExtension")

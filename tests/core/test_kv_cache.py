@@ -271,6 +271,23 @@ def test_cache_salt_separates() -> None:
     assert manager.get_computed_blocks(make_request("d", tokens, cache_salt="alice"))[1] == 8
 
 
+def test_range_keys_separate_only_the_blocks_they_overlap() -> None:
+    # Tokens 5..8 stand for an image (the same placeholder ids whatever the image): the
+    # blocks over them are keyed by the image, the block before them is not.
+    manager = KVCacheManager(20, BS)
+    tokens = list(range(13))
+
+    def with_image(request_id: str, key: str) -> Request:
+        request = make_request(request_id, tokens)
+        request.range_keys = ((5, 9, key),)
+        return request
+
+    prefill(manager, with_image("a", "image-a"))
+    assert manager.get_computed_blocks(with_image("b", "image-b"))[1] == BS
+    assert manager.get_computed_blocks(make_request("c", tokens))[1] == BS
+    assert manager.get_computed_blocks(with_image("d", "image-a"))[1] == 12
+
+
 def test_hash_functions() -> None:
     sha = get_hash_fn("sha256")
     assert sha((1, (2, 3), None)) == sha((1, (2, 3), None)) != sha((1, (2, 4), None))

@@ -258,8 +258,8 @@ def test_readme_names_the_accepted_no_op_switches():
     [
         (
             ["--limit-mm-per-prompt", "image=16,video=2"],
-            r'--limit-mm-per-prompt=\{"image": 16, "video": 2\} is not supported by '
-            r"pagedllm yet: pagedllm serves text-only models",
+            r'--limit-mm-per-prompt=\{"image": 16, "video": 2\}: video: pagedllm takes '
+            r"images only; video/audio are not supported",
         ),
         (
             ["--collect-detailed-traces", "model,worker"],
@@ -313,7 +313,9 @@ def test_no_refusal_sends_the_user_to_a_refused_or_missing_flag(cli):
     assert len(texts) > 60
     options = set(_serve_actions(cli))
     refused = _always_refused()
-    assert "--mm-processor-kwargs" in refused  # (what the old image flags pointed to)
+    assert "--enable-sleep-mode" in refused
+    # (the old image flags point to --mm-processor-kwargs, an option pagedllm honours)
+    assert "--mm-processor-kwargs" in texts["--image-processor (removed)"]
     for source, text in texts.items():
         for flag in re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", text):
             assert flag in options, f"{source} names {flag}, which is not an option"

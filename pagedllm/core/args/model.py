@@ -253,11 +253,19 @@ class ModelArgs:
         "quantization_config is used, and without one the weights are taken as unquantized.",
     )
     allowed_local_media_path: str = arg(
-        "",
+        ModelConfig.allowed_local_media_path,
         group="ModelConfig",
-        help="Directory from which API requests may read local images or videos (a security "
-        "risk; trusted environments only).",
-        unbuilt=UNSUPPORTED["allowed_local_media_path"],
+        help="Directory from which API requests may read local images (file:// URLs, "
+        "resolved, which must stay inside it; a security risk: trusted environments only). "
+        "Unset, file:// URLs are refused.",
+    )
+    allowed_media_domains: list[str] | None = arg(
+        ModelConfig.allowed_media_domains,
+        group="ModelConfig",
+        help="Host names that http(s) image URLs may name (a name also allows its "
+        "subdomains); other URLs are refused. If unset, any host. Fetches stop after "
+        "PAGEDLLM_IMAGE_FETCH_TIMEOUT seconds (default 5) or PAGEDLLM_MAX_IMAGE_MB MiB "
+        "(default 20).",
     )
     enable_sleep_mode: bool = arg(
         False,

@@ -25,7 +25,6 @@ from pagedllm.core.configs.runtime import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUS
 _LEAVE_OUT = "; leave this flag out"
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
-_NO_MULTIMODAL = "pagedllm serves text-only models" + _LEAVE_OUT
 _NO_TRACING = "pagedllm does not export OpenTelemetry traces; use the Prometheus /metrics instead"
 
 # Flag (field name) -> why pagedllm refuses it when it is set to anything but its default.
@@ -34,7 +33,6 @@ UNSUPPORTED: dict[str, str] = {
     "code_revision": "pagedllm does not run remote model code from the Hub" + _LEAVE_OUT,
     "hf_token": "pagedllm never downloads from the Hub; pass a local model path instead",
     "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
-    "allowed_local_media_path": _NO_MULTIMODAL,
     "enable_sleep_mode": "pagedllm has no sleep mode" + _LEAVE_OUT,
     "enable_prompt_embeds": "pagedllm accepts only text or token-id prompts" + _LEAVE_OUT,
     # LoadConfig
@@ -43,17 +41,14 @@ UNSUPPORTED: dict[str, str] = {
     "data_parallel_backend": "data-parallel replicas run as processes of each node (mp: "
     "--data-parallel-size-local on the head node, the others with --headless); Ray "
     "placement of replicas is not supported yet",
-    "enable_multimodal_encoder_data_parallel": _NO_MULTIMODAL,
+    "enable_multimodal_encoder_data_parallel": "pagedllm runs a vision encoder the way it "
+    "runs the rest of the model; encoder data parallelism is not supported" + _LEAVE_OUT,
     "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,
     "worker_cls": _ONE_WORKER,
     "worker_extension_cls": _ONE_WORKER,
     # CacheConfig
     "cpu_offload_gb": "pagedllm does not offload weights to the CPU; use a smaller or "
     "quantized model",
-    # MultiModalConfig
-    "limit_mm_per_prompt": _NO_MULTIMODAL,
-    "mm_processor_kwargs": _NO_MULTIMODAL,
-    "disable_mm_preprocessor_cache": _NO_MULTIMODAL,
     # LoRAConfig
     "enable_lora_bias": "LoRA adapters with biases are not supported",
     "lora_extra_vocab_size": "LoRA adapters that add tokens are not supported",
@@ -75,7 +70,8 @@ UNSUPPORTED: dict[str, str] = {
     "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,
     "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
     "(--speculative-config)" + _LEAVE_OUT,
-    "disable_chunked_mm_input": _NO_MULTIMODAL,
+    "disable_chunked_mm_input": "pagedllm does not offer this switch of how a prompt's image "
+    "tokens are scheduled" + _LEAVE_OUT,
     # PagedLLMConfig
     "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "kv_events_config": "pagedllm does not publish KV-cache events" + _LEAVE_OUT,
@@ -97,8 +93,8 @@ NO_OP: dict[str, str] = {
 _GROUP = "Deprecated"
 _SPEC_CONFIG = "use --speculative-config '{{\"{key}\": ...}}'"
 _IMAGE_FLAGS_REMOVED = (
-    "vLLM replaced the image flags by each model's own multi-modal processor, and pagedllm "
-    "serves text-only models" + _LEAVE_OUT
+    "vLLM replaced the image flags by each model's own multi-modal processor; "
+    "--mm-processor-kwargs overrides its settings"
 )
 _TOKENIZER_POOL_REMOVED = (
     "the asynchronous tokenizer pool was removed; tokenization always runs in the frontend"
@@ -224,8 +220,8 @@ class DeprecatedArgs:
         group=_GROUP,
         bool_style="store_true",
         help="Used to cache the multi-modal preprocessor output.",
-        removed="pagedllm serves text-only models and has no multi-modal preprocessor cache"
-        + _LEAVE_OUT,
+        removed="vLLM replaced it by --disable-mm-preprocessor-cache (the cache is on "
+        "unless that flag is set)",
     )
     speculative_model: str | None = arg(
         None,

@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.core.args.parsers import json_or_key_values
 from pagedllm.core.args.refusals import NO_OP, UNSUPPORTED
 from pagedllm.core.args.spec import arg
+from pagedllm.core.configs.multimodal import DEFAULT_IMAGES_PER_PROMPT, MultiModalConfig
 from pagedllm.core.configs.runtime import CacheConfig, DecodingConfig, LoRAConfig, ParallelConfig
 
 
@@ -261,21 +262,20 @@ class RuntimeArgs:
         {},
         group="MultiModalConfig",
         parse=json_or_key_values,
-        help='Largest number of items of each modality per prompt, e.g. {"images": 16, '
-        '"videos": 2} (or the older form images=16,videos=2).',
-        unbuilt=UNSUPPORTED["limit_mm_per_prompt"],
+        help='Largest number of images per prompt, e.g. {"image": 16} (or the older form '
+        "image=16); a request with more is refused. pagedllm takes images only: a video or "
+        f"audio limit is accepted only as 0. If unset, {DEFAULT_IMAGES_PER_PROMPT}.",
     )
     mm_processor_kwargs: dict[str, Any] | None = arg(
-        None,
+        MultiModalConfig.mm_processor_kwargs,
         group="MultiModalConfig",
-        help="JSON object of overrides for the model's multi-modal processor.",
-        unbuilt=UNSUPPORTED["mm_processor_kwargs"],
+        help="JSON object of overrides for the model's multi-modal processor (those of "
+        'transformers\' AutoProcessor.from_pretrained, e.g. {"num_crops": 4}).',
     )
     disable_mm_preprocessor_cache: bool = arg(
-        False,
+        MultiModalConfig.disable_mm_preprocessor_cache,
         group="MultiModalConfig",
-        help="Do not cache processed multi-modal inputs.",
-        unbuilt=UNSUPPORTED["disable_mm_preprocessor_cache"],
+        help="Do not cache processed multi-modal inputs (by image hash).",
     )
 
     # ------------------------------------------------------------------- LoRAConfig

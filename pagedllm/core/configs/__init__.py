@@ -6,5 +6,6 @@ freezes them once validated.
 
 - :mod:`.model`: :class:`~.model.ModelConfig`, :class:`~.model.LoadConfig`;
 - :mod:`.runtime`: decoding, parallelism, KV cache, LoRA, device, speculative decoding;
-- :mod:`.scheduling`: scheduling, observability, compilation.
+- :mod:`.scheduling`: scheduling, observability, compilation;
+- :mod:`.multimodal`: multi-modal inputs (images per prompt, processor settings).
 """

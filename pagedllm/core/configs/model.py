@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.configs.base import Config, require, setting
 from pagedllm.core.default_model import DEFAULT_MODEL
+
+# A host name or an IP address literal (--allowed-media-domains).
+_DOMAIN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\.?|\[[0-9A-Fa-f:.]+\]")
 
 
 @dataclasses.dataclass
@@ -60,6 +65,10 @@ class ModelConfig(Config):
     runner: str = setting("auto", choices=("auto", "generate", "pooling"))
     convert: str = setting("auto", choices=("auto", "none", "embed", "classify", "reward"))
     override_pooler_config: dict[str, Any] | None = None
+    # Where requests may read images from (file:// URLs); empty: nowhere.
+    allowed_local_media_path: str = ""
+    # The only hosts (and their subdomains) image URLs may name; None: any.
+    allowed_media_domains: list[str] | None = None
 
     def check(self) -> None:
         from pagedllm.core.sampling.defaults import check_generation_override
@@ -78,6 +87,30 @@ class ModelConfig(Config):
         )
         self.served_model_name = names
         check_generation_override(self.override_generation_config)
+        self._check_media_options()
+
+    def _check_media_options(self) -> None:
+        path = self.allowed_local_media_path
+        require(
+            not path or os.path.isdir(path),
+            "--allowed-local-media-path",
+            path,
+            "not an existing directory",
+        )
+        domains = self.allowed_media_domains
+        if domains is None:
+            return
+        if isinstance(domains, str):
+            domains = [domains]
+        for domain in domains:
+            require(
+                isinstance(domain, str) and bool(_DOMAIN.fullmatch(domain)),
+                "--allowed-media-domains",
+                domains,
+                f"{domain!r} is not a host name (give names such as example.com, without a "
+                "scheme, port or path)",
+            )
+        self.allowed_media_domains = [d.lower().rstrip(".") for d in domains]
 
 
 @dataclasses.dataclass

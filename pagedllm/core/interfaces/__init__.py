@@ -14,6 +14,13 @@ from pagedllm.core.interfaces.guided import (
 )
 from pagedllm.core.interfaces.loader import ModelLoader
 from pagedllm.core.interfaces.model import ModelArchitecture
+from pagedllm.core.interfaces.multimodal import (
+    MultiModalItem,
+    MultiModalProcessor,
+    ProcessedPrompt,
+    SupportsMultiModal,
+    content_hash,
+)
 from pagedllm.core.interfaces.parsers import (
     DeltaMessage,
     DeltaToolCall,
@@ -50,13 +57,18 @@ __all__ = [
     "MoEMethod",
     "ModelArchitecture",
     "ModelLoader",
+    "MultiModalItem",
+    "MultiModalProcessor",
+    "ProcessedPrompt",
     "QuantizationConfig",
     "ReasoningParser",
     "RunnerExtension",
     "SchedulerInterface",
     "StepExtension",
     "StepOutcome",
+    "SupportsMultiModal",
     "ToolCall",
     "ToolParser",
+    "content_hash",
     "new_tool_call_id",
 ]

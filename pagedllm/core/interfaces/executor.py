@@ -69,10 +69,10 @@ class Executor(abc.ABC):
 
         parallel = self.config.parallel_config
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        num_layers = loaded.hf_config.num_hidden_layers
+        num_layers = loaded.text_config.num_hidden_layers
         stage = stage_layers(num_layers) if pp > 1 else None
         dtype = kv_cache_torch_dtype(self.config.cache_config, loaded.dtype)
-        spec = kv_cache_spec(loaded.hf_config, dtype, tp, stage, loaded.model)
+        spec = kv_cache_spec(loaded.text_config, dtype, tp, stage, loaded.model)
         deepest = spec
         if pp > 1:
             deepest = dataclasses.replace(spec, layers=stage_layers(num_layers, pp - 1, pp))

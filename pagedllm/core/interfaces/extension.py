@@ -23,6 +23,8 @@ Lifecycle of one request, with the hooks in call order:
 
 1. the engine validates it: :meth:`check_params` (up front, from entry points),
    :meth:`new_parent` (an extension that builds the whole request, e.g. pooling's),
+   :meth:`process_prompt` (the prompt as the model takes it, from the prompt dict's keys
+   the extension reads, its :attr:`prompt_keys`),
    :meth:`request_state` (the state the request carries, from its parameters and the
    ``add_request`` keyword named :attr:`request_arg`); each ``Request`` made:
    :meth:`new_request` (validate, attach state);
@@ -82,6 +84,10 @@ class StepExtension(ABC):
     #: whose value is the state a request carries for this extension (LoRA's
     #: ``lora_request``); None: no keyword.
     request_arg: ClassVar[str | None] = None
+    #: The keys of a prompt dict (beside ``prompt`` and ``prompt_token_ids``) that this
+    #: extension reads in :meth:`process_prompt` (multimodal prompts' ``multi_modal_data``);
+    #: a prompt with one of them is refused where the extension is off.
+    prompt_keys: ClassVar[tuple[str, ...]] = ()
     #: The request parameters this extension serves instead of ``SamplingParams`` (pooling's
     #: ``PoolingParams``); such a request goes to :meth:`new_parent`.
     params_type: ClassVar[type | None] = None
@@ -158,6 +164,17 @@ class StepExtension(ABC):
         """The whole request (a ``ParentRequest``, built with the engine's helpers) when
         it is this extension's to build, else None (the engine builds it as generation).
         ``new``: the engine's ``NewRequest``."""
+        return None
+
+    def process_prompt(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> tuple[list[int], Any] | None:
+        """Every prompt (its dict; ``{}`` for a string or a token list), when overridden:
+        the prompt's token ids as the model takes them (``token_ids``: as tokenized), from
+        the prompt's :attr:`prompt_keys`, and the state its request carries under
+        ``request.features[self.name]``; None leaves the prompt as it is.
+        ``params``: its ``SamplingParams``. Raise
+        :class:`~pagedllm.core.errors.InvalidRequestError` to refuse it."""
         return None
 
     def request_state(self, params: Any, given: Any) -> Any:

@@ -79,11 +79,21 @@ def hash_block_tokens(
     return BlockHash(hash_fn((parent_hash_value, tokens, extra_keys)), tokens, extra_keys)
 
 
-def request_extra_keys(request: Request) -> tuple[Any, ...] | None:
-    """Extra keys for every block of ``request``: its salt, in every block (not only the
-    first) so no block of a salted request can ever equal an unsalted one."""
+def request_extra_keys(
+    request: Request, start: int = 0, end: int | None = None
+) -> tuple[Any, ...] | None:
+    """Extra keys for the block of ``request``'s tokens ``start`` to ``end``: its salt, in
+    every block (not only the first) so no block of a salted request can ever equal an
+    unsalted one, then the keys of its ``range_keys`` that the block overlaps (so that
+    equal placeholder tokens standing for different content never share a block)."""
     salt = request.cache_salt
-    return None if salt is None else (salt,)
+    keys: tuple[Any, ...] = () if salt is None else (salt,)
+    if request.range_keys:
+        stop = request.num_tokens if end is None else end
+        keys += tuple(
+            key for first, last, key in request.range_keys if first < stop and last > start
+        )
+    return keys or None
 
 
 def hash_request_tokens(
@@ -116,10 +126,13 @@ def update_request_block_hashes(request: Request, block_size: int, hash_fn: Hash
     if len(hashes) >= num_full:
         return
     extra_keys = request_extra_keys(request)
+    ranged = bool(request.range_keys)
     token_ids = request.all_token_ids
     parent = hashes[-1].hash_value if hashes else None
     for index in range(len(hashes), num_full):
         start = index * block_size
+        if ranged:
+            extra_keys = request_extra_keys(request, start, start + block_size)
         block_hash = hash_block_tokens(
             hash_fn, parent, token_ids[start : start + block_size], extra_keys
         )

@@ -268,7 +268,7 @@ class KVCacheManager:
             self._hash_fn,
             parent,
             request.all_token_ids[start : start + partial],
-            request_extra_keys(request),
+            request_extra_keys(request, start, start + partial),
         )
         if self.block_pool.get_cached_block(tail_hash) is not None:
             return
@@ -283,9 +283,9 @@ class KVCacheManager:
         tokens (at most ``max_tokens`` of them, fewer than a block)."""
         start = len(hits) * self.block_size
         parent = request.block_hashes[len(hits) - 1].hash_value if hits else None
-        extra_keys = request_extra_keys(request)
         tokens = request.all_token_ids
         for count in range(min(max_tokens, self.block_size - 1), 0, -1):
+            extra_keys = request_extra_keys(request, start, start + count)
             tail_hash: BlockHash = hash_block_tokens(
                 self._hash_fn, parent, tokens[start : start + count], extra_keys
             )

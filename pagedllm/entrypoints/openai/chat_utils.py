@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.core.errors import ConfigError
+from pagedllm.entrypoints.openai.chat_images import IMAGE_PART_TYPES
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 # A template that loops over a message's content expects OpenAI's list of parts.
@@ -50,21 +51,31 @@ def normalise_messages(messages: list[dict[str, Any]], content_format: str) -> l
         message = dict(message)
         content = message.get("content")
         if isinstance(content, list):
-            parts = []
+            parts: list[dict[str, str]] = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind in IMAGE_PART_TYPES:
+                    if content_format == "string":
+                        raise ValueError(
+                            f"messages[{i}].content[{j}]: an image part needs a chat template "
+                            "that takes a list of content parts (--chat-template-content-format "
+                            "openai)"
+                        )
+                    # (what Hugging Face processors' chat templates expect)
+                    parts.append({"type": "image"})
+                    continue
+                if kind != "text":
                     raise ValueError(
                         f"messages[{i}].content[{j}] of type {kind!r} is not supported "
-                        f"(text-only model)"
+                        f"(valid: text, {', '.join(IMAGE_PART_TYPES)})"
                     )
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"messages[{i}].content[{j}].text must be a string")
-                parts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             if content_format == "string":
-                message["content"] = "\n".join(parts)
+                message["content"] = "\n".join(part["text"] for part in parts)
             else:
-                message["content"] = [{"type": "text", "text": t} for t in parts]
+                message["content"] = parts
         elif isinstance(content, str):
             if content_format == "openai":
                 message["content"] = [{"type": "text", "text": content}]

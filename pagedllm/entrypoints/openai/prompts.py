@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pagedllm.entrypoints.media import LoadedImage
+from pagedllm.entrypoints.openai.chat_images import IMAGE_PART_TYPES
 from pagedllm.entrypoints.openai.chat_utils import render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -35,6 +37,16 @@ PREPARE_WORKERS = 4
 class PreparedPrompt:
     text: str | None
     token_ids: list[int]
+    # The prompt's images, in order, and their content hashes (engine prompt keys
+    # multi_modal_data and multi_modal_uuids, as vLLM's).
+    images: list[LoadedImage] = dataclasses.field(default_factory=list)
+
+    def engine_prompt(self) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        if self.images:
+            prompt["multi_modal_data"] = {"image": [item.image for item in self.images]}
+            prompt["multi_modal_uuids"] = {"image": [item.hash for item in self.images]}
+        return prompt
 
 
 class PromptPreparer:
@@ -218,13 +230,16 @@ class PromptPreparer:
 
 
 def _text_size(value: Any) -> int:
-    """Characters of text in a JSON-like value (what a template could print of it)."""
+    """Characters of text in a JSON-like value (what a template could print of it; not
+    an image part's URL, which templates see as ``{"type": "image"}``)."""
     total = 0
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
+        elif isinstance(item, dict) and item.get("type") in IMAGE_PART_TYPES:
+            continue
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())

@@ -17,7 +17,10 @@ from pydantic import ValidationError
 
 from pagedllm.core.engine import NewRequest
 from pagedllm.core.errors import InvalidRequestError
+from pagedllm.core.multimodal import model_accepts_images
 from pagedllm.core.outputs import RequestOutput
+from pagedllm.entrypoints.media import LoadedImage, MediaConnector
+from pagedllm.entrypoints.openai.chat_images import check_image_count, image_parts, load_images
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.logprobs import LogprobFormatter
 from pagedllm.entrypoints.openai.prompts import PreparedPrompt, PromptPreparer
@@ -87,6 +90,7 @@ class OpenAIServing:
             chat_template=chat_template,
             content_format=options.chat_template_content_format,
         )
+        self.media = MediaConnector.from_config(engine.config.model_config)
 
     # ------------------------------------------------------------------- LoRA
 
@@ -212,6 +216,24 @@ class OpenAIServing:
             return request.return_tokens_as_token_ids
         return self.options.return_tokens_as_token_ids
 
+    async def chat_images(self, messages: list[Any]) -> list[LoadedImage]:
+        """The images of chat ``messages``, checked and loaded: a 400 naming the part for
+        a bad one, then (after every part was checked) if the model takes no images."""
+        parts = image_parts(messages)
+        if not parts:
+            return []
+        config = self.engine.config
+        check_image_count(parts, config.multimodal_config.max_images)
+        accepts = model_accepts_images(config.model_config)
+        images = await load_images(parts, self.media, keep=accepts)
+        if not accepts:
+            raise OpenAIError(
+                400,
+                f"model {self.model_name!r} does not accept image inputs",
+                param=parts[0].param,
+            )
+        return images
+
     # -------------------------------------------------------------- generation
 
     async def generate_all(
@@ -235,7 +257,7 @@ class OpenAIServing:
         requests = [
             NewRequest(
                 request_id=ids[i],
-                prompt={"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                prompt=prompt.engine_prompt(),
                 params=params_list[i],
                 priority=priority,
                 extension_args={"lora_request": lora},
@@ -267,6 +289,7 @@ class OpenAIServing:
     async def create_tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if body.messages is not None:
+            await self.chat_images(body.messages)
             try:
                 chat = ChatCompletionRequest(
                     messages=body.messages,

@@ -5,6 +5,7 @@ response."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,10 @@ async def start_chat(
     way in)."""
     serving.check_model(request.model)
     serving.check_sequences(1, request)
+    images = await serving.chat_images(request.messages)
     prompt = await serving.prompts.run(serving.prompts.chat_prompt, request)
+    if images:
+        prompt = dataclasses.replace(prompt, images=images)
     requested = request.max_completion_tokens
     if requested is None:
         requested = request.max_tokens

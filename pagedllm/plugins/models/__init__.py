@@ -3,6 +3,7 @@
 from pagedllm.core.hookspecs import hookimpl
 
 _LLAMA = "pagedllm.plugins.models.llama"
+_QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 @hookimpl
@@ -25,6 +26,13 @@ def pagedllm_register_models(registry):
     registry.add("FalconForCausalLM", "pagedllm.plugins.models.falcon:FalconForCausalLM")
     registry.add("GPTNeoXForCausalLM", "pagedllm.plugins.models.gpt_neox:GPTNeoXForCausalLM")
     registry.add("GPT2LMHeadModel", "pagedllm.plugins.models.gpt2:GPT2LMHeadModel")
+    # Vision-language models (their prompts' images: the multimodal processors below).
+    registry.add(
+        "LlavaForConditionalGeneration",
+        "pagedllm.plugins.models.llava:LlavaForConditionalGeneration",
+    )
+    for name in _QWEN_VL:
+        registry.add(name, f"pagedllm.plugins.models.qwen2_vl:{name}")
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -40,3 +48,12 @@ def pagedllm_register_models(registry):
         "TransformersForCausalLM",
         "pagedllm.plugins.models.transformers_backend:TransformersForCausalLM",
     )
+
+
+@hookimpl
+def pagedllm_register_multimodal_processors(registry):
+    registry.add(
+        "LlavaForConditionalGeneration", "pagedllm.plugins.models.llava_processor:LlavaProcessor"
+    )
+    for name in _QWEN_VL:
+        registry.add(name, "pagedllm.plugins.models.qwen2_vl_processor:Qwen2VLProcessor")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -638,6 +639,10 @@ def test_chat_list_of_parts_content(client: openai.OpenAI, http: httpx.Client) -
     assert a.choices[0].message.content == b.choices[0].message.content
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(model=MODEL, messages=image, max_tokens=2)
+    # Without --allowed-local-media-path no file is read.
+    image[0]["content"][0]["image_url"]["url"] = f"file://{os.path.abspath(__file__)}"
+    with pytest.raises(openai.BadRequestError, match="not started with --allowed-local-media"):
         client.chat.completions.create(model=MODEL, messages=image, max_tokens=2)
 
 

@@ -1,0 +1,260 @@
+"""Multimodal prompts as a step extension: on when the loaded model's architecture has a
+registered multimodal processor (see :mod:`pagedllm.core.interfaces.multimodal`).
+
+A prompt dict's ``multi_modal_data`` goes through the processor (placeholders expanded,
+items made into encoder inputs and hashed); the request carries its items and keys the
+prefix-cache blocks over each item's placeholders by the item's content hash. In the
+runner, each step's placeholder rows take the item's encoder output, computed once per
+item and kept in an encoder cache by content hash: a later chunk of the same prompt takes
+its slice of the cached output, and the same image in another request (or after a
+preemption) is not encoded again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.interfaces.extension import RunnerExtension, StepExtension
+from pagedllm.core.interfaces.multimodal import MultiModalItem, MultiModalProcessor
+from pagedllm.core.model_files import resolve_model_path
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+    from pagedllm.core.step_data import SchedulerOutput
+
+# Encoder-output rows the cache keeps by default (per rank): a few dozen LLaVA images.
+DEFAULT_CACHE_ROWS = 16384
+
+
+class MultiModalExtension(StepExtension):
+    """A request's state: its processed items (:class:`MultiModalItem`), in prompt
+    order."""
+
+    name = "multimodal"
+    prompt_keys = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
+    # (a decode step replayed from a graph would not take the items' embeddings)
+    allows_decode_graphs = False
+
+    def __init__(self, processor: MultiModalProcessor, cache_rows: int) -> None:
+        super().__init__()
+        self.processor = processor
+        self.cache_rows = cache_rows
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> MultiModalExtension | None:
+        registry = engine.pm.registry("multimodal_processors")
+        architecture = engine.loaded.architecture
+        if architecture not in registry.names():
+            return None
+        if engine.config.parallel_config.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"{architecture} with images does not support --pipeline-parallel-size > 1"
+            )
+        mc = engine.config.model_config
+        path = resolve_model_path(
+            mc.model, revision=mc.revision, download_dir=engine.config.load_config.download_dir
+        )
+        processor = registry.load(architecture).from_model(
+            str(path), engine.loaded.hf_config, engine.tokenizer
+        )
+        sched = engine.config.scheduler_config
+        return cls(processor, max(DEFAULT_CACHE_ROWS, sched.max_num_batched_tokens))
+
+    @classmethod
+    def not_enabled_error(cls) -> InvalidRequestError:
+        return InvalidRequestError(
+            "multi_modal_data",
+            "this model takes text only (no multimodal processor is registered for its "
+            "architecture)",
+        )
+
+    def runner_payload(self) -> Any:
+        return self.cache_rows
+
+    @classmethod
+    def make_runner_extension(cls, payload: Any, worker: Any) -> MultiModalRunner:
+        return MultiModalRunner(
+            worker.loaded.model, payload, worker.config.device_config.torch_device
+        )
+
+    def process_prompt(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> tuple[list[int], Any] | None:
+        if prompt.get("mm_processor_kwargs"):
+            raise InvalidRequestError(
+                "mm_processor_kwargs", "per-prompt processor options are not supported"
+            )
+        data, uuids = prompt.get("multi_modal_data"), prompt.get("multi_modal_uuids")
+        if not data:
+            if uuids:
+                raise InvalidRequestError("multi_modal_uuids", "given without multi_modal_data")
+            # (a placeholder without its image is refused by the processor)
+            self.processor.process(token_ids, {}, {})
+            return None
+        if not isinstance(data, dict):
+            raise InvalidRequestError(
+                "multi_modal_data", f"a dict of modality -> items, not {type(data).__name__}"
+            )
+        modalities = self.processor.modalities
+        for modality in data:
+            if modality not in modalities:
+                raise InvalidRequestError(
+                    f"multi_modal_data.{modality}",
+                    f"this model takes {', '.join(modalities)} only",
+                )
+        if params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens", "a prompt with multimodal items cannot be cut"
+            )
+        items = {m: _as_list(v) for m, v in data.items()}
+        hashes = _given_hashes(uuids, items)
+        processed = self.processor.process(token_ids, items, hashes)
+        _check_ranges(processed.items, len(processed.token_ids))
+        return processed.token_ids, tuple(processed.items)
+
+    def new_request(self, request: Request) -> None:
+        items = request.features.get(self.name)
+        if items:
+            request.range_keys = tuple(
+                (item.offset, item.offset + item.length, item.content_hash) for item in items
+            )
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _given_hashes(uuids: Any, items: dict[str, list[Any]]) -> dict[str, list[str]]:
+    """``multi_modal_uuids`` (vLLM's: modality -> one id per item, or None for one to
+    compute) checked against the items."""
+    if not uuids:
+        return {}
+    if not isinstance(uuids, dict):
+        raise InvalidRequestError("multi_modal_uuids", "a dict of modality -> ids")
+    hashes: dict[str, list[str]] = {}
+    for modality, given in uuids.items():
+        ids = _as_list(given)
+        if len(ids) != len(items.get(modality, ())):
+            raise InvalidRequestError(
+                f"multi_modal_uuids.{modality}",
+                f"{len(ids)} ids for {len(items.get(modality, ()))} items",
+            )
+        hashes[modality] = ids
+    return hashes
+
+
+def _check_ranges(items: Sequence[MultiModalItem], num_tokens: int) -> None:
+    end = 0
+    for item in sorted(items, key=lambda i: i.offset):
+        if item.offset < end or item.offset + item.length > num_tokens:
+            raise AssertionError("a multimodal processor gave overlapping or outside ranges")
+        end = item.offset + item.length
+
+
+@dataclasses.dataclass(slots=True)
+class EncoderCache:
+    """Encoder outputs by content hash, the least recently used evicted first once they
+    hold more than ``max_rows`` rows (an output larger than that is kept alone)."""
+
+    max_rows: int
+    entries: collections.OrderedDict[str, torch.Tensor] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    rows: int = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        output = self.entries.get(key)
+        if output is not None:
+            self.entries.move_to_end(key)
+        return output
+
+    def put(self, key: str, output: torch.Tensor) -> None:
+        self.entries[key] = output
+        self.rows += output.shape[0]
+        while self.rows > self.max_rows and len(self.entries) > 1:
+            _, evicted = self.entries.popitem(last=False)
+            self.rows -= evicted.shape[0]
+
+
+class MultiModalRunner(RunnerExtension):
+    """The runner's side: the step's placeholder rows and their items (rank 0), their
+    embeddings from the encoder cache or the encoder (every rank) into the model."""
+
+    name = "multimodal"
+
+    def __init__(self, model: Any, cache_rows: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = EncoderCache(cache_rows)
+        # (a model placing its items' tokens by their grids gets each step's: M-RoPE)
+        self.grids = bool(getattr(model, "uses_item_grids", False))
+        # Items encoded, and item slices taken from the cache instead.
+        self.num_encoded = 0
+        self.num_cache_hits = 0
+
+    def step_input(self, output: SchedulerOutput) -> Any:
+        """``(pieces, grids)``: ``(first row in the step, first row of the item's output,
+        rows, item)`` for each item whose placeholders this step computes (all or part of
+        them), and where the model uses them, its requests' item grids
+        (:meth:`SupportsMultiModal.set_item_grids`); None: neither."""
+        pieces = []
+        grids = []
+        offset = 0
+        for scheduled in output.scheduled:
+            items = scheduled.request.features.get(self.name)
+            if items:
+                start = scheduled.num_computed_tokens
+                end = start + scheduled.num_known_tokens
+                for item in items:
+                    first = max(start, item.offset)
+                    last = min(end, item.offset + item.length)
+                    if first < last:
+                        pieces.append(
+                            (offset + first - start, first - item.offset, last - first, item)
+                        )
+                if self.grids:
+                    layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
+                    if layout:
+                        grids.append((offset, start, scheduled.num_new_tokens, layout))
+            offset += scheduled.num_new_tokens
+        return (pieces, grids) if pieces or grids else None
+
+    def before_forward(self, step: Any, data: Any, built_here: bool) -> None:
+        if data is None:
+            return
+        data, grids = data
+        if grids:
+            self.model.set_item_grids(grids)
+        if not data:
+            return
+        rows: list[int] = []
+        embeddings = []
+        for row, first, count, item in data:
+            output = self._encoded(item)
+            rows.extend(range(row, row + count))
+            embeddings.append(output[first : first + count])
+        self.model.set_input_embeddings(
+            torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeddings)
+        )
+
+    def _encoded(self, item: MultiModalItem) -> torch.Tensor:
+        key = f"{item.modality}:{item.content_hash}"
+        output = self.cache.get(key)
+        if output is not None:
+            self.num_cache_hits += 1
+            return output
+        output = self.model.encode(item.modality, item.inputs)
+        if output.shape[0] != item.length:
+            raise RuntimeError(
+                f"the encoder made {output.shape[0]} rows of a {item.modality} whose "
+                f"placeholder has {item.length} tokens"
+            )
+        self.num_encoded += 1
+        self.cache.put(key, output)
+        return output

@@ -1,0 +1,117 @@
+"""LLaVA's multimodal processor: each ``<image>`` token of a prompt becomes the image's
+number of feature tokens, and each image its pixel values, made by the checkpoint's own
+image processor (transformers' ``AutoImageProcessor``, as transformers' ``LlavaProcessor``
+makes them). :class:`ImagePlaceholderProcessor` is what it shares with other models whose
+prompts hold one placeholder token per image (Qwen2-VL's)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+from pagedllm.core.errors import ConfigError, InvalidRequestError
+from pagedllm.core.interfaces.multimodal import (
+    MultiModalItem,
+    MultiModalProcessor,
+    ProcessedPrompt,
+    content_hash,
+)
+
+
+class ImagePlaceholderProcessor(MultiModalProcessor):
+    """A prompt's ``image_token_id`` tokens, one per image, each expanded to its image's
+    tokens (:meth:`item_inputs`); images preprocessed by the checkpoint's own
+    ``image_processor``."""
+
+    modalities = ("image",)
+
+    def __init__(self, image_processor: Any, image_token_id: int) -> None:
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+
+    @staticmethod
+    def load_image_processor(model_path: str) -> Any:
+        import transformers
+
+        try:
+            return transformers.AutoImageProcessor.from_pretrained(model_path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{model_path}: no image processor (preprocessor_config.json or "
+                f"processor_config.json) for its images: {exc}"
+            ) from exc
+
+    @abstractmethod
+    def item_inputs(self, image: Any, index: int) -> tuple[Any, int, tuple[int, int, int] | None]:
+        """The ``index``-th image's encoder inputs, number of tokens and their grid
+        (:attr:`MultiModalItem.grid`)."""
+
+    def process(
+        self, token_ids: list[int], data: dict[str, list[Any]], hashes: dict[str, list[str]]
+    ) -> ProcessedPrompt:
+        images = data.get("image", [])
+        placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(placeholders) != len(images):
+            raise InvalidRequestError(
+                "multi_modal_data.image",
+                f"{len(images)} image(s) for {len(placeholders)} image placeholder(s) in the "
+                "prompt: one placeholder per image",
+            )
+        given = hashes.get("image") or [None] * len(images)
+        expanded: list[int] = []
+        items: list[MultiModalItem] = []
+        last = 0
+        for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
+            inputs, length, grid = self.item_inputs(image, index)
+            expanded.extend(token_ids[last:position])
+            key = given[index] or content_hash(image)
+            items.append(MultiModalItem("image", str(key), inputs, len(expanded), length, grid))
+            expanded.extend([self.image_token_id] * length)
+            last = position + 1
+        expanded.extend(token_ids[last:])
+        return ProcessedPrompt(expanded, items)
+
+    def preprocess(self, image: Any, index: int) -> Any:
+        """The image processor's output for the ``index``-th image."""
+        if not (hasattr(image, "mode") and hasattr(image, "size")):
+            raise InvalidRequestError(
+                f"multi_modal_data.image[{index}]",
+                f"an image (PIL.Image.Image), not {type(image).__name__}",
+            )
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        try:
+            return self.image_processor(images=[image], return_tensors="pt")
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"multi_modal_data.image[{index}]", f"cannot preprocess the image: {exc}"
+            ) from exc
+
+
+class LlavaProcessor(ImagePlaceholderProcessor):
+    def __init__(self, image_processor: Any, image_token_id: int, patch_size: int, full: bool):
+        super().__init__(image_processor, image_token_id)
+        self.patch_size = patch_size
+        # The 'full' feature-select strategy keeps the CLS row: one token more.
+        self.full = full
+
+    @classmethod
+    def from_model(cls, model_path: str, hf_config: Any, tokenizer: Any) -> LlavaProcessor:
+        image_processor = cls.load_image_processor(model_path)
+        token = getattr(hf_config, "image_token_index", None)
+        if token is None:
+            token = getattr(hf_config, "image_token_id", None)
+        if token is None:
+            raise ConfigError(f"{model_path}: the config names no image_token_index")
+        return cls(
+            image_processor,
+            int(token),
+            int(hf_config.vision_config.patch_size),
+            getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
+        )
+
+    def item_inputs(self, image: Any, index: int) -> tuple[Any, int, None]:
+        pixels = self.preprocess(image, index)["pixel_values"]
+        height, width = pixels.shape[-2:]
+        length = (height // self.patch_size) * (width // self.patch_size) + int(self.full)
+        return pixels, length, None
