@@ -18,6 +18,8 @@ from pagedllm.core.interfaces.multimodal import (
 
 class LlavaProcessor(MultiModalProcessor):
     modalities = ("image",)
+    # (options go to the image processor's call: e.g. do_normalize, image_mean)
+    takes_processor_kwargs = True
 
     def __init__(self, image_processor: Any, image_token_id: int, patch_size: int, full: bool):
         self.image_processor = image_processor
@@ -50,7 +52,11 @@ class LlavaProcessor(MultiModalProcessor):
         )
 
     def process(
-        self, token_ids: list[int], data: dict[str, list[Any]], hashes: dict[str, list[str]]
+        self,
+        token_ids: list[int],
+        data: dict[str, list[Any]],
+        hashes: dict[str, list[str]],
+        options: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         images = data.get("image", [])
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
@@ -65,7 +71,7 @@ class LlavaProcessor(MultiModalProcessor):
         items: list[MultiModalItem] = []
         last = 0
         for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
-            pixels = self._pixels(image, index)
+            pixels = self._pixels(image, index, options or {})
             height, width = pixels.shape[-2:]
             length = (height // self.patch_size) * (width // self.patch_size) + int(self.full)
             expanded.extend(token_ids[last:position])
@@ -76,7 +82,7 @@ class LlavaProcessor(MultiModalProcessor):
         expanded.extend(token_ids[last:])
         return ProcessedPrompt(expanded, items)
 
-    def _pixels(self, image: Any, index: int) -> Any:
+    def _pixels(self, image: Any, index: int, kwargs: dict[str, Any]) -> Any:
         if not (hasattr(image, "mode") and hasattr(image, "size")):
             raise InvalidRequestError(
                 f"multi_modal_data.image[{index}]",
@@ -85,8 +91,14 @@ class LlavaProcessor(MultiModalProcessor):
         if image.mode != "RGB":
             image = image.convert("RGB")
         try:
-            return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            return self.image_processor(images=[image], return_tensors="pt", **kwargs)[
+                "pixel_values"
+            ]
         except Exception as exc:
+            if kwargs:
+                raise InvalidRequestError(
+                    "mm_processor_kwargs", f"mm_processor_kwargs {kwargs} do not apply: {exc}"
+                ) from exc
             raise InvalidRequestError(
                 f"multi_modal_data.image[{index}]", f"cannot preprocess the image: {exc}"
             ) from exc
