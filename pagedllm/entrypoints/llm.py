@@ -236,7 +236,9 @@ class LLM:
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate (with
-        ``lora_request`` as :meth:`generate` takes it)."""
+        ``lora_request`` as :meth:`generate` takes it). Image parts (``image_url``: a data
+        URL, a file under ``allowed_local_media_path``, http; ``image_pil``) go to the
+        model's multimodal processor."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.render_chat(
@@ -298,12 +300,16 @@ class LLM:
         ``allowed_local_media_path``, http; ``image_pil``: a PIL image), loaded."""
         from pagedllm.entrypoints.media import MediaConnector, MediaError
         from pagedllm.entrypoints.openai.chat_images import check_image_count, image_parts
+        from pagedllm.entrypoints.openai.errors import OpenAIError
 
-        parts = image_parts(conversation)
+        config = self.llm_engine.config
+        try:
+            parts = image_parts(conversation)
+            check_image_count(parts, config.multimodal_config.max_images)
+        except OpenAIError as exc:  # (the server's 400; here a ValueError, same words)
+            raise ValueError(str(exc)) from None
         if not parts:
             return []
-        config = self.llm_engine.config
-        check_image_count(parts, config.multimodal_config.max_images)
         connector = MediaConnector.from_config(config.model_config)
         images = []
         for part in parts:

@@ -135,3 +135,6 @@ def test_chat_takes_image_parts(llm, reference, images, tmp_path):
     outside = {"type": "image_url", "image_url": {"url": (tmp_path / "x.png").as_uri()}}
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.image_url"):
         llm.chat([{"role": "user", "content": [outside]}], GREEDY, use_tqdm=False)
+    two = [part for _, part in parts[:2]]
+    with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
+        llm.chat([{"role": "user", "content": two}], GREEDY, use_tqdm=False)
