@@ -16,6 +16,18 @@ IMAGE_TOKEN = "<image>"
 # The vision tower sees 30x30 pixels in 6x6 patches: 25 image tokens per image.
 IMAGE_SIZE, PATCH_SIZE = 30, 6
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+# LLaVA-1.5's chat format; an image content part (``{"type": "image"}``, as Hugging Face
+# processors' templates take it) renders as ``<image>``.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image>\n{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 
 def make_llava(directory: Path, seed: int = 0) -> Path:
@@ -23,6 +35,7 @@ def make_llava(directory: Path, seed: int = 0) -> Path:
     (a ``CLIPImageProcessor`` and the test tokenizer with an ``<image>`` token)."""
     tokenizer = make_tokenizer(directory)
     tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = transformers.CLIPVisionConfig(
         hidden_size=32,
@@ -64,6 +77,7 @@ def make_llava(directory: Path, seed: int = 0) -> Path:
         patch_size=PATCH_SIZE,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
     ).save_pretrained(directory)
     return directory
 
@@ -92,9 +106,20 @@ class LlavaReference:
             directory, dtype=torch.float32
         ).eval()
 
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """``messages`` (image parts as ``{"type": "image"}``) through the chat template."""
+        return self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
     @torch.no_grad()
-    def greedy(self, prompt: str, images: list[Any], max_new_tokens: int) -> list[int]:
-        inputs = self.processor(images=images or None, text=prompt, return_tensors="pt")
+    def greedy(
+        self, prompt: str, images: list[Any], max_new_tokens: int, **image_kwargs: Any
+    ) -> list[int]:
+        """(``image_kwargs``: the image processor's options, e.g. ``do_normalize``)"""
+        inputs = self.processor(
+            images=images or None, text=prompt, return_tensors="pt", **image_kwargs
+        )
         out = self.model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,

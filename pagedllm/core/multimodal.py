@@ -1,5 +1,6 @@
-"""What the engine knows of image inputs: which models take them, and an image's content
-hash (the key its processed form and its prompt tokens are cached under).
+"""What the engine knows of image inputs: which models take them. An image's content
+hash (the key its processed form and its prompt tokens are cached under) is
+:func:`pagedllm.core.interfaces.multimodal.content_hash`.
 
 The loading of images (data URLs, files, http) is the entry points' concern
 (:mod:`pagedllm.entrypoints.media`); here images are already decoded PIL images.
@@ -7,24 +8,19 @@ The loading of images (data URLs, files, http) is the entry points' concern
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedllm.core.configs.model import ModelConfig
+    from pagedllm.core.plugins import PluginManager
 
 
-def model_accepts_images(model_config: ModelConfig) -> bool:
-    """Whether the served model takes image inputs (a multi-modal processor is
-    registered for its architecture). No model does yet."""
-    return False
+def model_accepts_images(hf_config: Any, pm: PluginManager | None = None) -> bool:
+    """Whether a model of ``hf_config`` takes image inputs: a multimodal processor is
+    registered (in ``pm``'s registry, the engine's; else the installed plugins') for one of
+    its architectures, as the engine turns them on."""
+    if pm is None:
+        from pagedllm.core.plugins import make_plugin_manager
 
-
-def image_hash(image: Any) -> str:
-    """The sha256 of a decoded image: its mode, size and pixels, so the same picture
-    has the same hash whichever way it arrived (data URL, file, http, a PIL image)."""
-    digest = hashlib.sha256()
-    width, height = image.size
-    digest.update(f"{image.mode}:{width}x{height}:".encode())
-    digest.update(image.tobytes())
-    return digest.hexdigest()
+        pm = make_plugin_manager()
+    names = set(pm.registry("multimodal_processors").names())
+    return any(a in names for a in getattr(hf_config, "architectures", None) or ())

@@ -236,7 +236,9 @@ class LLM:
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate (with
-        ``lora_request`` as :meth:`generate` takes it)."""
+        ``lora_request`` as :meth:`generate` takes it). Image parts (``image_url``: a data
+        URL, a file under ``allowed_local_media_path``, http; ``image_pil``) go to the
+        model's multimodal processor."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.render_chat(
@@ -268,8 +270,17 @@ class LLM:
             raise ValueError("the tokenizer has no chat template; pass chat_template= to LLM.chat")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        images = self._chat_images(conversation)
+        if images:
+            from pagedllm.entrypoints.openai.chat_utils import normalise_messages
+
+            # (image parts become {"type": "image"}, as Hugging Face processors' templates
+            # take them)
+            messages = normalise_messages(conversation, "openai")
+        else:
+            messages = [_flatten_content(m) for m in conversation]
         text = tokenizer.apply_chat_template(
-            [_flatten_content(m) for m in conversation],
+            messages,
             chat_template=chat_template,
             tools=tools,
             tokenize=False,
@@ -278,7 +289,39 @@ class LLM:
             **(chat_template_kwargs or {}),
         )
         token_ids = tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": [item.image for item in images]}
+            prompt["multi_modal_uuids"] = {"image": [item.hash for item in images]}
+        return prompt
+
+    def _chat_images(self, conversation: list[dict[str, Any]]) -> list[Any]:
+        """The conversation's image parts (``image_url``: a data URL, a file under
+        ``allowed_local_media_path``, http; ``image_pil``: a PIL image), loaded."""
+        from pagedllm.entrypoints.media import MediaConnector, MediaError
+        from pagedllm.entrypoints.openai.chat_images import check_image_count, image_parts
+        from pagedllm.entrypoints.openai.errors import OpenAIError
+
+        config = self.llm_engine.config
+        try:
+            parts = image_parts(conversation)
+            check_image_count(parts, config.multimodal_config.max_images)
+        except OpenAIError as exc:  # (the server's 400; here a ValueError, same words)
+            raise ValueError(str(exc)) from None
+        if not parts:
+            return []
+        connector = MediaConnector.from_config(config.model_config)
+        images = []
+        for part in parts:
+            try:
+                images.append(
+                    connector.from_pil(part.image)
+                    if part.url is None
+                    else connector.load_image(part.url)
+                )
+            except MediaError as exc:
+                raise ValueError(f"{part.param}: {exc}") from None
+        return images
 
     # --------------------------------------------------------------- beam search
 

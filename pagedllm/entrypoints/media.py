@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.multimodal import image_hash
+from pagedllm.core.interfaces.multimodal import content_hash
 
 if TYPE_CHECKING:
     from pagedllm.core.configs.model import ModelConfig
@@ -51,7 +51,8 @@ class MediaError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadedImage:
-    """A decoded RGB image and :func:`~pagedllm.core.multimodal.image_hash` of it."""
+    """A decoded RGB image and :func:`~pagedllm.core.interfaces.multimodal.content_hash`
+    of it (the key the engine caches it under)."""
 
     image: Any  # PIL.Image.Image
     hash: str
@@ -299,7 +300,7 @@ class MediaConnector:
 
 def _loaded(image: Any) -> LoadedImage:
     rgb = _as_rgb(image)
-    return LoadedImage(rgb, image_hash(rgb))
+    return LoadedImage(rgb, content_hash(rgb))
 
 
 def _as_rgb(image: Any) -> Any:

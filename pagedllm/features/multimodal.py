@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +43,22 @@ class MultiModalExtension(StepExtension):
     # (a decode step replayed from a graph would not take the items' embeddings)
     allows_decode_graphs = False
 
-    def __init__(self, processor: MultiModalProcessor, cache_rows: int) -> None:
+    def __init__(
+        self,
+        processor: MultiModalProcessor,
+        cache_rows: int,
+        *,
+        max_images: int | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        reuse_across_requests: bool = True,
+    ) -> None:
         super().__init__()
         self.processor = processor
         self.cache_rows = cache_rows
+        # --limit-mm-per-prompt, --mm-processor-kwargs, --disable-mm-preprocessor-cache
+        self.max_images = max_images
+        self.processor_kwargs = dict(processor_kwargs or {})
+        self.reuse_across_requests = reuse_across_requests
 
     @classmethod
     def from_engine(cls, engine: Any) -> MultiModalExtension | None:
@@ -64,7 +78,18 @@ class MultiModalExtension(StepExtension):
             str(path), engine.loaded.hf_config, engine.tokenizer
         )
         sched = engine.config.scheduler_config
-        return cls(processor, max(DEFAULT_CACHE_ROWS, sched.max_num_batched_tokens))
+        mm = engine.config.multimodal_config
+        if mm.mm_processor_kwargs and not processor.takes_processor_kwargs:
+            raise ConfigError(
+                f"--mm-processor-kwargs: the {architecture} processor takes no options"
+            )
+        return cls(
+            processor,
+            max(DEFAULT_CACHE_ROWS, sched.max_num_batched_tokens),
+            max_images=mm.max_images,
+            processor_kwargs=mm.mm_processor_kwargs,
+            reuse_across_requests=not mm.disable_mm_preprocessor_cache,
+        )
 
     @classmethod
     def not_enabled_error(cls) -> InvalidRequestError:
@@ -75,21 +100,19 @@ class MultiModalExtension(StepExtension):
         )
 
     def runner_payload(self) -> Any:
-        return self.cache_rows
+        return self.cache_rows, self.reuse_across_requests
 
     @classmethod
     def make_runner_extension(cls, payload: Any, worker: Any) -> MultiModalRunner:
+        cache_rows, reuse = payload
         return MultiModalRunner(
-            worker.loaded.model, payload, worker.config.device_config.torch_device
+            worker.loaded.model, cache_rows, worker.config.device_config.torch_device, reuse
         )
 
     def process_prompt(
         self, prompt: dict[str, Any], token_ids: list[int], params: Any
     ) -> tuple[list[int], Any] | None:
-        if prompt.get("mm_processor_kwargs"):
-            raise InvalidRequestError(
-                "mm_processor_kwargs", "per-prompt processor options are not supported"
-            )
+        options = self._options(prompt.get("mm_processor_kwargs"))
         data, uuids = prompt.get("multi_modal_data"), prompt.get("multi_modal_uuids")
         if not data:
             if uuids:
@@ -113,10 +136,40 @@ class MultiModalExtension(StepExtension):
                 "truncate_prompt_tokens", "a prompt with multimodal items cannot be cut"
             )
         items = {m: _as_list(v) for m, v in data.items()}
+        if self.max_images is not None and len(items.get("image", ())) > self.max_images:
+            raise InvalidRequestError(
+                "multi_modal_data.image",
+                f"{len(items['image'])} images; at most {self.max_images} per prompt are "
+                "allowed (--limit-mm-per-prompt)",
+            )
         hashes = _given_hashes(uuids, items)
-        processed = self.processor.process(token_ids, items, hashes)
+        if options:
+            processed = self.processor.process(token_ids, items, hashes, options=options)
+            # (other options make other encoder inputs: other cache keys)
+            suffix = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()
+            for item in processed.items:
+                item.content_hash = f"{item.content_hash}:{suffix[:16]}"
+        else:
+            processed = self.processor.process(token_ids, items, hashes)
         _check_ranges(processed.items, len(processed.token_ids))
         return processed.token_ids, tuple(processed.items)
+
+    def _options(self, given: Any) -> dict[str, Any]:
+        """The processor's options: ``--mm-processor-kwargs`` updated by the prompt's
+        ``mm_processor_kwargs``."""
+        if given is None or given == {}:
+            return self.processor_kwargs
+        if not isinstance(given, dict):
+            raise InvalidRequestError(
+                "mm_processor_kwargs",
+                f"mm_processor_kwargs must be a dict of options, not {type(given).__name__}",
+            )
+        if not self.processor.takes_processor_kwargs:
+            raise InvalidRequestError(
+                "mm_processor_kwargs",
+                "mm_processor_kwargs: this model's multimodal processor takes no options",
+            )
+        return {**self.processor_kwargs, **given}
 
     def new_request(self, request: Request) -> None:
         items = request.features.get(self.name)
@@ -188,20 +241,25 @@ class MultiModalRunner(RunnerExtension):
 
     name = "multimodal"
 
-    def __init__(self, model: Any, cache_rows: int, device: torch.device) -> None:
+    def __init__(
+        self, model: Any, cache_rows: int, device: torch.device, reuse: bool = True
+    ) -> None:
         self.model = model
         self.device = device
         self.cache = EncoderCache(cache_rows)
         # (a model placing its items' tokens by their grids gets each step's: M-RoPE)
         self.grids = bool(getattr(model, "uses_item_grids", False))
+        # False (--disable-mm-preprocessor-cache): outputs are kept for the chunks of the
+        # request that made them only.
+        self.reuse = reuse
         # Items encoded, and item slices taken from the cache instead.
         self.num_encoded = 0
         self.num_cache_hits = 0
 
     def step_input(self, output: SchedulerOutput) -> Any:
         """``(pieces, grids)``: ``(first row in the step, first row of the item's output,
-        rows, item)`` for each item whose placeholders this step computes (all or part of
-        them), and where the model uses them, its requests' item grids
+        rows, item, cache key)`` for each item whose placeholders this step computes (all or
+        part of them), and where the model uses them, its requests' item grids
         (:meth:`SupportsMultiModal.set_item_grids`); None: neither."""
         pieces = []
         grids = []
@@ -211,12 +269,19 @@ class MultiModalRunner(RunnerExtension):
             if items:
                 start = scheduled.num_computed_tokens
                 end = start + scheduled.num_known_tokens
+                scope = "" if self.reuse else f"@{scheduled.request.request_id}"
                 for item in items:
                     first = max(start, item.offset)
                     last = min(end, item.offset + item.length)
                     if first < last:
                         pieces.append(
-                            (offset + first - start, first - item.offset, last - first, item)
+                            (
+                                offset + first - start,
+                                first - item.offset,
+                                last - first,
+                                item,
+                                f"{item.modality}:{item.content_hash}{scope}",
+                            )
                         )
                 if self.grids:
                     layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
@@ -235,16 +300,15 @@ class MultiModalRunner(RunnerExtension):
             return
         rows: list[int] = []
         embeddings = []
-        for row, first, count, item in data:
-            output = self._encoded(item)
+        for row, first, count, item, key in data:
+            output = self._encoded(item, key)
             rows.extend(range(row, row + count))
             embeddings.append(output[first : first + count])
         self.model.set_input_embeddings(
             torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeddings)
         )
 
-    def _encoded(self, item: MultiModalItem) -> torch.Tensor:
-        key = f"{item.modality}:{item.content_hash}"
+    def _encoded(self, item: MultiModalItem, key: str) -> torch.Tensor:
         output = self.cache.get(key)
         if output is not None:
             self.num_cache_hits += 1

@@ -543,3 +543,69 @@ def test_executor_by_class_path(tiny, tmp_path, dummy_site):
     assert "json.JSONDecoder" in result.stderr and "not a subclass of" in result.stderr
     result, _ = _run_batch(tiny, tmp_path, dummy_site, "pagedllm_dummy_plugin.executor.Nope")
     assert result.returncode != 0 and "cannot import the executor class" in result.stderr
+
+
+# ------------------------------------------------------------------ multimodal processor
+
+_GENERATE_WITH_IMAGES = """
+import json, sys
+from PIL import Image
+from pagedllm import LLM, SamplingParams
+
+path, prompt_ids = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(path, dtype="float32", disable_log_stats=True, num_gpu_blocks_override=64)
+images = [Image.new("RGB", (7, 5), (10, 200, 30)), Image.new("RGB", (4, 4), (99, 3, 250))]
+params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+prompts = [{"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": i}} for i in images]
+outs = llm.generate(prompts + prompts[:1], params, use_tqdm=False)
+(runner,) = [e for e in llm.llm_engine.runner.extensions if e.name == "multimodal"]
+print(json.dumps({
+    "architecture": llm.llm_engine.loaded.architecture,
+    "prompts": [o.prompt_token_ids for o in outs],
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "encoded": runner.num_encoded,
+}))
+"""
+
+
+def test_a_pip_installed_plugins_multimodal_processor_is_used(tmp_path, dummy_site):
+    """The dummy plugin, pip-installed, registers ``DummyVisionNeoXForCausalLM`` (a model
+    and its multimodal processor): the engine expands each image's placeholder to two
+    rows the model takes from its encoder (the embeddings of two tokens the image's
+    colours pick), so its greedy tokens equal transformers' GPT-NeoX with those tokens
+    in the placeholder's place."""
+    import subprocess
+    import sys
+
+    model = make_neox(tmp_path / "vision", architecture="DummyVisionNeoXForCausalLM")
+    image_token = 5
+    config_file = model / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "image_token_id": image_token}))
+    prompt = [10, 11, image_token, 12, 13]
+    result = subprocess.run(
+        [sys.executable, "-c", _GENERATE_WITH_IMAGES, str(model), json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        env=env_with_site(dummy_site),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["architecture"] == "DummyVisionNeoXForCausalLM"
+    assert out["prompts"][0] == [10, 11, image_token, image_token, 12, 13]
+    assert out["encoded"] == 2  # (the repeated image came from the encoder cache)
+    reference = transformers.GPTNeoXForCausalLM.from_pretrained(model, dtype=torch.float32)
+    colours = [(7 * 5 * 10, 7 * 5 * 200), (16 * 99, 16 * 3)]
+    expected = []
+    for red, green in colours:
+        ids = torch.tensor(
+            [[10, 11, red % TOKENIZER_VOCAB_SIZE, green % TOKENIZER_VOCAB_SIZE, 12, 13]]
+        )
+        with torch.no_grad():
+            generated = reference.generate(
+                ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        expected.append(generated[0, ids.shape[1] :].tolist())
+    assert out["tokens"] == [expected[0], expected[1], expected[0]]
+    assert expected[0] != expected[1]

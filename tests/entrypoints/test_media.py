@@ -16,7 +16,7 @@ from PIL import Image
 
 from pagedllm.core.configs.model import ModelConfig
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.multimodal import image_hash
+from pagedllm.core.interfaces.multimodal import content_hash
 from pagedllm.entrypoints.media import MediaConnector, MediaError, MediaLimits
 
 TIMEOUT = 1.0
@@ -63,7 +63,7 @@ def test_one_hash_for_one_picture_from_every_source(media_dir, base_url):
         assert item.image.getpixel((0, 0)) == (200, 30, 90)
     other = media.load_image(data_url(png_bytes(color=(200, 30, 91))))
     assert other.hash != loaded[0].hash
-    assert image_hash(Image.new("RGB", (4, 5), (200, 30, 90))) != loaded[0].hash
+    assert content_hash(Image.new("RGB", (4, 5), (200, 30, 90))) != loaded[0].hash
 
 
 def test_transparency_becomes_white_and_other_modes_rgb():

@@ -72,6 +72,9 @@ class MultiModalProcessor(ABC):
 
     #: The keys of ``multi_modal_data`` it takes (others are refused by name).
     modalities: ClassVar[tuple[str, ...]] = ("image",)
+    #: Whether :meth:`process` takes ``options`` (``--mm-processor-kwargs``, a prompt's
+    #: ``mm_processor_kwargs``); they are refused by name where not.
+    takes_processor_kwargs: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -82,7 +85,11 @@ class MultiModalProcessor(ABC):
 
     @abstractmethod
     def process(
-        self, token_ids: list[int], data: dict[str, list[Any]], hashes: dict[str, list[str]]
+        self,
+        token_ids: list[int],
+        data: dict[str, list[Any]],
+        hashes: dict[str, list[str]],
+        options: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """``token_ids`` (the tokenized prompt, one placeholder per item) with each
         item's placeholder expanded, and the items of ``data`` (modality -> items, in
@@ -90,7 +97,8 @@ class MultiModalProcessor(ABC):
         gives it (same shape as ``data``); compute the others (:func:`content_hash`).
         Raise :class:`~pagedllm.core.errors.InvalidRequestError` naming what is wrong (a
         count of placeholders that does not match the items, an item that is not an
-        image)."""
+        image). ``options`` (given only where :attr:`takes_processor_kwargs`): the
+        processor call's keyword arguments."""
 
 
 class SupportsMultiModal(ABC):

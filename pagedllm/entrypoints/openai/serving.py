@@ -92,6 +92,12 @@ class OpenAIServing:
         )
         self.media = MediaConnector.from_config(engine.config.model_config)
 
+    @functools.cached_property
+    def accepts_images(self) -> bool:
+        # (the engine's plugins where it runs here; a data-parallel head's installed ones)
+        pm = getattr(self.engine.engine, "pm", None)
+        return model_accepts_images(self.engine.engine.loaded.hf_config, pm)
+
     # ------------------------------------------------------------------- LoRA
 
     def _new_lora(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
@@ -224,7 +230,7 @@ class OpenAIServing:
             return []
         config = self.engine.config
         check_image_count(parts, config.multimodal_config.max_images)
-        accepts = model_accepts_images(config.model_config)
+        accepts = self.accepts_images
         images = await load_images(parts, self.media, keep=accepts)
         if not accepts:
             raise OpenAIError(

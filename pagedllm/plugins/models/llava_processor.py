@@ -24,6 +24,8 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
     ``image_processor``."""
 
     modalities = ("image",)
+    # (options go to the image processor's call: e.g. do_normalize, image_mean)
+    takes_processor_kwargs = True
 
     def __init__(self, image_processor: Any, image_token_id: int) -> None:
         self.image_processor = image_processor
@@ -42,12 +44,18 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
             ) from exc
 
     @abstractmethod
-    def item_inputs(self, image: Any, index: int) -> tuple[Any, int, tuple[int, int, int] | None]:
+    def item_inputs(
+        self, image: Any, index: int, kwargs: dict[str, Any]
+    ) -> tuple[Any, int, tuple[int, int, int] | None]:
         """The ``index``-th image's encoder inputs, number of tokens and their grid
-        (:attr:`MultiModalItem.grid`)."""
+        (:attr:`MultiModalItem.grid`), preprocessed with the options ``kwargs``."""
 
     def process(
-        self, token_ids: list[int], data: dict[str, list[Any]], hashes: dict[str, list[str]]
+        self,
+        token_ids: list[int],
+        data: dict[str, list[Any]],
+        hashes: dict[str, list[str]],
+        options: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         images = data.get("image", [])
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
@@ -62,7 +70,7 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         items: list[MultiModalItem] = []
         last = 0
         for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
-            inputs, length, grid = self.item_inputs(image, index)
+            inputs, length, grid = self.item_inputs(image, index, options or {})
             expanded.extend(token_ids[last:position])
             key = given[index] or content_hash(image)
             items.append(MultiModalItem("image", str(key), inputs, len(expanded), length, grid))
@@ -71,8 +79,9 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         expanded.extend(token_ids[last:])
         return ProcessedPrompt(expanded, items)
 
-    def preprocess(self, image: Any, index: int) -> Any:
-        """The image processor's output for the ``index``-th image."""
+    def preprocess(self, image: Any, index: int, kwargs: dict[str, Any]) -> Any:
+        """The image processor's output for the ``index``-th image, called with the
+        options ``kwargs`` (--mm-processor-kwargs, a prompt's mm_processor_kwargs)."""
         if not (hasattr(image, "mode") and hasattr(image, "size")):
             raise InvalidRequestError(
                 f"multi_modal_data.image[{index}]",
@@ -81,8 +90,12 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         if image.mode != "RGB":
             image = image.convert("RGB")
         try:
-            return self.image_processor(images=[image], return_tensors="pt")
+            return self.image_processor(images=[image], return_tensors="pt", **kwargs)
         except Exception as exc:
+            if kwargs:
+                raise InvalidRequestError(
+                    "mm_processor_kwargs", f"mm_processor_kwargs {kwargs} do not apply: {exc}"
+                ) from exc
             raise InvalidRequestError(
                 f"multi_modal_data.image[{index}]", f"cannot preprocess the image: {exc}"
             ) from exc
@@ -110,8 +123,8 @@ class LlavaProcessor(ImagePlaceholderProcessor):
             getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
         )
 
-    def item_inputs(self, image: Any, index: int) -> tuple[Any, int, None]:
-        pixels = self.preprocess(image, index)["pixel_values"]
+    def item_inputs(self, image: Any, index: int, kwargs: dict[str, Any]) -> tuple[Any, int, None]:
+        pixels = self.preprocess(image, index, kwargs)["pixel_values"]
         height, width = pixels.shape[-2:]
         length = (height // self.patch_size) * (width // self.patch_size) + int(self.full)
         return pixels, length, None

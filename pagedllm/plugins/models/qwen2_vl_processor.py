@@ -34,8 +34,10 @@ class Qwen2VLProcessor(ImagePlaceholderProcessor):
             )
         return cls(image_processor, int(token), merge)
 
-    def item_inputs(self, image: Any, index: int) -> tuple[Any, int, tuple[int, int, int]]:
-        out = self.preprocess(image, index)
+    def item_inputs(
+        self, image: Any, index: int, kwargs: dict[str, Any]
+    ) -> tuple[Any, int, tuple[int, int, int]]:
+        out = self.preprocess(image, index, kwargs)
         grid = out["image_grid_thw"]
         t, h, w = (int(n) for n in grid[0])
         m = self.merge_size

@@ -175,9 +175,9 @@ def _prompt(data, text=ONE, **extra):
         (_prompt(lambda i: {"video": i}), "multi_modal_data.video", "takes image only"),
         (_prompt(lambda i: i), "multi_modal_data", "a dict"),
         (
-            _prompt(lambda i: {"image": i}, mm_processor_kwargs={"size": 2}),
+            _prompt(lambda i: {"image": i}, mm_processor_kwargs={"no_such_option": 2}),
             "mm_processor_kwargs",
-            "not supported",
+            "do not apply",
         ),
         (
             _prompt(lambda i: {"image": i}, multi_modal_uuids={"image": ["a", "b"]}),

@@ -31,6 +31,14 @@ def pagedllm_register_quantization_methods(registry):
 @hookimpl
 def pagedllm_register_models(registry):
     registry.add("DummyNeoXForCausalLM", "pagedllm_dummy_plugin.model:DummyNeoXForCausalLM")
+    registry.add(
+        "DummyVisionNeoXForCausalLM", "pagedllm_dummy_plugin.vision:DummyVisionNeoXForCausalLM"
+    )
+
+
+@hookimpl
+def pagedllm_register_multimodal_processors(registry):
+    registry.add("DummyVisionNeoXForCausalLM", "pagedllm_dummy_plugin.vision:ColourTokensProcessor")
 
 
 @hookimpl
