@@ -24,7 +24,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS = Path(__file__).parent
 DUMMY_PLUGIN = TESTS / "plugins" / "dummy_plugin"
-DUMMY_PLUGIN_VERSION = "0.5.0"
+DUMMY_PLUGIN_VERSION = "0.6.0"
 
 
 def pytest_configure(config: pytest.Config) -> None:
