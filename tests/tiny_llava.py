@@ -128,3 +128,19 @@ class LlavaReference:
             pad_token_id=0,
         )
         return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def llava_llm(checkpoint: Path, **kwargs: Any) -> Any:
+    """An ``LLM`` of the tiny checkpoint in float32, with a small KV cache of 8-token blocks
+    unless ``kwargs`` say otherwise."""
+    from pagedllm import LLM
+
+    kwargs.setdefault("num_gpu_blocks_override", 128)
+    kwargs.setdefault("block_size", 8)
+    return LLM(str(checkpoint), dtype="float32", disable_log_stats=True, **kwargs)
+
+
+def encoder_runs(llm: Any) -> tuple[int, int]:
+    """(images encoded, image slices taken from the encoder cache) of ``llm`` so far."""
+    (runner,) = [e for e in llm.llm_engine.runner.extensions if e.name == "multimodal"]
+    return runner.num_encoded, runner.num_cache_hits

@@ -13,7 +13,14 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
+from tiny_llava import (
+    NUM_IMAGE_TOKENS,
+    LlavaReference,
+    encoder_runs,
+    llava_llm,
+    make_image,
+    make_llava,
+)
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM, SamplingParams, hookimpl
@@ -46,15 +53,7 @@ def images():
     return [make_image(kind) for kind in range(4)]
 
 
-def build(checkpoint, **kwargs):
-    kwargs.setdefault("num_gpu_blocks_override", 128)
-    kwargs.setdefault("block_size", 8)
-    return LLM(str(checkpoint), dtype="float32", disable_log_stats=True, **kwargs)
-
-
-def encoder_runs(llm):
-    (runner,) = [e for e in llm.llm_engine.runner.extensions if e.name == "multimodal"]
-    return runner.num_encoded, runner.num_cache_hits
+build = llava_llm
 
 
 def generate(llm, cases):

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from tiny_llava import LlavaReference, make_image, make_llava
+from tiny_llava import LlavaReference, encoder_runs, llava_llm, make_image, make_llava
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.core.errors import InvalidRequestError
 
 NEW_TOKENS = 8
@@ -40,15 +40,8 @@ def images():
 
 
 def build(checkpoint, **kwargs):
-    kwargs.setdefault("num_gpu_blocks_override", 128)
-    kwargs.setdefault("block_size", 8)
     kwargs.setdefault("enable_prefix_caching", False)
-    return LLM(str(checkpoint), dtype="float32", disable_log_stats=True, **kwargs)
-
-
-def encoder_runs(llm):
-    (runner,) = [e for e in llm.llm_engine.runner.extensions if e.name == "multimodal"]
-    return runner.num_encoded, runner.num_cache_hits
+    return llava_llm(checkpoint, **kwargs)
 
 
 def tokens(llm, prompt):
