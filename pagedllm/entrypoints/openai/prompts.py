@@ -40,12 +40,16 @@ class PreparedPrompt:
     # The prompt's images, in order, and their content hashes (engine prompt keys
     # multi_modal_data and multi_modal_uuids, as vLLM's).
     images: list[LoadedImage] = dataclasses.field(default_factory=list)
+    # The multimodal processor's options (engine prompt key mm_processor_kwargs).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def engine_prompt(self) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids, "prompt": self.text}
         if self.images:
             prompt["multi_modal_data"] = {"image": [item.image for item in self.images]}
             prompt["multi_modal_uuids"] = {"image": [item.hash for item in self.images]}
+        if self.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
         return prompt
 
 

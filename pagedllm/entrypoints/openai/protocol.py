@@ -370,6 +370,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    # (vLLM's: options of the model's multimodal processor for this request's images)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     # The request asked the deprecated way (functions/function_call): see .legacy_functions.
     _legacy_functions: bool = PrivateAttr(False)

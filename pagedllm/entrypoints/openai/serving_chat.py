@@ -42,8 +42,10 @@ async def start_chat(
     serving.check_sequences(1, request)
     images = await serving.chat_images(request.messages)
     prompt = await serving.prompts.run(serving.prompts.chat_prompt, request)
-    if images:
-        prompt = dataclasses.replace(prompt, images=images)
+    if images or request.mm_processor_kwargs:
+        prompt = dataclasses.replace(
+            prompt, images=images, mm_processor_kwargs=request.mm_processor_kwargs
+        )
     requested = request.max_completion_tokens
     if requested is None:
         requested = request.max_tokens

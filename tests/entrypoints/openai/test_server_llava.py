@@ -67,14 +67,16 @@ def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, media_dir
     remote.stop()
 
 
-def ask(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
+def ask(
+    client: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any
+) -> tuple[list[int], Any]:
     reply = client.chat.completions.create(
         model=MODEL,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=NEW_TOKENS,
         temperature=0.0,
         logprobs=True,
-        extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True},
+        extra_body={"min_tokens": NEW_TOKENS, "return_tokens_as_token_ids": True, **extra},
     )
     tokens = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     return [int(t.token.removeprefix("token_id:")) for t in tokens], reply
@@ -134,6 +136,23 @@ def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(server, refere
     assert cached >= NUM_IMAGE_TOKENS
     prompt = reference.render(as_template_parts(second))
     assert tokens == reference.greedy(prompt, [image], NEW_TOKENS)
+
+
+def test_a_requests_mm_processor_kwargs_reach_the_image_processor(server, reference):
+    client = server.client()
+    image = make_image(3)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What?"}, image_part(data_url(png(image)))],
+        }
+    ]
+    prompt = reference.render(as_template_parts(messages))
+    raw, _ = ask(client, messages, mm_processor_kwargs={"do_normalize": False})
+    assert raw == reference.greedy(prompt, [image], NEW_TOKENS, do_normalize=False)
+    assert raw != reference.greedy(prompt, [image], NEW_TOKENS)
+    with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
+        ask(client, messages, mm_processor_kwargs={"no_such_option": 1})
 
 
 def test_the_servers_image_id_is_the_engines_hash(checkpoint):
