@@ -19,11 +19,16 @@ from PIL import Image
 SLOW_SECONDS = 3.0
 
 
+def png_of(image: Image.Image) -> bytes:
+    """``image`` as PNG bytes."""
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
 def png_bytes(size: tuple[int, int] = (5, 4), color: tuple[int, ...] = (200, 30, 90)) -> bytes:
     mode = "RGBA" if len(color) == 4 else "RGB"
-    out = io.BytesIO()
-    Image.new(mode, size, color).save(out, "PNG")
-    return out.getvalue()
+    return png_of(Image.new(mode, size, color))
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

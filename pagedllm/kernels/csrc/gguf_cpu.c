@@ -1811,12 +1811,15 @@ static void q8a_tile(const uint8_t *A, const float *dc, int64_t nb, const int8_t
 }
 
 /* pagedllm_gguf_matmul_q8p's product (the same arguments and quantized activations qx, dx,
- * sx, row-major) on the tiles; -1 where the tiles cannot be used, -2: no memory. */
+ * sx, row-major) on the tiles, which the caller checked can be used (q8a_usable); 0, or
+ * -2: no memory. */
+/* Whether the tiles take a product: turned on, built in and granted by the kernel. */
+static inline int q8a_usable(void) { return q8a_enabled && pagedllm_amx_available(); }
+
 static int q8a_matmul(int qtype, int block_bytes, int qs_off, const uint8_t *raw, int64_t n,
                       int64_t row_bytes, int64_t k, const int8_t *qx, const float *dx,
                       const float *sx, int64_t m, void *y, int64_t y_stride, int nthreads,
                       int y_bf16) {
-    if (!q8a_enabled || !pagedllm_amx_available()) return -1;
     const int64_t nb = k / 32, panels = (n + 15) / 16, tiles = (m + 15) / 16;
     /* The activations re-laid for the B operand, with their scales per tile and block. */
     int8_t *xb = (int8_t *)aligned_alloc(64, (size_t)(tiles * nb * 512));
@@ -1903,18 +1906,16 @@ int pagedllm_gguf_matmul_q8p(int qtype, const uint8_t *raw, int64_t n, int64_t r
     }
     float *sx = dx + m * nb;
 #ifdef Q8A
-    if (m >= Q8A_MIN_ROWS) {
+    if (m >= Q8A_MIN_ROWS && q8a_usable()) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t i = 0; i < m; i++)
             q8p_quantize_row((const char *)x + x_elem * (size_t)(i * x_stride), x_bf16, nb,
                              qx + i * k, dx + i * nb, sx + i * nb);
         const int status = q8a_matmul(qtype, block_bytes, qs_off, raw, n, row_bytes, k, qx, dx,
                                       sx, m, y, y_stride, nthreads, y_bf16);
-        if (status != -1) {
-            free(qx);
-            free(dx);
-            return status;
-        }
+        free(qx);
+        free(dx);
+        return status;
     }
 #endif
     /* Rows in blocks of about Q8P_BLOCK_BYTES of quantized activations, which stay in the
@@ -1986,7 +1987,7 @@ static int q8_rows(int qtype, const uint8_t *raw, int64_t n, int64_t row_bytes, 
 int pagedllm_gguf_q8_tiles(int on) {
 #ifdef Q8A
     q8a_enabled = on;
-    return on && pagedllm_amx_available();
+    return q8a_usable();
 #else
     (void)on;
     return 0;

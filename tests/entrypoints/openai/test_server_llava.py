@@ -6,7 +6,6 @@ the id the server sends for an image is the hash the engine computes of it."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from image_fixtures import data_url
+from image_fixtures import data_url, png_of
 from openai_server import RemoteServer, start_servers
 from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
 
@@ -24,12 +23,6 @@ from pagedllm.entrypoints.media import MediaConnector
 
 MODEL = "llava"
 NEW_TOKENS = 8
-
-
-def png(image: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def reference(checkpoint: Path) -> LlavaReference:
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("media")
-    (root / "stripes.png").write_bytes(png(make_image(1)))
+    (root / "stripes.png").write_bytes(png_of(make_image(1)))
     return root
 
 
@@ -100,7 +93,7 @@ def image_part(url: str) -> dict[str, Any]:
 @pytest.mark.parametrize("source", ["data", "file"])
 def test_chat_with_an_image_matches_transformers(server, reference, media_dir, source):
     if source == "data":
-        image, url = make_image(0), data_url(png(make_image(0)))
+        image, url = make_image(0), data_url(png_of(make_image(0)))
     else:
         image, url = make_image(1), (media_dir / "stripes.png").as_uri()
     messages = [
@@ -120,7 +113,7 @@ def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(server, refere
     first = [
         {
             "role": "user",
-            "content": [image_part(data_url(png(image))), {"type": "text", "text": "Describe."}],
+            "content": [image_part(data_url(png_of(image))), {"type": "text", "text": "Describe."}],
         }
     ]
     tokens, reply = ask(client, first)
@@ -144,7 +137,7 @@ def test_a_requests_mm_processor_kwargs_reach_the_image_processor(server, refere
     messages = [
         {
             "role": "user",
-            "content": [{"type": "text", "text": "What?"}, image_part(data_url(png(image)))],
+            "content": [{"type": "text", "text": "What?"}, image_part(data_url(png_of(image)))],
         }
     ]
     prompt = reference.render(as_template_parts(messages))
@@ -161,7 +154,7 @@ def test_the_servers_image_id_is_the_engines_hash(checkpoint):
     from pagedllm.plugins.models.llava_processor import LlavaProcessor
 
     image = make_image(3)
-    loaded = MediaConnector().load_image(data_url(png(image)))
+    loaded = MediaConnector().load_image(data_url(png_of(image)))
     assert loaded.hash == content_hash(image)
     import transformers
 

@@ -5,16 +5,14 @@ on the same prompt."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 pytest.importorskip("PIL")
 
-from image_fixtures import data_url
+from image_fixtures import data_url, png_of
 from openai_server import RemoteServer, start_servers
 from tiny_llava import make_image
 from tiny_qwen2_vl import IMAGE, Qwen2VLReference, make_qwen2_vl
@@ -32,12 +30,6 @@ TEMPLATE = (
 )
 
 
-def png(image: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
@@ -46,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("media")
-    (root / "wide.png").write_bytes(png(make_image(1, width=56, height=24)))
+    (root / "wide.png").write_bytes(png_of(make_image(1, width=56, height=24)))
     (root / "template.jinja").write_text(TEMPLATE)
     return root
 
@@ -72,7 +64,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, media_dir
 def test_chat_with_an_image_matches_transformers(server, checkpoint, media_dir, source):
     if source == "data":
         image = make_image(0, width=40, height=36)
-        url = data_url(png(image))
+        url = data_url(png_of(image))
     else:
         image, url = make_image(1, width=56, height=24), (media_dir / "wide.png").as_uri()
     reply = server.client().chat.completions.create(

@@ -6,12 +6,11 @@ tokens equal to transformers' on the same processed prompt."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 
 pytest.importorskip("PIL")
 
+from image_fixtures import data_url, png_of
 from tiny_llava import LlavaReference, encoder_runs, llava_llm, make_image, make_llava
 
 from pagedllm import SamplingParams
@@ -99,14 +98,6 @@ def test_disable_mm_preprocessor_cache_encodes_each_request_again(checkpoint, im
     assert encoder_runs(alone)[0] == 2
 
 
-def png_url(image):
-    import base64
-
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def test_chat_takes_image_parts(llm, reference, images, tmp_path):
     path = llm.llm_engine.config.model_config.allowed_local_media_path
     from pathlib import Path
@@ -114,7 +105,7 @@ def test_chat_takes_image_parts(llm, reference, images, tmp_path):
     file = Path(path) / "picture.png"
     images[2].save(file)
     parts = [
-        (images[0], {"type": "image_url", "image_url": {"url": png_url(images[0])}}),
+        (images[0], {"type": "image_url", "image_url": {"url": data_url(png_of(images[0]))}}),
         (images[1], {"type": "image_pil", "image_pil": images[1]}),
         (images[2], {"type": "image_url", "image_url": {"url": file.as_uri()}}),
     ]
