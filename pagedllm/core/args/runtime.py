@@ -269,13 +269,15 @@ class RuntimeArgs:
     mm_processor_kwargs: dict[str, Any] | None = arg(
         MultiModalConfig.mm_processor_kwargs,
         group="MultiModalConfig",
-        help="JSON object of overrides for the model's multi-modal processor (those of "
-        'transformers\' AutoProcessor.from_pretrained, e.g. {"num_crops": 4}).',
+        help="JSON object of options for the model's multi-modal processor: pagedllm passes "
+        'them to its image processor\'s call for every image, e.g. {"do_normalize": false}; '
+        "a processor that takes none refuses them.",
     )
     disable_mm_preprocessor_cache: bool = arg(
         MultiModalConfig.disable_mm_preprocessor_cache,
         group="MultiModalConfig",
-        help="Do not cache processed multi-modal inputs (by image hash).",
+        help="Do not let one request reuse another's encoded images (the encoder-output "
+        "cache, by image hash, then serves only the chunks of the request that made them).",
     )
 
     # ------------------------------------------------------------------- LoRAConfig

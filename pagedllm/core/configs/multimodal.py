@@ -23,7 +23,7 @@ class MultiModalConfig(Config):
     checking (the seeds' spellings ``images`` and ``image`` both accepted)."""
 
     limit_per_prompt: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Passed to the model's multi-modal processor (transformers' AutoProcessor overrides).
+    # Options of the model's image processor call (e.g. do_normalize), for every image.
     mm_processor_kwargs: dict[str, Any] | None = None
     disable_mm_preprocessor_cache: bool = False
 
@@ -35,7 +35,7 @@ class MultiModalConfig(Config):
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ConfigError(
                 f"--mm-processor-kwargs={format_value(kwargs)} is invalid: give a JSON object, "
-                'e.g. {"num_crops": 4}'
+                'e.g. {"do_normalize": false}'
             )
 
     @property
