@@ -409,7 +409,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             sequences=[],
-            metrics=RequestMetrics(arrival_time=now),
+            metrics=RequestMetrics(arrival_time=now, n=params.n, max_tokens=params.max_tokens),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         eos = self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None

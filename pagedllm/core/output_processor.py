@@ -198,6 +198,9 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             parent.num_cached_tokens = max(request.num_cached_tokens, 0)
+        elif now != metrics.last_token_time and self.stat_logger is not None:
+            # (once per request and step, whatever its number of sequences)
+            self.stat_logger.record_inter_token_latency(now - metrics.last_token_time)
         metrics.last_token_time = now
         metrics.num_generation_tokens = max(
             metrics.num_generation_tokens, request.num_output_tokens

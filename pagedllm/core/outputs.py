@@ -42,6 +42,9 @@ class RequestMetrics:
     num_preemptions: int = 0
     # Tokens of the request's longest sequence (for the inter-token latency).
     num_generation_tokens: int = 0
+    # The request's n and max_tokens (the metrics' request_params_* histograms).
+    n: int = 1
+    max_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

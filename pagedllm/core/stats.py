@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -13,6 +14,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedllm.stats")
 
 LOG_INTERVAL_SECONDS = 5.0
+# The per-step samples kept for a metrics listener between two of its reads (older ones
+# are dropped, so that an engine nobody reads does not grow them).
+MAX_STEP_SAMPLES = 65536
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +56,26 @@ class StatLogger:
         self._interval_prompt = 0
         self._interval_generation = 0
         self._last_log = time.monotonic()
+        # Per step, the tokens it computed; per request and step with a new token, the time
+        # since its previous one (vLLM's iteration_tokens_total and
+        # inter_token_latency_seconds). Read and cleared by :meth:`take_samples`.
+        self._iteration_tokens: collections.deque[int] = collections.deque(
+            maxlen=MAX_STEP_SAMPLES
+        )
+        self._inter_token_latencies: collections.deque[float] = collections.deque(
+            maxlen=MAX_STEP_SAMPLES
+        )
+
+    def record_inter_token_latency(self, seconds: float) -> None:
+        self._inter_token_latencies.append(seconds)
+
+    def take_samples(self) -> tuple[list[int], list[float]]:
+        """The steps' token counts and the inter-token latencies recorded since the last
+        call (on the engine's thread, as the steps)."""
+        samples = list(self._iteration_tokens), list(self._inter_token_latencies)
+        self._iteration_tokens.clear()
+        self._inter_token_latencies.clear()
+        return samples
 
     def on_step(self, output: SchedulerOutput, num_sampled: int) -> None:
         # Tokens computed this step that were not the previous step's sampled token.
@@ -62,6 +86,7 @@ class StatLogger:
         )
         self.prompt_tokens += prompt
         self.generation_tokens += num_sampled
+        self._iteration_tokens.append(output.num_scheduled_tokens)
         self._interval_prompt += prompt
         self._interval_generation += num_sampled
         if self.enabled and time.monotonic() - self._last_log >= LOG_INTERVAL_SECONDS:

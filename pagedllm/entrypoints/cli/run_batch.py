@@ -99,7 +99,7 @@ def run_batch_file(
     lines = [parse_line(text, number) for number, text in texts]
     stack = build_serving(engine_args, batch_args.serving_options(), pm)
     try:
-        with metrics_server(batch_args, stack.metrics.registry):
+        with metrics_server(batch_args, stack.metrics.exported()):
             records = _run(lines, stack.serving, batch_args)
     finally:
         stack.engine.shutdown()

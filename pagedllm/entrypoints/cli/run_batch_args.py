@@ -19,6 +19,7 @@ SERVER_OPTIONS = (
     "enable_prompt_tokens_details",
     "enable_log_requests",
     "disable_log_requests",
+    "metrics_prefix",
 )
 
 
@@ -75,6 +76,7 @@ class RunBatchArgs:
     enable_prompt_tokens_details: bool = _server_option("enable_prompt_tokens_details")
     enable_log_requests: bool = _server_option("enable_log_requests")
     disable_log_requests: bool = _server_option("disable_log_requests")
+    metrics_prefix: str = _server_option("metrics_prefix")
 
     def serving_options(self) -> FrontendArgs:
         """The server options the batch's requests are served with. (No

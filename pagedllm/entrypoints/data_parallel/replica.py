@@ -220,7 +220,10 @@ class Replica:
         # Set once serve() runs its loop: front ends connecting before wait for it.
         self._serving = threading.Event()
         self._peer_numbers = itertools.count()
-        self.metrics = Metrics(metrics_label(engine.config.model_config.served_model_name[0]))
+        self.metrics = Metrics(
+            metrics_label(engine.config.model_config.served_model_name[0]),
+            engine.engine.max_model_len,
+        )
         engine.step_listeners.append(self.metrics.on_step)
         self.peers: list[_Peer] = []
         # Unfinished request ids of each running group: the load is their total.

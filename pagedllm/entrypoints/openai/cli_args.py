@@ -219,6 +219,15 @@ class FrontendArgs:
         "suggests stream=true: before generating when even its smallest response is, else "
         "once it grows past the limit (its generation stopped).",
     )
+    metrics_prefix: str = arg(
+        "pagedllm",
+        group="Frontend",
+        choices=("pagedllm", "vllm"),
+        help="The names /metrics exports: pagedllm:... (the default), or vllm:... with vLLM's "
+        "labels (model_name and engine), so that dashboards, alerts and autoscalers written "
+        "for vLLM read pagedllm unchanged. Metrics vLLM does not have keep their pagedllm: "
+        "name.",
+    )
     enable_server_load_tracking: bool = arg(
         False,
         group="Frontend",

@@ -137,10 +137,12 @@ class PendingServing:
                 raise ConfigError(f"--lora-modules {name}: {exc.message}") from None
         metrics: Metrics | ReplicaMetrics
         if isinstance(engine, AsyncLLMEngine):
-            metrics = Metrics(metrics_label(names[0]))
+            metrics = Metrics(
+                metrics_label(names[0]), engine.engine.max_model_len, options.metrics_prefix
+            )
             engine.step_listeners.append(metrics.on_step)
         else:  # (each replica keeps its own; /metrics gathers them)
-            metrics = ReplicaMetrics(engine)
+            metrics = ReplicaMetrics(engine, options.metrics_prefix)
         return ServingStack(config, engine, serving, metrics)
 
 

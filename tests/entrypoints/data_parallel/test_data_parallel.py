@@ -38,7 +38,8 @@ from pagedllm.core.errors import ConfigError
 NEW_TOKENS = 6
 SERVERS = {
     "dp2": ("-dp", "2"),
-    "dp2-asc2": ("-dp", "2", "--api-server-count", "2"),
+    # (and vLLM's metric names: the replicas' metrics merged by each front end)
+    "dp2-asc2": ("-dp", "2", "--api-server-count", "2", "--metrics-prefix", "vllm"),
     "dp1-asc2": ("-asc", "2"),
 }
 
@@ -127,13 +128,15 @@ async def _concurrent(server: RemoteServer, model: str, count: int) -> None:
 @pytest.mark.parametrize("name", ["dp2", "dp2-asc2"])
 def test_concurrent_requests_reach_both_replicas(servers, model, name):
     server = servers[name]
-    before = [server.metric("pagedllm:request_success_total", engine=str(i)) for i in (0, 1)]
+    prefix = "vllm" if "--metrics-prefix" in SERVERS[name] else "pagedllm"
+    success = f"{prefix}:request_success_total"
+    before = [server.metric(success, engine=str(i)) for i in (0, 1)]
     asyncio.run(_concurrent(server, str(model), 6))
-    after = [server.metric("pagedllm:request_success_total", engine=str(i)) for i in (0, 1)]
+    after = [server.metric(success, engine=str(i)) for i in (0, 1)]
     done = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(done) == 6 and min(done) >= 1, done
     # Either front end answers for every replica.
-    prompt_tokens = server.metric("pagedllm:prompt_tokens_total")
+    prompt_tokens = server.metric(f"{prefix}:prompt_tokens_total")
     assert prompt_tokens >= sum(len(p) for p in _prompts()) * 2
 
 

@@ -771,10 +771,12 @@ def test_metrics_count_requests_tokens_and_latencies(
     m = server.metric
     histograms = (
         "pagedllm:time_to_first_token_seconds_count",
-        "pagedllm:inter_token_latency_seconds_count",
+        "pagedllm:request_time_per_output_token_seconds_count",
         "pagedllm:e2e_request_latency_seconds_count",
         "pagedllm:request_queue_time_seconds_count",
     )
+    gaps = "pagedllm:inter_token_latency_seconds_count"
+    gaps_before = m(gaps) if _has(server, gaps) else 0
     before = {name: m(name) for name in histograms} if _has(server, histograms[0]) else None
     success = _value_or_zero(server, "pagedllm:request_success_total", finished_reason="length")
     generated = m("pagedllm:generation_tokens_total")
@@ -791,6 +793,8 @@ def test_metrics_count_requests_tokens_and_latencies(
     assert m("pagedllm:request_success_total", finished_reason="length") - success == 1
     for name in histograms:
         assert m(name) - (before[name] if before else 0) == 1, name
+    # one observation per gap between two of the request's tokens
+    assert m(gaps) - gaps_before == 6
     assert m("pagedllm:num_requests_running") == 0
     assert m("pagedllm:num_requests_waiting") == 0
     assert m("pagedllm:kv_cache_usage_perc") == 0
