@@ -7,6 +7,14 @@ commands through a queue and receive outputs on an ``asyncio.Queue`` per call. A
 that stops listening (a client disconnect cancels its task) aborts its requests, which
 frees their KV blocks.
 
+Per-prompt work that grows with the request runs before a request reaches the engine
+thread, off the caller's event loop too: guided-decoding constraints compile in the
+background, and prompts that a step extension prepares (a multimodal prompt's images
+preprocessed into the model's inputs: ``LLMEngine.prepare_prompt``) are prepared on a pool
+of :data:`PREPARE_THREADS_VARIABLE` threads; the engine thread then takes the prepared
+form at little cost, so that one large image does not hold up every running request's
+next step.
+
 The loop is the one thing that must not die: a command whose caller is gone is skipped,
 an output for a request that is gone is dropped, and a step that fails fails only the
 requests it was computing. Should the loop itself break, ``is_healthy`` turns false and
@@ -19,13 +27,14 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.engine import LLMEngine, NewRequest
-from pagedllm.core.errors import EngineDeadError, RequestFailedError
+from pagedllm.core.errors import ConfigError, EngineDeadError, RequestFailedError
 from pagedllm.core.guided_compile import CompileCancelled
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.sampling.guided_params import as_guided_params
@@ -40,6 +49,24 @@ if TYPE_CHECKING:
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "NewRequest", "RequestFailedError"]
 
 logger = logging.getLogger("pagedllm.async_engine")
+
+# The threads that prepare prompts (LLMEngine.prepare_prompt: images preprocessed), per
+# engine; the variable overrides the default.
+PREPARE_THREADS_VARIABLE = "PAGEDLLM_MM_PREPROCESS_THREADS"
+DEFAULT_PREPARE_THREADS = 4
+
+
+def prepare_threads() -> int:
+    value = os.environ.get(PREPARE_THREADS_VARIABLE, "")
+    if not value:
+        return DEFAULT_PREPARE_THREADS
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ConfigError(f"{PREPARE_THREADS_VARIABLE}={value!r}: a number of threads (1 or more)")
+    return threads
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,6 +108,9 @@ class AsyncLLMEngine:
         self.engine: LLMEngine
         self._built = threading.Event()
         self._failed: list[BaseException] = []
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=prepare_threads(), thread_name_prefix="pagedllm-prepare"
+        )
         self._thread = threading.Thread(
             target=self._main,
             args=(pm, self._built, self._failed),
@@ -228,6 +258,7 @@ class AsyncLLMEngine:
         # is refused before any request exists, and the engine finds them compiled.
         for request in requests:
             await self.compile_guided(request.params)
+        requests = await self.prepare_prompts(requests)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         streams = {r.request_id: _Stream(loop, outputs, i) for i, r in enumerate(requests)}
@@ -253,6 +284,32 @@ class AsyncLLMEngine:
         finally:
             if unfinished:
                 self.abort(list(unfinished))
+
+    async def prepare_prompts(self, requests: Sequence[NewRequest]) -> Sequence[NewRequest]:
+        """``requests`` with their prompts prepared (``LLMEngine.prepare_prompt``) on the
+        prepare threads, together; ``ValueError`` (a 400) as ``add_requests`` would."""
+        engine = self.engine
+        todo = [i for i, r in enumerate(requests) if engine.needs_preparing(r.prompt)]
+        if not todo:
+            return requests
+        if self.dead_error is not None or self._stopped:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        prompts = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._prepare_pool,
+                    engine.prepare_prompt,
+                    requests[i].prompt,
+                    requests[i].params,
+                )
+                for i in todo
+            )
+        )
+        prepared = list(requests)
+        for i, prompt in zip(todo, prompts, strict=True):
+            prepared[i] = dataclasses.replace(prepared[i], prompt=prompt)
+        return prepared
 
     async def compile_guided(self, params: SamplingParams) -> None:
         """Compile ``params``' guided-decoding constraint (cached) without blocking the
@@ -309,6 +366,7 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; waiting requests fail with EngineDeadError."""
         self.stop_compiling()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)

@@ -162,7 +162,13 @@ class LLMEngine:
             extension.kv_cache_ready(self, num_blocks)
         self._hooks = {
             hook: overriding(extensions, StepExtension, hook)
-            for hook in ("check_params", "new_parent", "new_request", "process_prompt")
+            for hook in (
+                "check_params",
+                "new_parent",
+                "new_request",
+                "process_prompt",
+                "prepare_prompt",
+            )
         }
         # Which extension reads each key of a prompt dict beside the prompt itself.
         self._prompt_keys = {key: e for e in extensions for key in e.prompt_keys}
@@ -295,6 +301,37 @@ class LLMEngine:
         ``add_request`` (the server in a worker thread)."""
         for extension in self._hooks["check_params"]:
             extension.check_params(params)
+
+    def needs_preparing(self, prompt: PromptType) -> bool:
+        """Whether :meth:`prepare_prompt` would do anything for ``prompt`` (it has a key
+        that a step extension prepares)."""
+        return isinstance(prompt, dict) and any(
+            prompt.get(key) is not None
+            for extension in self._hooks["prepare_prompt"]
+            for key in extension.prompt_keys
+        )
+
+    def prepare_prompt(self, prompt: PromptType, params: Any) -> PromptType:
+        """``prompt`` with the step extensions' heavy per-prompt work done
+        (:meth:`StepExtension.prepare_prompt`: e.g. its images preprocessed), in a form
+        :meth:`add_requests` takes without doing it again; ``prompt`` itself where there
+        is nothing to do. Safe on any thread, beside the steps (it reads only what is
+        fixed once the engine is built): the server calls it on a worker thread, so that a
+        large image's preprocessing holds up no running request. Raises
+        :class:`InvalidRequestError` as :meth:`add_requests` would."""
+        if not self.needs_preparing(prompt) or not isinstance(params, SamplingParams):
+            return prompt
+        assert isinstance(prompt, dict)
+        _, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        for extension in self._hooks["prepare_prompt"]:
+            if any(prompt.get(key) is not None for key in extension.prompt_keys):
+                prepared = extension.prepare_prompt(prompt, token_ids, params)
+                if prepared is not None:
+                    prompt = prepared
+                    token_ids = list(prompt.get("prompt_token_ids", token_ids))
+        return prompt
 
     def _new_parent(self, new: NewRequest) -> ParentRequest:
         """The request's state, validated; nothing is queued yet."""

@@ -3,10 +3,19 @@ registered multimodal processor (see :mod:`pagedllm.core.interfaces.multimodal`)
 
 A prompt dict's ``multi_modal_data`` goes through the processor (placeholders expanded,
 items made into encoder inputs and hashed); the request carries its items and keys the
-prefix-cache blocks over each item's placeholders by the item's content hash. In the
-runner, each step's placeholder rows take the item's encoder output, computed once per
-item and kept in an encoder cache by content hash: a later chunk of the same prompt takes
-its slice of the cached output, and the same image in another request (or after a
+prefix-cache blocks over each item's placeholders by the item's content hash.
+
+The processing runs before the request reaches the engine thread where the server adds
+it (:meth:`MultiModalExtension.prepare_prompt`, on the async engine's prepare threads):
+the prompt then comes in its processed form, ``{"prompt_token_ids": <placeholders
+expanded>, "multi_modal_processed": ProcessedPrompt}`` (:data:`PROCESSED_KEY`; picklable,
+and what ``LLMEngine.prepare_prompt`` returns), which the engine thread only checks (the
+items' modalities, ``--limit-mm-per-prompt``, their ranges). ``LLM.generate`` processes
+on its caller's thread.
+
+In the runner, each step's placeholder rows take the item's encoder output, computed once
+per item and kept in an encoder cache by content hash: a later chunk of the same prompt
+takes its slice of the cached output, and the same image in another request (or after a
 preemption) is not encoded again.
 """
 
@@ -23,7 +32,11 @@ import torch
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.interfaces.extension import RunnerExtension, StepExtension
-from pagedllm.core.interfaces.multimodal import MultiModalItem, MultiModalProcessor
+from pagedllm.core.interfaces.multimodal import (
+    MultiModalItem,
+    MultiModalProcessor,
+    ProcessedPrompt,
+)
 from pagedllm.core.model_files import resolve_model_path
 
 if TYPE_CHECKING:
@@ -32,6 +45,8 @@ if TYPE_CHECKING:
 
 # Encoder-output rows the cache keeps by default (per rank): a few dozen LLaVA images.
 DEFAULT_CACHE_ROWS = 16384
+# The prompt key of a processed prompt (a ProcessedPrompt; see the module's docstring).
+PROCESSED_KEY = "multi_modal_processed"
 
 
 class MultiModalExtension(StepExtension):
@@ -39,7 +54,7 @@ class MultiModalExtension(StepExtension):
     order."""
 
     name = "multimodal"
-    prompt_keys = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
+    prompt_keys = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs", PROCESSED_KEY)
     # (a decode step replayed from a graph would not take the items' embeddings)
     allows_decode_graphs = False
 
@@ -109,9 +124,80 @@ class MultiModalExtension(StepExtension):
             worker.loaded.model, cache_rows, worker.config.device_config.torch_device, reuse
         )
 
+    def prepare_prompt(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> dict[str, Any] | None:
+        """The prompt's items processed (off the engine thread): its processed form."""
+        if not prompt.get("multi_modal_data") or prompt.get(PROCESSED_KEY) is not None:
+            return None  # (nothing heavy to do; process_prompt checks it)
+        processed = self._process(prompt, token_ids, params)
+        assert processed is not None
+        raw = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
+        kept = {k: v for k, v in prompt.items() if k not in raw}
+        return {**kept, "prompt_token_ids": processed.token_ids, PROCESSED_KEY: processed}
+
     def process_prompt(
         self, prompt: dict[str, Any], token_ids: list[int], params: Any
     ) -> tuple[list[int], Any] | None:
+        if prompt.get(PROCESSED_KEY) is not None:
+            processed = self._checked(prompt, token_ids, params)
+        else:
+            processed = self._process(prompt, token_ids, params)
+        if processed is None:
+            return None
+        return processed.token_ids, tuple(processed.items)
+
+    def _checked(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> ProcessedPrompt:
+        """A prompt's processed form, checked against this engine's limits."""
+        processed = prompt[PROCESSED_KEY]
+        if not isinstance(processed, ProcessedPrompt) or not all(
+            isinstance(item, MultiModalItem) for item in processed.items
+        ):
+            raise InvalidRequestError(
+                PROCESSED_KEY,
+                f"a ProcessedPrompt of MultiModalItems (LLMEngine.prepare_prompt's), not "
+                f"{type(processed).__name__}",
+            )
+        raw = [k for k in self.prompt_keys if k != PROCESSED_KEY and prompt.get(k)]
+        if raw:
+            raise InvalidRequestError(raw[0], f"given with {PROCESSED_KEY} (processed already)")
+        if params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens", "a prompt with multimodal items cannot be cut"
+            )
+        if token_ids != processed.token_ids:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"a prompt with {PROCESSED_KEY} has its token ids as prompt_token_ids",
+            )
+        modalities = self.processor.modalities
+        for item in processed.items:
+            if item.modality not in modalities:
+                raise InvalidRequestError(
+                    f"multi_modal_data.{item.modality}",
+                    f"this model takes {', '.join(modalities)} only",
+                )
+        self._check_limit(sum(item.modality == "image" for item in processed.items))
+        try:
+            _check_ranges(processed.items, len(processed.token_ids))
+        except AssertionError as exc:
+            raise InvalidRequestError(PROCESSED_KEY, str(exc)) from None
+        return processed
+
+    def _check_limit(self, num_images: int) -> None:
+        if self.max_images is not None and num_images > self.max_images:
+            raise InvalidRequestError(
+                "multi_modal_data.image",
+                f"{num_images} images; at most {self.max_images} per prompt are "
+                "allowed (--limit-mm-per-prompt)",
+            )
+
+    def _process(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> ProcessedPrompt | None:
+        """The prompt's raw items (``multi_modal_data``) processed; None: it has none."""
         options = self._options(prompt.get("mm_processor_kwargs"))
         data, uuids = prompt.get("multi_modal_data"), prompt.get("multi_modal_uuids")
         if not data:
@@ -136,12 +222,7 @@ class MultiModalExtension(StepExtension):
                 "truncate_prompt_tokens", "a prompt with multimodal items cannot be cut"
             )
         items = {m: _as_list(v) for m, v in data.items()}
-        if self.max_images is not None and len(items.get("image", ())) > self.max_images:
-            raise InvalidRequestError(
-                "multi_modal_data.image",
-                f"{len(items['image'])} images; at most {self.max_images} per prompt are "
-                "allowed (--limit-mm-per-prompt)",
-            )
+        self._check_limit(len(items.get("image", ())))
         hashes = _given_hashes(uuids, items)
         if options:
             processed = self.processor.process(token_ids, items, hashes, options=options)
@@ -152,7 +233,7 @@ class MultiModalExtension(StepExtension):
         else:
             processed = self.processor.process(token_ids, items, hashes)
         _check_ranges(processed.items, len(processed.token_ids))
-        return processed.token_ids, tuple(processed.items)
+        return processed
 
     def _options(self, given: Any) -> dict[str, Any]:
         """The processor's options: ``--mm-processor-kwargs`` updated by the prompt's

@@ -24,7 +24,8 @@ Lifecycle of one request, with the hooks in call order:
 1. the engine validates it: :meth:`check_params` (up front, from entry points),
    :meth:`new_parent` (an extension that builds the whole request, e.g. pooling's),
    :meth:`process_prompt` (the prompt as the model takes it, from the prompt dict's keys
-   the extension reads, its :attr:`prompt_keys`),
+   the extension reads, its :attr:`prompt_keys`; the server runs the heavy part of it
+   before, on a worker thread: :meth:`prepare_prompt`),
    :meth:`request_state` (the state the request carries, from its parameters and the
    ``add_request`` keyword named :attr:`request_arg`); each ``Request`` made:
    :meth:`new_request` (validate, attach state);
@@ -175,6 +176,21 @@ class StepExtension(ABC):
         ``request.features[self.name]``; None leaves the prompt as it is.
         ``params``: its ``SamplingParams``. Raise
         :class:`~pagedllm.core.errors.InvalidRequestError` to refuse it."""
+        return None
+
+    def prepare_prompt(
+        self, prompt: dict[str, Any], token_ids: list[int], params: Any
+    ) -> dict[str, Any] | None:
+        """A prompt dict with one of the :attr:`prompt_keys` set, when overridden, before
+        its request reaches the engine thread (``LLMEngine.prepare_prompt``: the server
+        calls it on a worker thread, so that heavy per-prompt work, such as preprocessing
+        images, holds up neither the event loop nor the running requests' steps): the
+        prompt in a form :meth:`process_prompt` then takes at little cost, or None to leave
+        it as it is. It runs beside the engine's steps: it may read only what does not
+        change after :meth:`from_engine`. ``token_ids``: the prompt's, as tokenized (and
+        truncated); errors as :meth:`process_prompt`'s. The form returned must pickle (a
+        prompt may be prepared in one process and added in another); its
+        ``prompt_token_ids``, where it sets them, are the prompt's tokens from then on."""
         return None
 
     def request_state(self, params: Any, given: Any) -> Any:

@@ -14,8 +14,9 @@ the encoder's output as its input embeddings at the placeholder positions. The p
 cache keys the blocks that cover an item's placeholders by its content hash.
 
 Lifecycle: :meth:`MultiModalProcessor.from_model` once per engine, after the model is
-loaded; :meth:`MultiModalProcessor.process` once per request (the server calls it off
-its event loop); the model's :meth:`SupportsMultiModal.encode` for each item whose
+loaded; :meth:`MultiModalProcessor.process` once per request (the server calls it on worker
+threads, several at once, off its event loop and the engine thread: keep no per-call state
+on the processor); the model's :meth:`SupportsMultiModal.encode` for each item whose
 placeholders a step computes and whose output is not cached, then
 :meth:`SupportsMultiModal.set_input_embeddings` before that step's forward pass.
 """

@@ -12,6 +12,11 @@ first output), ``("fail", group, *error)`` and
 ``("reply", id, ok, value)``. A front end's estimate of a replica's load is then exact:
 what the replica reported plus what it sent since that the replica had not yet seen.
 
+Multimodal prompts come raw (their decoded images) and are preprocessed by the replica's
+engine, on its prepare threads (``AsyncLLMEngine.prepare_prompts``): off its event loop and
+its engine thread, with the processor loaded once per replica rather than in every front
+end, and no pixel tensors on the wire.
+
 A replica reports its load to every front end whenever it changes, so that front ends
 balance on what the others sent too. It exits when its parent says so or is gone (its
 status pipe closes), and exits non-zero when its engine loop dies: the front ends see the
