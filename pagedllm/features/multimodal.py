@@ -62,23 +62,33 @@ class MultiModalExtension(StepExtension):
 
     @classmethod
     def from_engine(cls, engine: Any) -> MultiModalExtension | None:
-        registry = engine.pm.registry("multimodal_processors")
         architecture = engine.loaded.architecture
-        if architecture not in registry.names():
-            return None
-        if engine.config.parallel_config.pipeline_parallel_size > 1:
+        extension = cls.for_model(
+            engine.pm, engine.config, architecture, engine.loaded.hf_config, engine.tokenizer
+        )
+        if extension is not None and engine.config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError(
                 f"{architecture} with images does not support --pipeline-parallel-size > 1"
             )
-        mc = engine.config.model_config
+        return extension
+
+    @classmethod
+    def for_model(
+        cls, pm: Any, config: Any, architecture: str, hf_config: Any, tokenizer: Any
+    ) -> MultiModalExtension | None:
+        """The extension for a model of ``architecture`` served with ``config`` (None: no
+        multimodal processor is registered for it); also what a server front end
+        processes prompts with outside the engine (``/tokenize``)."""
+        registry = pm.registry("multimodal_processors")
+        if architecture not in registry.names():
+            return None
+        mc = config.model_config
         path = resolve_model_path(
-            mc.model, revision=mc.revision, download_dir=engine.config.load_config.download_dir
+            mc.model, revision=mc.revision, download_dir=config.load_config.download_dir
         )
-        processor = registry.load(architecture).from_model(
-            str(path), engine.loaded.hf_config, engine.tokenizer
-        )
-        sched = engine.config.scheduler_config
-        mm = engine.config.multimodal_config
+        processor = registry.load(architecture).from_model(str(path), hf_config, tokenizer)
+        sched = config.scheduler_config
+        mm = config.multimodal_config
         if mm.mm_processor_kwargs and not processor.takes_processor_kwargs:
             raise ConfigError(
                 f"--mm-processor-kwargs: the {architecture} processor takes no options"
