@@ -1,10 +1,12 @@
 """A tiny LLaVA-1.5 served by a real ``pagedllm serve``: ``/tokenize`` of a chat with image
 parts counts the tokens the engine prefills (each image's placeholder expanded, as
 transformers' ``LlavaProcessor`` and the chat's ``usage`` count them), and checks the
-images as chat does."""
+images as chat does; a streamed image request the client leaves frees its KV blocks, and
+the server goes on answering."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ from openai_server import RemoteServer, assert_openai_error, start_servers
 from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
 
 MODEL = "llava"
+# Tokens a request would generate if not stopped (its prompt leaves room for them).
+LONG = 180
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +102,48 @@ def test_tokenize_checks_images_as_chat_does(server):
     assert_openai_error(response, 400, "mm_processor_kwargs")
     # (and the server goes on serving)
     assert tokenize(server, chat(good)).status_code == 200
+
+
+def test_a_cancelled_image_stream_frees_its_blocks_and_the_server_goes_on(server, reference):
+    client = server.client()
+    generated = server.metric("pagedllm:generation_tokens_total")
+    image = make_image(5)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=chat(image_part(data_url(png_of(image)))),  # type: ignore[arg-type]
+        max_tokens=LONG,
+        temperature=0.0,
+        stream=True,
+        extra_body={"min_tokens": LONG},
+    )
+    for _ in stream:  # (the first chunk: the request runs)
+        break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if (
+            server.metric("pagedllm:kv_cache_usage_perc") == 0
+            and server.metric("pagedllm:num_requests_running") == 0
+        ):
+            break
+        time.sleep(0.2)
+    assert server.metric("pagedllm:kv_cache_usage_perc") == 0
+    assert server.metric("pagedllm:num_requests_running") == 0
+    # It was stopped, not run to its end.
+    assert server.metric("pagedllm:generation_tokens_total") - generated < LONG
+    # The next image request is answered as transformers answers it.
+    other = make_image(6)
+    messages = chat(image_part(data_url(png_of(other))))
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=True,
+        extra_body={"min_tokens": 8, "return_tokens_as_token_ids": True},
+    )
+    tokens = [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content]
+    template = [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]}
+    ]
+    assert tokens == reference.greedy(reference.render(template), [other], 8)

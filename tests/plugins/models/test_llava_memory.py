@@ -11,10 +11,12 @@ import transformers
 
 pytest.importorskip("PIL")
 
-from tiny_llava import IMAGE_SIZE, NUM_IMAGE_TOKENS, llava_llm, make_llava
+from tiny_llava import IMAGE_SIZE, NUM_IMAGE_TOKENS, llava_llm, make_image, make_llava
 
+from pagedllm import SamplingParams
 from pagedllm.features.multimodal import DEFAULT_CACHE_ROWS
 
+PROMPT = "USER: <image>\nWhat? ASSISTANT:"
 # A KV-cache space small enough that the block count is not capped by max_num_seqs.
 SPACE_GIB = 0.015
 
@@ -72,4 +74,27 @@ def test_the_profiled_step_encodes_an_image_of_the_largest_size(checkpoint):
         extensions={"multimodal": payload},
     )  # fmt: skip
     assert throwaway > 0
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_cancelled_image_requests_leave_the_encoder_cache_within_its_rows(
+    checkpoint, monkeypatch, reuse
+):
+    monkeypatch.setenv("PAGEDLLM_ENCODER_CACHE_ROWS", "60")
+    llm = llava_llm(checkpoint, max_num_batched_tokens=64, disable_mm_preprocessor_cache=not reuse)
+    engine = llm.llm_engine
+    (runner,) = [e for e in engine.runner.extensions if e.name == "multimodal"]
+    assert runner.cache.max_rows == 64  # (--max-num-batched-tokens is the floor)
+    params = SamplingParams(max_tokens=50, min_tokens=50, temperature=0.0)
+    for kind in range(6):
+        image = make_image(kind)
+        prompt = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+        engine.add_request(f"r{kind}", prompt, params)
+        engine.step()  # (its image is encoded and its prompt computed)
+        engine.abort_request(f"r{kind}")
+        assert runner.cache.rows <= runner.cache.max_rows
+    assert runner.num_encoded == 6
+    assert len(runner.cache.entries) == runner.cache.max_rows // NUM_IMAGE_TOKENS
+    assert engine.kv_manager.usage == 0
     engine.shutdown()
