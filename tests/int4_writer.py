@@ -48,16 +48,30 @@ def _quantize(w: torch.Tensor, groups: torch.Tensor, ngroups: int, sym: bool):
     return q, zeros, scales.half()
 
 
-def _write(source: Path, target: Path, method: str, group: int, sym=True, act_order=False):
-    """``source``'s decoder weights (but ``IGNORED``) as a GPTQ or AWQ checkpoint, and the
-    weights that layout dequantizes to (``scale * (q - zero)``, in float32)."""
+def _write(
+    source: Path,
+    target: Path,
+    method: str,
+    group: int,
+    sym=True,
+    act_order=False,
+    keep_float: tuple[str, ...] = (),
+):
+    """``source``'s decoder weights (but ``IGNORED`` and those under ``keep_float``) as a
+    GPTQ or AWQ checkpoint, and the weights that layout dequantizes to (``scale * (q -
+    zero)``, in float32)."""
     shutil.copytree(source, target)
     tensors = load_file(source / "model.safetensors")
     out, dequantized = {}, {}
     generator = torch.Generator().manual_seed(0)
     for name, tensor in tensors.items():
         base = name.removesuffix(".weight")
-        if ".layers." not in name or tensor.dim() != 2 or base == IGNORED:
+        if (
+            ".layers." not in name
+            or tensor.dim() != 2
+            or base.endswith(IGNORED)
+            or name.startswith(keep_float)
+        ):
             out[name] = tensor
             continue
         in_features = tensor.shape[1]

@@ -136,18 +136,30 @@ class LLMEngine:
         bytes_per_block += sum(e.kv_bytes_per_block(cache.block_size) for e in extensions)
         if cache.num_gpu_blocks_override is None:
             sched = config.scheduler_config
-            device.measure_peak_memory(
-                functools.partial(
-                    self.executor.profile,
+
+            def profile() -> int:
+                # (the extensions' parts made only where the device profiles)
+                parts = {e.name: p for e in extensions if (p := e.profile_payload()) is not None}
+                return self.executor.profile(
                     layout,
                     block_size=cache.block_size,
                     num_tokens=sched.max_num_batched_tokens,
                     num_seqs=sched.max_num_seqs,
                     max_model_len=self.max_model_len,
+                    extensions=parts,
                 )
-            )
+
+            device.measure_peak_memory(profile)
+        # Memory the extensions will hold beside the KV cache (e.g. encoder outputs).
+        reserved_bytes = {e.name: n for e in extensions if (n := e.reserved_bytes()) > 0}
+        for name, size in reserved_bytes.items():
+            logger.info("KV cache budget: %.1f MiB kept for %s", size / 2**20, name)
         num_blocks = num_kv_blocks(
-            config, bytes_per_block, self.max_model_len, reserved=int(use_graphs)
+            config,
+            bytes_per_block,
+            self.max_model_len,
+            reserved=int(use_graphs),
+            reserved_bytes=sum(reserved_bytes.values()),
         )
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,

@@ -478,15 +478,22 @@ def load_model(config: PagedLLMConfig, pm: PluginManager) -> LoadedModel:
 
 
 def num_kv_blocks(
-    config: PagedLLMConfig, bytes_per_block: int, max_model_len: int, reserved: int = 0
+    config: PagedLLMConfig,
+    bytes_per_block: int,
+    max_model_len: int,
+    reserved: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """``--num-gpu-blocks-override``, else what the device's KV-cache budget holds once
-    ``reserved`` blocks (the model runner's, for padding) are set aside."""
+    ``reserved_bytes`` (what step extensions will hold beside it) and ``reserved`` blocks
+    (the model runner's, for padding) are set aside."""
     cache = config.cache_config
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     budget, source = config.device_config.device.kv_cache_memory(cache)
-    blocks = max(0, int(budget // bytes_per_block) - reserved)
+    if reserved_bytes:
+        source = f"{source}, less {reserved_bytes / 2**20:.1f} MiB for step extensions"
+    blocks = max(0, int(max(0, budget - reserved_bytes) // bytes_per_block) - reserved)
     needed = -(-max_model_len // cache.block_size)
     # More blocks than max_num_seqs full-length requests can hold would only keep extra
     # prefix-cache entries, at the cost of bookkeeping for each block.

@@ -166,16 +166,26 @@ class Worker:
 
     def profile(self, payload: dict[str, Any]) -> int:
         """Compute the largest step (``payload``: :func:`~pagedllm.core.runner.profile_step`'s
-        arguments but the model, the backend and the device); the throwaway cache's
-        bytes. A later pipeline stage does nothing (rank 0 profiles stage 0 with its
+        arguments but the model, the backend and the device; under ``extensions``, each
+        step extension's ``profile_payload`` by name, computed first); the throwaway
+        cache's bytes. A later pipeline stage does nothing (rank 0 profiles stage 0 with its
         tensor-parallel ranks alone)."""
         from pagedllm.core.runner import profile_step
         from pagedllm.distributed.parallel_state import pipeline_parallel
 
+        payload = dict(payload)
+        extensions = payload.pop("extensions", None) or {}
         if self.pipeline and pipeline_parallel().rank > 0:
             return 0
         device = self.config.device_config.torch_device
-        return profile_step(self.loaded.model, self.backend, device=device, **payload)
+        with torch.inference_mode():
+            held = [
+                self.pm.load("step_extensions", name).profile_on_rank(data, self)
+                for name, data in extensions.items()
+            ]
+        excluded = profile_step(self.loaded.model, self.backend, device=device, **payload)
+        del held
+        return excluded
 
     def init_cache(
         self,

@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +44,14 @@ if TYPE_CHECKING:
     from pagedllm.core.request import Request
     from pagedllm.core.step_data import SchedulerOutput
 
-# Encoder-output rows the cache keeps by default (per rank): a few dozen LLaVA images.
+# Encoder-output rows the cache keeps by default (per rank): a few dozen LLaVA images;
+# PAGEDLLM_ENCODER_CACHE_ROWS sets it (never below --max-num-batched-tokens, which bounds
+# vLLM's encoder cache: a step's images must fit). The KV cache is sized without the
+# memory they take.
 DEFAULT_CACHE_ROWS = 16384
 # The prompt key of a processed prompt (a ProcessedPrompt; see the module's docstring).
 PROCESSED_KEY = "multi_modal_processed"
+ENV_ENCODER_CACHE_ROWS = "PAGEDLLM_ENCODER_CACHE_ROWS"
 
 
 class MultiModalExtension(StepExtension):
@@ -66,10 +71,13 @@ class MultiModalExtension(StepExtension):
         max_images: int | None = None,
         processor_kwargs: dict[str, Any] | None = None,
         reuse_across_requests: bool = True,
+        row_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.processor = processor
         self.cache_rows = cache_rows
+        # The bytes of one row of encoder output (the model's hidden size and dtype).
+        self.row_bytes = row_bytes
         # --limit-mm-per-prompt, --mm-processor-kwargs, --disable-mm-preprocessor-cache
         self.max_images = max_images
         self.processor_kwargs = dict(processor_kwargs or {})
@@ -77,33 +85,57 @@ class MultiModalExtension(StepExtension):
 
     @classmethod
     def from_engine(cls, engine: Any) -> MultiModalExtension | None:
-        registry = engine.pm.registry("multimodal_processors")
         architecture = engine.loaded.architecture
-        if architecture not in registry.names():
-            return None
-        if engine.config.parallel_config.pipeline_parallel_size > 1:
+        hf_config = engine.loaded.hf_config
+        extension = cls.for_model(
+            engine.pm,
+            engine.config,
+            architecture,
+            hf_config,
+            engine.tokenizer,
+            row_bytes=hf_config.get_text_config().hidden_size * engine.loaded.dtype.itemsize,
+        )
+        if extension is not None and engine.config.parallel_config.pipeline_parallel_size > 1:
             raise ConfigError(
                 f"{architecture} with images does not support --pipeline-parallel-size > 1"
             )
-        mc = engine.config.model_config
+        return extension
+
+    @classmethod
+    def for_model(
+        cls,
+        pm: Any,
+        config: Any,
+        architecture: str,
+        hf_config: Any,
+        tokenizer: Any,
+        row_bytes: int = 0,
+    ) -> MultiModalExtension | None:
+        """The extension for a model of ``architecture`` served with ``config`` (None: no
+        multimodal processor is registered for it); also what a server front end
+        processes prompts with outside the engine (``/tokenize``). ``row_bytes``: the
+        bytes of one row of the model's encoder output."""
+        registry = pm.registry("multimodal_processors")
+        if architecture not in registry.names():
+            return None
+        mc = config.model_config
         path = resolve_model_path(
-            mc.model, revision=mc.revision, download_dir=engine.config.load_config.download_dir
+            mc.model, revision=mc.revision, download_dir=config.load_config.download_dir
         )
-        processor = registry.load(architecture).from_model(
-            str(path), engine.loaded.hf_config, engine.tokenizer
-        )
-        sched = engine.config.scheduler_config
-        mm = engine.config.multimodal_config
+        processor = registry.load(architecture).from_model(str(path), hf_config, tokenizer)
+        sched = config.scheduler_config
+        mm = config.multimodal_config
         if mm.mm_processor_kwargs and not processor.takes_processor_kwargs:
             raise ConfigError(
                 f"--mm-processor-kwargs: the {architecture} processor takes no options"
             )
         return cls(
             processor,
-            max(DEFAULT_CACHE_ROWS, sched.max_num_batched_tokens),
+            max(encoder_cache_rows(), sched.max_num_batched_tokens),
             max_images=mm.max_images,
             processor_kwargs=mm.mm_processor_kwargs,
             reuse_across_requests=not mm.disable_mm_preprocessor_cache,
+            row_bytes=row_bytes,
         )
 
     @classmethod
@@ -113,6 +145,21 @@ class MultiModalExtension(StepExtension):
             "this model takes text only (no multimodal processor is registered for its "
             "architecture)",
         )
+
+    def reserved_bytes(self) -> int:
+        """The encoder cache, full (each rank keeps its own)."""
+        return self.cache_rows * self.row_bytes
+
+    def profile_payload(self) -> Any:
+        """An item of the largest size the processor makes, for each rank to encode in
+        the profiled step (as vLLM profiles its encoder with dummy inputs)."""
+        item = self.processor.largest_item(self.processor_kwargs)
+        return None if item is None else (item.modality, item.inputs)
+
+    @classmethod
+    def profile_on_rank(cls, payload: Any, worker: Any) -> Any:
+        modality, inputs = payload
+        return worker.loaded.model.encode(modality, inputs)
 
     def runner_payload(self) -> Any:
         return self.cache_rows, self.reuse_across_requests
@@ -258,6 +305,22 @@ class MultiModalExtension(StepExtension):
             request.range_keys = tuple(
                 (item.offset, item.offset + item.length, item.content_hash) for item in items
             )
+
+
+def encoder_cache_rows() -> int:
+    """``PAGEDLLM_ENCODER_CACHE_ROWS``, else :data:`DEFAULT_CACHE_ROWS`."""
+    raw = os.environ.get(ENV_ENCODER_CACHE_ROWS, "").strip()
+    if not raw:
+        return DEFAULT_CACHE_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ConfigError(
+            f"{ENV_ENCODER_CACHE_ROWS}={raw!r} is invalid: expected a positive number of rows"
+        )
+    return rows
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -13,7 +13,9 @@ Lifecycle of an engine, with the engine-side hooks in call order:
    configuration leaves it off), then :meth:`adjust_config` (e.g. pooling runs prompts
    whole: no chunks, no prefix cache);
 2. the KV cache is sized: :meth:`kv_bytes_per_block` (memory the extension keeps per block,
-   e.g. a draft model's own cache) and :attr:`allows_decode_graphs`;
+   e.g. a draft model's own cache), :meth:`reserved_bytes` (memory it will hold beside
+   the KV cache), :meth:`profile_payload` (its part of the profiled step, run on each rank
+   by :meth:`profile_on_rank`) and :attr:`allows_decode_graphs`;
 3. each rank builds its runner with the extension's runner side
    (:meth:`runner_payload`, sent to every rank, and :meth:`make_runner_extension` there);
 4. the cache is allocated: :meth:`kv_cache_ready`;
@@ -133,6 +135,26 @@ class StepExtension(ABC):
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Memory the extension keeps per KV-cache block (beside the model's)."""
         return 0
+
+    def reserved_bytes(self) -> int:
+        """Device memory the extension will hold on each rank beside the KV cache, beyond
+        what it holds now and what the profiled step takes (e.g. a cache of its own that
+        fills while serving): the KV cache's budget is lowered by it."""
+        return 0
+
+    def profile_payload(self) -> Any:
+        """What each rank computes for this extension in the profiled step (picklable;
+        asked only where the device measures that step's memory peak), or None:
+        nothing. See :meth:`profile_on_rank`."""
+        return None
+
+    @classmethod
+    def profile_on_rank(cls, payload: Any, worker: Any) -> Any:
+        """On each rank, before the profiled step: compute the most the extension's
+        runner side computes for one step (e.g. encode an item of the largest size) from
+        :meth:`profile_payload`; what it returns is held until the step is done, so that
+        the measured peak counts it."""
+        return None
 
     def runner_payload(self) -> Any:
         """What every rank's model runner needs of this extension (picklable), or None when

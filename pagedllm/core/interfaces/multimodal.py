@@ -101,6 +101,12 @@ class MultiModalProcessor(ABC):
         image). ``options`` (given only where :attr:`takes_processor_kwargs`): the
         processor call's keyword arguments."""
 
+    def largest_item(self, options: dict[str, Any]) -> MultiModalItem | None:
+        """An item of the largest size this processor makes with ``options`` (the
+        server's ``--mm-processor-kwargs``): the engine encodes it once in the step it
+        profiles to size the KV cache. None (the default): not profiled."""
+        return None
+
 
 class SupportsMultiModal(ABC):
     """A model that takes multimodal items: mixed into its :class:`ModelArchitecture`

@@ -412,6 +412,8 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # (the image processor's options: an image's token count may depend on them)
+    mm_processor_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

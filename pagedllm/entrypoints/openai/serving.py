@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from pagedllm.core.engine import NewRequest
 from pagedllm.core.errors import InvalidRequestError
 from pagedllm.core.multimodal import model_accepts_images
 from pagedllm.core.outputs import RequestOutput
+from pagedllm.core.sampling import SamplingParams
 from pagedllm.entrypoints.media import LoadedImage, MediaConnector
 from pagedllm.entrypoints.openai.chat_images import check_image_count, image_parts, load_images
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -35,12 +37,12 @@ from pagedllm.entrypoints.openai.response_size import ResponseLimit
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.features.multimodal import MultiModalExtension
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
     from pagedllm.core.interfaces import ReasoningParser, ToolParser
     from pagedllm.core.pooling import PoolingParams
-    from pagedllm.core.sampling import SamplingParams
     from pagedllm.core.sampling.defaults import SamplingDefaults
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
@@ -97,6 +99,33 @@ class OpenAIServing:
         # (the engine's plugins where it runs here; a data-parallel head's installed ones)
         pm = getattr(self.engine.engine, "pm", None)
         return model_accepts_images(self.engine.engine.loaded.hf_config, pm)
+
+    @functools.cached_property
+    def image_prompts(self) -> MultiModalExtension:
+        """The engine's processing of prompts with images, for ``/tokenize`` to count their
+        tokens as the engine prefills them (built here: a data-parallel head has no
+        engine; made on first use)."""
+        from pagedllm.core.plugins import make_plugin_manager
+
+        info = self.engine.engine
+        pm = getattr(info, "pm", None) or make_plugin_manager()
+        names = set(pm.registry("multimodal_processors").names())
+        architecture = getattr(info.loaded, "architecture", None) or next(
+            a for a in info.loaded.hf_config.architectures if a in names
+        )
+        extension = MultiModalExtension.for_model(
+            pm, self.engine.config, architecture, info.loaded.hf_config, self.tokenizer
+        )
+        assert extension is not None  # (accepts_images said so)
+        return extension
+
+    def expanded_token_ids(self, prompt: PreparedPrompt) -> list[int]:
+        """``prompt``'s token ids with its images' placeholders expanded, as the engine
+        prefills them (on a prompt thread: images are preprocessed)."""
+        processed = self.image_prompts.process_prompt(
+            prompt.engine_prompt(), prompt.token_ids, SamplingParams()
+        )
+        return prompt.token_ids if processed is None else processed[0]
 
     # ------------------------------------------------------------------- LoRA
 
@@ -295,7 +324,7 @@ class OpenAIServing:
     async def create_tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if body.messages is not None:
-            await self.chat_images(body.messages)
+            images = await self.chat_images(body.messages)
             try:
                 chat = ChatCompletionRequest(
                     messages=body.messages,
@@ -307,7 +336,20 @@ class OpenAIServing:
                 )
             except ValidationError as exc:
                 raise RequestValidationError(exc.errors()) from exc
-            tokens = (await self.prompts.run(self.prompts.chat_prompt, chat)).token_ids
+            prompt = await self.prompts.run(self.prompts.chat_prompt, chat)
+            tokens = prompt.token_ids
+            if body.mm_processor_kwargs and not self.accepts_images:
+                raise OpenAIError(
+                    400,
+                    "mm_processor_kwargs: this model takes text only",
+                    param="mm_processor_kwargs",
+                )
+            if images or body.mm_processor_kwargs:
+                # (counted as the engine takes them: each image's placeholder expanded)
+                prompt = dataclasses.replace(
+                    prompt, images=images, mm_processor_kwargs=body.mm_processor_kwargs
+                )
+                tokens = await self.prompts.run(self.expanded_token_ids, prompt)
         else:
             tokens = await self.prompts.run(
                 self.prompts.tokenize, body.prompt or "", body.add_special_tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -405,3 +405,37 @@ class CausalLM(nn.Module, ModelArchitecture):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = take_kv_scales(self, self.prepare_weights(weights), self.checkpoint_name)
         return copy_weights(self, weights, rename=self.checkpoint_name)
+
+
+# The dtypes a float module's weights come in.
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def float_part_weights(
+    model: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    prefixes: tuple[str, ...],
+    part: str,
+    quantization: str | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, refusing by name a tensor of ``part`` (``model``'s parameters under
+    ``prefixes``, which no quantization method applies to: a vision tower run as a float
+    module) in a quantized layout: a name the float module lacks (``qweight``,
+    ``weight_scale``) or a dtype that is not a float's. ``quantization``: the model's
+    method (None: nothing is checked)."""
+    params: set[str] | None = None
+    for name, tensor in weights:
+        target = model.checkpoint_name(name) if quantization is not None else None
+        if target is not None and target.startswith(prefixes):
+            if params is None:
+                params = {n for n, _ in model.named_parameters()}
+            if target not in params or tensor.dtype not in _FLOAT_DTYPES:
+                raise ConfigError(
+                    f"--quantization {quantization}: the checkpoint's {part} is quantized "
+                    f"({name!r}, {str(tensor.dtype).removeprefix('torch.')}); pagedllm runs "
+                    f"the {part} of {type(model).__name__} in floats (as vLLM does for "
+                    f"gptq checkpoints, which leave it so) and quantizes the language "
+                    f"model only: use a checkpoint whose quantization leaves the {part} "
+                    f"out (modules_to_not_convert, ignore)"
+                )
+        yield name, tensor

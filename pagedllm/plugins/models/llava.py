@@ -9,13 +9,14 @@ CLS row dropped under the ``default`` feature-select strategy, through the proje
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
-from pagedllm.plugins.models.common import activation
+from pagedllm.plugins.models.common import activation, float_part_weights
 from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaModel
 
 # Checkpoint prefixes -> this model's parameter prefixes: the language model's (older
@@ -98,6 +99,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
             )
         self.vision_tower = transformers.AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = LlavaProjector(config)
+        # (the tower and the projector stay in floats: quant_config is the text model's)
+        self.quantization = None if quant_config is None else quant_config.name
 
     def checkpoint_name(self, name: str) -> str | None:
         for old, new in _RENAMES:
@@ -105,6 +108,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
                 name = new + name[len(old) :]
                 break
         return super().checkpoint_name(name)
+
+    def prepare_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return float_part_weights(
+            self,
+            super().prepare_weights(weights),
+            ("vision_tower.", "multi_modal_projector."),
+            "vision tower",
+            self.quantization,
+        )
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """One image's features: ``inputs`` is its pixel values (``[1, 3, H, W]``)."""

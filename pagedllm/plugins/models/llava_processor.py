@@ -79,6 +79,19 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         expanded.extend(token_ids[last:])
         return ProcessedPrompt(expanded, items)
 
+    def largest_image_size(self, options: dict[str, Any]) -> tuple[int, int] | None:
+        """(width, height) of an image of the most tokens; None: unknown."""
+        return None
+
+    def largest_item(self, options: dict[str, Any]) -> MultiModalItem | None:
+        size = self.largest_image_size(options)
+        if size is None:
+            return None
+        from PIL import Image
+
+        inputs, length, grid = self.item_inputs(Image.new("RGB", size), 0, options)
+        return MultiModalItem("image", "largest", inputs, 0, length, grid)
+
     def preprocess(self, image: Any, index: int, kwargs: dict[str, Any]) -> Any:
         """The image processor's output for the ``index``-th image, called with the
         options ``kwargs`` (--mm-processor-kwargs, a prompt's mm_processor_kwargs)."""
@@ -122,6 +135,11 @@ class LlavaProcessor(ImagePlaceholderProcessor):
             int(hf_config.vision_config.patch_size),
             getattr(hf_config, "vision_feature_select_strategy", "default") == "full",
         )
+
+    def largest_image_size(self, options: dict[str, Any]) -> tuple[int, int] | None:
+        # (every image is resized and cropped to one size)
+        crop = getattr(self.image_processor, "crop_size", None) or {}
+        return crop.get("width") or 1, crop.get("height") or 1
 
     def item_inputs(self, image: Any, index: int, kwargs: dict[str, Any]) -> tuple[Any, int, None]:
         pixels = self.preprocess(image, index, kwargs)["pixel_values"]

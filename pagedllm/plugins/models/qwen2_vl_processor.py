@@ -7,6 +7,7 @@ resized by the checkpoint's own image processor (dynamic resolution: to multiple
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagedllm.core.errors import ConfigError
@@ -33,6 +34,18 @@ class Qwen2VLProcessor(ImagePlaceholderProcessor):
                 f"not the vision tower's ({merge}, {_first(vision.patch_size)})"
             )
         return cls(image_processor, int(token), merge)
+
+    def largest_image_size(self, options: dict[str, Any]) -> tuple[int, int] | None:
+        # A square of the most pixels the image processor keeps (its longest_edge, in
+        # pixels; a request's max_pixels where given).
+        pixels = options.get("max_pixels")
+        if pixels is None:
+            size = options.get("size") or getattr(self.image_processor, "size", None) or {}
+            pixels = size.get("longest_edge") or getattr(self.image_processor, "max_pixels", 0)
+        if not pixels:
+            return None
+        side = math.isqrt(int(pixels))
+        return side, side
 
     def item_inputs(
         self, image: Any, index: int, kwargs: dict[str, Any]
