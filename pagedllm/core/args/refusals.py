@@ -38,9 +38,6 @@ UNSUPPORTED: dict[str, str] = {
     # LoadConfig
     "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,
     # ParallelConfig
-    "data_parallel_backend": "data-parallel replicas run as processes of each node (mp: "
-    "--data-parallel-size-local on the head node, the others with --headless); Ray "
-    "placement of replicas is not supported yet",
     "enable_multimodal_encoder_data_parallel": "pagedllm runs a vision encoder the way it "
     "runs the rest of the model; encoder data parallelism is not supported" + _LEAVE_OUT,
     "ray_workers_use_nsight": "pagedllm does not profile its Ray workers with Nsight" + _LEAVE_OUT,

@@ -127,11 +127,13 @@ class RuntimeArgs:
         "(default 29550).",
     )
     data_parallel_backend: str = arg(
-        "mp",
+        of=ParallelConfig.option("data_parallel_backend"),
         group="ParallelConfig",
         aliases=("-dpb",),
-        help="Data-parallel backend, 'mp' or 'ray'.",
-        unbuilt=UNSUPPORTED["data_parallel_backend"],
+        help="Who starts the data-parallel replicas: 'mp', processes of this node (and of "
+        "--headless nodes); 'ray', Ray actors placed by a placement group on the Ray "
+        "cluster at RAY_ADDRESS (or a Ray instance started on this machine), each with "
+        "its share of the CPUs.",
     )
     distributed_executor_backend: str | None = arg(
         None,

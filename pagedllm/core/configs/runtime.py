@@ -80,6 +80,9 @@ class ParallelConfig(Config):
     data_parallel_rpc_port: int | None = setting(
         None, min=0, min_exclusive=True, max=65535, range_hint="must be a TCP port"
     )
+    # Who starts the replicas: "mp" (processes of each node) or "ray" (Ray actors placed
+    # by a placement group, on the Ray cluster's nodes).
+    data_parallel_backend: str = setting("mp", choices=("mp", "ray"))
     # How many ranks load their weights at once (None: all).
     max_parallel_loading_workers: int | None = setting(None, min=1)
 
@@ -149,14 +152,28 @@ class ParallelConfig(Config):
         if local is not None:
             require(1 <= local <= dp, "--data-parallel-size-local", local, f"must be 1 to {dp}")
         port = self.data_parallel_rpc_port
+        ray = self.data_parallel_backend == "ray"
         if dp == 1:
+            for flag, value in (
+                ("--data-parallel-size-local", local),
+                ("--data-parallel-address", self.data_parallel_address),
+                ("--data-parallel-rpc-port", port),
+                ("--data-parallel-backend ray", "ray" if ray else None),
+            ):
+                if value is not None:
+                    raise ConfigError(f"{flag} applies with --data-parallel-size above 1")
+        elif ray:
             for flag, value in (
                 ("--data-parallel-size-local", local),
                 ("--data-parallel-address", self.data_parallel_address),
                 ("--data-parallel-rpc-port", port),
             ):
                 if value is not None:
-                    raise ConfigError(f"{flag} applies with --data-parallel-size above 1")
+                    raise ConfigError(
+                        f"{flag}: with --data-parallel-backend ray, Ray places every replica "
+                        "on the nodes of its cluster (RAY_ADDRESS); there are no --headless "
+                        "nodes to register"
+                    )
 
 
 @dataclasses.dataclass

@@ -76,25 +76,35 @@ class ReplicaGroup:
         self._stopped = False
         # The head node's registrations of the other nodes' replicas.
         self.remote: RemoteReplicas | None = None
+        # --data-parallel-backend ray: the replicas' actors.
+        self.ray: Any = None
+        specs = [
+            ReplicaSpec(
+                config,
+                first + local,
+                self.size,
+                self.authkey,
+                threads,
+                ",".join(gpus[local * ranks : (local + 1) * ranks]) if gpus else None,
+                host,
+                advertised_host,
+            )
+            for local in range(self.count)
+        ]
         try:
             if multi_node and first == 0:
                 self.remote = RemoteReplicas(parallel, self.authkey, self.count)
-            for local in range(self.count):
-                spec = ReplicaSpec(
-                    config,
-                    first + local,
-                    self.size,
-                    self.authkey,
-                    threads,
-                    ",".join(gpus[local * ranks : (local + 1) * ranks]) if gpus else None,
-                    host,
-                    advertised_host,
-                )
+            if parallel.data_parallel_backend == "ray":
+                from pagedllm.entrypoints.data_parallel.ray_replicas import RayReplicas
+
+                self.ray = RayReplicas(specs, self.authkey, threads, device)
+                self.procs, self.status = list(self.ray.procs), list(self.ray.status)
+            for spec in specs if self.ray is None else ():
                 parent, child = context.Pipe()
                 proc = context.Process(
                     target=replica_main,
                     args=(spec, child),
-                    name=f"pagedllm-dp-replica-{first + local}",
+                    name=f"pagedllm-dp-replica-{spec.index}",
                     daemon=False,
                 )
                 proc.start()
@@ -107,9 +117,11 @@ class ReplicaGroup:
         # (Before multiprocessing's own exit handler, which would wait for them forever.)
         atexit.register(self.stop)
         logger.info(
-            "data parallelism: %d engine replicas (processes %s), %d threads each%s",
+            "data parallelism: %d engine replicas (%s), %d threads each%s",
             self.count,
-            ", ".join(str(p.pid) for p in self.procs),
+            "Ray actors"
+            if self.ray is not None
+            else "processes " + ", ".join(str(p.pid) for p in self.procs),
             threads,
             f"; replicas {first}..{first + self.count - 1} of {self.size}" if multi_node else "",
         )
@@ -195,6 +207,8 @@ class ReplicaGroup:
                 proc.join(5)
         for conn in self.status:
             conn.close()
+        if self.ray is not None:
+            self.ray.close()
 
 
 def _visible_gpus() -> list[str]:

@@ -161,8 +161,6 @@ def test_an_invalid_request_is_a_400_and_the_server_goes_on(servers, model, name
 def test_refusals_name_the_flag(pm, model):
     with pytest.raises(ConfigError, match=r"--data-parallel-size 2: .*pagedllm serve"):
         LLM(str(model), dtype="float32", data_parallel_size=2)
-    with pytest.raises(ConfigError, match="--data-parallel-backend=ray is not supported"):
-        EngineArgs(model=str(model), data_parallel_backend="ray").create_engine_config(pm)
     with pytest.raises(ConfigError, match="--data-parallel-size=0 is invalid"):
         from pagedllm.core.config import UsageContext, _check_data_parallel
 
