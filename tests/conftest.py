@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +164,19 @@ def pm():
     from pagedllm.core.plugins import make_plugin_manager
 
     return make_plugin_manager(env={})
+
+
+@pytest.fixture(scope="module")
+def llava_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA-1.5 checkpoint with its processor files (tests/tiny_llava.py)."""
+    from tiny_llava import make_llava
+
+    return make_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def llava_reference(llava_checkpoint: Path) -> Any:
+    """transformers' model of :func:`llava_checkpoint`, for reference outputs."""
+    from tiny_llava import LlavaReference
+
+    return LlavaReference(llava_checkpoint)

@@ -365,11 +365,13 @@ class LLMEngine:
             raise self._extension_off(type(params), "params_type")
         text, token_ids = self.prompt_tokens(new, params.truncate_prompt_tokens)
         features: dict[str, Any] = {}
+        expanded = False
         if self._hooks["process_prompt"]:
             prompt = new.prompt if isinstance(new.prompt, dict) else {}
             for extension in self._hooks["process_prompt"]:
                 processed = extension.process_prompt(prompt, token_ids, params)
                 if processed is not None:
+                    expanded = True
                     token_ids, features[extension.name] = processed
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -377,6 +379,18 @@ class LLMEngine:
                 f"the prompt ({len(token_ids)} tokens) leaves no room for output within the "
                 f"maximum model length of {self.max_model_len} tokens",
             )
+        if expanded and params.max_tokens is not None:
+            # (the caller could not count a prompt that processing made: e.g. one whose
+            # images' placeholders were expanded; the server refuses a text prompt so)
+            total = len(token_ids) + params.max_tokens
+            if total > self.max_model_len:
+                raise InvalidRequestError(
+                    "max_tokens",
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {total} tokens ({len(token_ids)} in the "
+                    f"messages, {params.max_tokens} in the completion). Please reduce the "
+                    f"length of the messages or completion.",
+                )
         if params.prompt_logprobs is not None or params.logprobs is not None:
             limit = self.config.model_config.max_logprobs
             asked = max(params.logprobs or 0, params.prompt_logprobs or 0)

@@ -220,9 +220,14 @@ class OpenAIServing:
                 param="n" if num_prompts == 1 else "prompt",
             )
 
-    def max_tokens(self, requested: int | None, prompt: PreparedPrompt) -> int:
+    def max_tokens(self, requested: int | None, prompt: PreparedPrompt) -> int | None:
         """The output budget: ``requested``, or what the context leaves; a request that
-        does not fit is refused in the OpenAI API's words."""
+        does not fit is refused in the OpenAI API's words. A prompt with images is
+        measured by the engine, once their placeholders are expanded (its budget is then
+        ``requested`` as given: the engine refuses one that does not fit, in the same
+        words, and gives None what its expanded prompt leaves)."""
+        if prompt.images:
+            return requested
         prompt_len = len(prompt.token_ids)
         if prompt_len >= self.max_model_len:
             raise OpenAIError(

@@ -16,23 +16,13 @@ pytest.importorskip("PIL")
 
 from image_fixtures import data_url, png_of
 from openai_server import RemoteServer, start_servers
-from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
+from tiny_llava import NUM_IMAGE_TOKENS, make_image
 
 from pagedllm.core.interfaces.multimodal import content_hash
 from pagedllm.entrypoints.media import MediaConnector
 
 MODEL = "llava"
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> LlavaReference:
-    return LlavaReference(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +33,9 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, media_dir: Path):
+def server(tmp_path_factory: pytest.TempPathFactory, llava_checkpoint: Path, media_dir: Path):
     remote = RemoteServer(
-        checkpoint,
+        llava_checkpoint,
         "--served-model-name",
         MODEL,
         "--allowed-local-media-path",
@@ -91,7 +81,7 @@ def image_part(url: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("source", ["data", "file"])
-def test_chat_with_an_image_matches_transformers(server, reference, media_dir, source):
+def test_chat_with_an_image_matches_transformers(server, llava_reference, media_dir, source):
     if source == "data":
         image, url = make_image(0), data_url(png_of(make_image(0)))
     else:
@@ -100,14 +90,14 @@ def test_chat_with_an_image_matches_transformers(server, reference, media_dir, s
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(url)]}
     ]
     tokens, reply = ask(server.client(), messages)
-    prompt = reference.render(as_template_parts(messages))
-    assert tokens == reference.greedy(prompt, [image], NEW_TOKENS)
+    prompt = llava_reference.render(as_template_parts(messages))
+    assert tokens == llava_reference.greedy(prompt, [image], NEW_TOKENS)
     assert reply.usage.prompt_tokens == len(
-        reference.processor(text=prompt, images=[image])["input_ids"][0]
+        llava_reference.processor(text=prompt, images=[image])["input_ids"][0]
     )
 
 
-def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(server, reference):
+def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(server, llava_reference):
     client = server.client()
     image = make_image(2)
     first = [
@@ -127,11 +117,11 @@ def test_a_second_turn_about_the_same_image_hits_the_prefix_cache(server, refere
     # The image's placeholder tokens (from the prompt's start) come from the cache.
     cached = server.metric("pagedllm:prefix_cache_hits_total") - hits
     assert cached >= NUM_IMAGE_TOKENS
-    prompt = reference.render(as_template_parts(second))
-    assert tokens == reference.greedy(prompt, [image], NEW_TOKENS)
+    prompt = llava_reference.render(as_template_parts(second))
+    assert tokens == llava_reference.greedy(prompt, [image], NEW_TOKENS)
 
 
-def test_a_requests_mm_processor_kwargs_reach_the_image_processor(server, reference):
+def test_a_requests_mm_processor_kwargs_reach_the_image_processor(server, llava_reference):
     client = server.client()
     image = make_image(3)
     messages = [
@@ -140,15 +130,15 @@ def test_a_requests_mm_processor_kwargs_reach_the_image_processor(server, refere
             "content": [{"type": "text", "text": "What?"}, image_part(data_url(png_of(image)))],
         }
     ]
-    prompt = reference.render(as_template_parts(messages))
+    prompt = llava_reference.render(as_template_parts(messages))
     raw, _ = ask(client, messages, mm_processor_kwargs={"do_normalize": False})
-    assert raw == reference.greedy(prompt, [image], NEW_TOKENS, do_normalize=False)
-    assert raw != reference.greedy(prompt, [image], NEW_TOKENS)
+    assert raw == llava_reference.greedy(prompt, [image], NEW_TOKENS, do_normalize=False)
+    assert raw != llava_reference.greedy(prompt, [image], NEW_TOKENS)
     with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
         ask(client, messages, mm_processor_kwargs={"no_such_option": 1})
 
 
-def test_the_servers_image_id_is_the_engines_hash(checkpoint):
+def test_the_servers_image_id_is_the_engines_hash(llava_checkpoint):
     # The server sends each image's hash as multi_modal_uuids; the engine keys its
     # encoder cache and prefix-cache blocks by the hash it computes of an image itself.
     from pagedllm.plugins.models.llava_processor import LlavaProcessor
@@ -158,9 +148,9 @@ def test_the_servers_image_id_is_the_engines_hash(checkpoint):
     assert loaded.hash == content_hash(image)
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(checkpoint)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    processor = LlavaProcessor.from_model(str(checkpoint), config, tokenizer)
+    config = transformers.AutoConfig.from_pretrained(llava_checkpoint)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llava_checkpoint)
+    processor = LlavaProcessor.from_model(str(llava_checkpoint), config, tokenizer)
     token_ids = [5, config.image_token_index, 6]
     (item,) = processor.process(token_ids, {"image": [image]}, {}).items
     assert item.content_hash == loaded.hash

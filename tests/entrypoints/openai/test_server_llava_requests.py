@@ -17,7 +17,7 @@ pytest.importorskip("PIL")
 
 from image_fixtures import data_url, png_of
 from openai_server import RemoteServer, assert_openai_error, start_servers
-from tiny_llava import NUM_IMAGE_TOKENS, LlavaReference, make_image, make_llava
+from tiny_llava import NUM_IMAGE_TOKENS, make_image
 
 MODEL = "llava"
 # Tokens a request would generate if not stopped (its prompt leaves room for them).
@@ -25,19 +25,9 @@ LONG = 180
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> LlavaReference:
-    return LlavaReference(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path):
+def server(tmp_path_factory: pytest.TempPathFactory, llava_checkpoint: Path):
     remote = RemoteServer(
-        checkpoint,
+        llava_checkpoint,
         "--served-model-name",
         MODEL,
         "--limit-mm-per-prompt",
@@ -64,7 +54,7 @@ def tokenize(server: RemoteServer, messages: list[dict[str, Any]], **extra: Any)
         return http.post("/tokenize", json={"model": MODEL, "messages": messages, **extra})
 
 
-def test_tokenize_counts_each_images_expanded_tokens(server, reference):
+def test_tokenize_counts_each_images_expanded_tokens(server, llava_reference):
     images = [make_image(0), make_image(4, width=50, height=20)]
     messages = chat(*(image_part(data_url(png_of(image))) for image in images))
     response = tokenize(server, messages)
@@ -75,11 +65,11 @@ def test_tokenize_counts_each_images_expanded_tokens(server, reference):
             {"type": "image"} for _ in images
         ]}
     ]  # fmt: skip
-    prompt = reference.render(template_messages)
-    expected = reference.processor(text=prompt, images=images)["input_ids"][0]
+    prompt = llava_reference.render(template_messages)
+    expected = llava_reference.processor(text=prompt, images=images)["input_ids"][0]
     assert body["tokens"] == expected
     assert body["count"] == len(expected)
-    image_token = reference.processor.tokenizer.convert_tokens_to_ids("<image>")
+    image_token = llava_reference.processor.tokenizer.convert_tokens_to_ids("<image>")
     assert body["tokens"].count(image_token) == 2 * NUM_IMAGE_TOKENS
     # The count is what the engine prefills: the chat's usage.
     reply = server.client().chat.completions.create(
@@ -104,7 +94,7 @@ def test_tokenize_checks_images_as_chat_does(server):
     assert tokenize(server, chat(good)).status_code == 200
 
 
-def test_a_cancelled_image_stream_frees_its_blocks_and_the_server_goes_on(server, reference):
+def test_a_cancelled_image_stream_frees_its_blocks_and_the_server_goes_on(server, llava_reference):
     client = server.client()
     generated = server.metric("pagedllm:generation_tokens_total")
     image = make_image(5)
@@ -146,4 +136,33 @@ def test_a_cancelled_image_stream_frees_its_blocks_and_the_server_goes_on(server
     template = [
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]}
     ]
-    assert tokens == reference.greedy(reference.render(template), [other], 8)
+    assert tokens == llava_reference.greedy(llava_reference.render(template), [other], 8)
+
+
+def test_the_output_budget_counts_the_images_expanded_tokens(server):
+    """An image's placeholder is one token of the rendered chat but NUM_IMAGE_TOKENS of the
+    prompt: max_tokens that fit the rendered chat but not the expanded prompt are refused
+    as a text prompt's are, and no max_tokens leaves what the expanded prompt leaves."""
+    messages = chat(image_part(data_url(png_of(make_image(2)))))
+    count = tokenize(server, messages).json()["count"]
+    max_model_len = 256  # (tiny_llava's max_position_embeddings)
+    with server.http() as http:
+        too_many = max_model_len - count + 1
+        response = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": too_many},
+        )
+        assert_openai_error(response, 400, "maximum context length is 256 tokens")
+        assert response.json()["error"]["param"] == "max_tokens"
+        reply = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": messages,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            },
+        ).json()
+    assert reply["usage"]["prompt_tokens"] == count
+    assert reply["usage"]["completion_tokens"] == max_model_len - count
+    assert reply["choices"][0]["finish_reason"] == "length"

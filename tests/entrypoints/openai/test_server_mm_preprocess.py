@@ -23,7 +23,7 @@ pytest.importorskip("PIL")
 from conftest import clean_env, make_distribution
 from image_fixtures import data_url, png_of
 from openai_server import RemoteServer, start_servers
-from tiny_llava import LlavaReference, make_image, make_llava
+from tiny_llava import LlavaReference, make_image
 
 MODEL = "llava"
 NEW_TOKENS = 8
@@ -63,16 +63,6 @@ def pagedllm_register_multimodal_processors(registry):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> LlavaReference:
-    return LlavaReference(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gate")
     os.mkfifo(root / "entered")
@@ -81,7 +71,7 @@ def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, gate: Path):
+def servers(tmp_path_factory: pytest.TempPathFactory, llava_checkpoint: Path, gate: Path):
     work = tmp_path_factory.mktemp("mm_preprocess")
     site = make_distribution(
         work / "site",
@@ -91,14 +81,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, gate: Pa
     )
     pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     gated = RemoteServer(
-        checkpoint,
+        llava_checkpoint,
         "--served-model-name",
         MODEL,
         log_path=work / "gated.log",
         env=clean_env(PYTHONPATH=pythonpath, GATE_DIR=str(gate)),
     )
     parallel = RemoteServer(
-        checkpoint,
+        llava_checkpoint,
         "--served-model-name",
         MODEL,
         "--data-parallel-size",
@@ -148,8 +138,8 @@ def image_content(image: Any) -> list[dict[str, Any]]:
     ]
 
 
-def expected_tokens(reference: LlavaReference, image: Any) -> list[int]:
-    prompt = reference.render(
+def expected_tokens(llava_reference: LlavaReference, image: Any) -> list[int]:
+    prompt = llava_reference.render(
         [
             {
                 "role": "user",
@@ -157,10 +147,10 @@ def expected_tokens(reference: LlavaReference, image: Any) -> list[int]:
             }
         ]
     )
-    return reference.greedy(prompt, [image], NEW_TOKENS)
+    return llava_reference.greedy(prompt, [image], NEW_TOKENS)
 
 
-def test_a_text_request_completes_while_an_image_is_preprocessed(servers, gate, reference):
+def test_a_text_request_completes_while_an_image_is_preprocessed(servers, gate, llava_reference):
     gated, _ = servers
     image = make_image(0)
     held: list[httpx.Response] = []
@@ -181,7 +171,7 @@ def test_a_text_request_completes_while_an_image_is_preprocessed(servers, gate, 
         released = True
         holder.join(WAIT_S)
         assert held, "the image request did not finish once released"
-        assert token_ids(held[0]) == expected_tokens(reference, image)
+        assert token_ids(held[0]) == expected_tokens(llava_reference, image)
     finally:
         if not released:  # (let the server go on: its processor waits for this)
             threading.Thread(
@@ -189,10 +179,10 @@ def test_a_text_request_completes_while_an_image_is_preprocessed(servers, gate, 
             ).start()
 
 
-def test_data_parallel_replicas_preprocess_images_too(servers, reference):
+def test_data_parallel_replicas_preprocess_images_too(servers, llava_reference):
     _, parallel = servers
     image = make_image(1)
-    expected = expected_tokens(reference, image)
+    expected = expected_tokens(llava_reference, image)
     # (two requests: the replicas take turns, so each one serves one)
     for _ in range(2):
         assert token_ids(chat(parallel, image_content(image))) == expected

@@ -15,11 +15,9 @@ pytest.importorskip("PIL")
 
 from tiny_llava import (
     NUM_IMAGE_TOKENS,
-    LlavaReference,
     encoder_runs,
     llava_llm,
     make_image,
-    make_llava,
 )
 from tiny_models import make_checkpoint
 
@@ -39,16 +37,6 @@ SYSTEM = "A chat between a curious human and an artificial intelligence assistan
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return LlavaReference(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def images():
     return [make_image(kind) for kind in range(4)]
 
@@ -62,54 +50,56 @@ def generate(llm, cases):
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint):
-    return build(checkpoint, enable_prefix_caching=False)
+def llm(llava_checkpoint):
+    return build(llava_checkpoint, enable_prefix_caching=False)
 
 
-def test_one_image_matches_transformers(llm, reference, images):
+def test_one_image_matches_transformers(llm, llava_reference, images):
     (out,) = llm.generate(
         {"prompt": ONE, "multi_modal_data": {"image": images[0]}}, GREEDY, use_tqdm=False
     )
-    assert out.outputs[0].token_ids == reference.greedy(ONE, [images[0]], NEW_TOKENS)
+    assert out.outputs[0].token_ids == llava_reference.greedy(ONE, [images[0]], NEW_TOKENS)
     # The placeholder became the image's 25 feature tokens.
-    image_token = reference.processor.tokenizer.convert_tokens_to_ids("<image>")
+    image_token = llava_reference.processor.tokenizer.convert_tokens_to_ids("<image>")
     assert out.prompt_token_ids.count(image_token) == NUM_IMAGE_TOKENS
     assert (
         out.prompt_token_ids
-        == reference.processor(images=[images[0]], text=ONE, return_tensors="pt")["input_ids"][
-            0
-        ].tolist()
+        == llava_reference.processor(images=[images[0]], text=ONE, return_tensors="pt")[
+            "input_ids"
+        ][0].tolist()
     )
 
 
-def test_two_images_in_one_prompt(llm, reference, images):
+def test_two_images_in_one_prompt(llm, llava_reference, images):
     (out,) = generate(llm, [(TWO, images[1:3])])
-    assert out.outputs[0].token_ids == reference.greedy(TWO, images[1:3], NEW_TOKENS)
+    assert out.outputs[0].token_ids == llava_reference.greedy(TWO, images[1:3], NEW_TOKENS)
     (swapped,) = generate(llm, [(TWO, [images[2], images[1]])])
-    assert swapped.outputs[0].token_ids == reference.greedy(TWO, [images[2], images[1]], NEW_TOKENS)
+    assert swapped.outputs[0].token_ids == llava_reference.greedy(
+        TWO, [images[2], images[1]], NEW_TOKENS
+    )
 
 
-def test_a_batch_of_different_images_encodes_each_once(checkpoint, reference, images):
-    llm = build(checkpoint, enable_prefix_caching=False)
+def test_a_batch_of_different_images_encodes_each_once(llava_checkpoint, llava_reference, images):
+    llm = build(llava_checkpoint, enable_prefix_caching=False)
     cases = [(ONE, [images[i]]) for i in range(4)] + [(ONE, [images[0]]), (TWO, images[:2])]
     outs = generate(llm, cases)
     for (text, imgs), out in zip(cases, outs, strict=True):
-        assert out.outputs[0].token_ids == reference.greedy(text, imgs, NEW_TOKENS), text
+        assert out.outputs[0].token_ids == llava_reference.greedy(text, imgs, NEW_TOKENS), text
     # Four distinct images: each encoded once, the repeats taken from the encoder cache.
     encoded, hits = encoder_runs(llm)
     assert encoded == 4 and hits >= 2
     # A text-only prompt runs beside them.
     (text_only,) = llm.generate("USER: hello ASSISTANT:", GREEDY, use_tqdm=False)
-    assert text_only.outputs[0].token_ids == reference.greedy(
+    assert text_only.outputs[0].token_ids == llava_reference.greedy(
         "USER: hello ASSISTANT:", [], NEW_TOKENS
     )
 
 
-def test_chunked_prefill_splits_an_image_over_steps(checkpoint, reference, images):
+def test_chunked_prefill_splits_an_image_over_steps(llava_checkpoint, llava_reference, images):
     # 10 tokens a step: each image's 25 placeholders span three or four steps, each
     # taking its slice of the image's one encoder output.
     llm = build(
-        checkpoint,
+        llava_checkpoint,
         enable_chunked_prefill=True,
         max_num_batched_tokens=10,
         max_num_seqs=2,
@@ -118,19 +108,19 @@ def test_chunked_prefill_splits_an_image_over_steps(checkpoint, reference, image
     cases = [(ONE, [images[0]]), (TWO, images[1:3]), (SYSTEM + ONE, [images[3]])]
     outs = generate(llm, cases)
     for (text, imgs), out in zip(cases, outs, strict=True):
-        assert out.outputs[0].token_ids == reference.greedy(text, imgs, NEW_TOKENS), text
+        assert out.outputs[0].token_ids == llava_reference.greedy(text, imgs, NEW_TOKENS), text
     encoded, hits = encoder_runs(llm)
     assert encoded == 4  # (once per image, not once per chunk)
     assert hits > 0  # (the later chunks' slices)
 
 
-def test_prefix_cache_keys_image_blocks_by_the_image(checkpoint, reference, images):
-    llm = build(checkpoint, enable_prefix_caching=True)
+def test_prefix_cache_keys_image_blocks_by_the_image(llava_checkpoint, llava_reference, images):
+    llm = build(llava_checkpoint, enable_prefix_caching=True)
     prompt = SYSTEM + ONE
     (first,) = generate(llm, [(prompt, [images[0]])])
     encoded, _ = encoder_runs(llm)
     offset = first.prompt_token_ids.index(
-        reference.processor.tokenizer.convert_tokens_to_ids("<image>")
+        llava_reference.processor.tokenizer.convert_tokens_to_ids("<image>")
     )
     end = offset + NUM_IMAGE_TOKENS
     # The same image: its blocks come from the cache (the image's every full block), and
@@ -144,19 +134,19 @@ def test_prefix_cache_keys_image_blocks_by_the_image(checkpoint, reference, imag
     assert other.num_cached_tokens == offset // 8 * 8 > 0
     assert encoder_runs(llm)[0] == encoded + 1
     for out, image in ((first, images[0]), (same, images[0]), (other, images[1])):
-        assert out.outputs[0].token_ids == reference.greedy(prompt, [image], NEW_TOKENS)
+        assert out.outputs[0].token_ids == llava_reference.greedy(prompt, [image], NEW_TOKENS)
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
 
 
-def test_preemption_recomputes_the_same_tokens(checkpoint, reference, images):
-    llm = build(checkpoint, num_gpu_blocks_override=16, enable_prefix_caching=False)
+def test_preemption_recomputes_the_same_tokens(llava_checkpoint, llava_reference, images):
+    llm = build(llava_checkpoint, num_gpu_blocks_override=16, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
     cases = [(ONE, [images[i]]) for i in range(4)]
     prompts = [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for (text, imgs), out in zip(cases, outs, strict=True):
-        assert out.outputs[0].token_ids == reference.greedy(text, imgs, 40)
+        assert out.outputs[0].token_ids == llava_reference.greedy(text, imgs, 40)
 
 
 def _prompt(data, text=ONE, **extra):
@@ -215,10 +205,10 @@ def test_a_text_model_refuses_images(tmp_path, images):
     assert refused.value.param == "multi_modal_data"
 
 
-def test_given_uuids_are_the_images_identity(checkpoint, images):
+def test_given_uuids_are_the_images_identity(llava_checkpoint, images):
     # vLLM's multi_modal_uuids: the caller's id stands for the image (its encoder output
     # and its KV blocks), as a content hash the engine would compute otherwise.
-    llm = build(checkpoint, enable_prefix_caching=False)
+    llm = build(llava_checkpoint, enable_prefix_caching=False)
     for image in images[:2]:
         prompt = {
             "prompt": ONE,
@@ -245,7 +235,7 @@ class CountingProcessor(LlavaProcessor):
         return super().process(token_ids, data, hashes)
 
 
-def test_a_plugin_registers_the_multimodal_processor(checkpoint, reference, images):
+def test_a_plugin_registers_the_multimodal_processor(llava_checkpoint, llava_reference, images):
     plugin = types.ModuleType("vision_plugin")
 
     @hookimpl
@@ -254,7 +244,7 @@ def test_a_plugin_registers_the_multimodal_processor(checkpoint, reference, imag
 
     plugin.pagedllm_register_multimodal_processors = pagedllm_register_multimodal_processors
     pm = make_plugin_manager(extra_plugins=[("vision_plugin", plugin)])
-    llm = build(checkpoint, plugin_manager=pm)
+    llm = build(llava_checkpoint, plugin_manager=pm)
     (out,) = generate(llm, [(TWO, images[:2])])
     assert CountingProcessor.prompts == [2]
-    assert out.outputs[0].token_ids == reference.greedy(TWO, images[:2], NEW_TOKENS)
+    assert out.outputs[0].token_ids == llava_reference.greedy(TWO, images[:2], NEW_TOKENS)

@@ -11,7 +11,7 @@ import transformers
 
 pytest.importorskip("PIL")
 
-from tiny_llava import IMAGE_SIZE, NUM_IMAGE_TOKENS, llava_llm, make_image, make_llava
+from tiny_llava import IMAGE_SIZE, NUM_IMAGE_TOKENS, llava_llm, make_image
 
 from pagedllm import SamplingParams
 from pagedllm.features.multimodal import DEFAULT_CACHE_ROWS
@@ -21,30 +21,25 @@ PROMPT = "USER: <image>\nWhat? ASSISTANT:"
 SPACE_GIB = 0.015
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-def block_bytes(checkpoint: Path, block_size: int) -> int:
+def block_bytes(llava_checkpoint: Path, block_size: int) -> int:
     """One KV block of the text model in float32: keys and values of every layer."""
-    text = transformers.AutoConfig.from_pretrained(checkpoint).text_config
+    text = transformers.AutoConfig.from_pretrained(llava_checkpoint).text_config
     head_dim = text.hidden_size // text.num_attention_heads
     return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * block_size * 4
 
 
 @pytest.mark.parametrize("rows", [None, 20000])
-def test_the_kv_cache_leaves_room_for_the_encoder_cache(checkpoint, monkeypatch, rows):
+def test_the_kv_cache_leaves_room_for_the_encoder_cache(llava_checkpoint, monkeypatch, rows):
     monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", str(SPACE_GIB))
     if rows is not None:
         monkeypatch.setenv("PAGEDLLM_ENCODER_CACHE_ROWS", str(rows))
-    llm = llava_llm(checkpoint, num_gpu_blocks_override=None)
+    llm = llava_llm(llava_checkpoint, num_gpu_blocks_override=None)
     engine = llm.llm_engine
     step = engine.config.scheduler_config.max_num_batched_tokens
     cache_rows = max(rows or DEFAULT_CACHE_ROWS, step)
-    hidden = transformers.AutoConfig.from_pretrained(checkpoint).text_config.hidden_size
+    hidden = transformers.AutoConfig.from_pretrained(llava_checkpoint).text_config.hidden_size
     reserved = cache_rows * hidden * 4  # (float32 rows of the text model's width)
-    per_block = block_bytes(checkpoint, 8)
+    per_block = block_bytes(llava_checkpoint, 8)
     budget = int(SPACE_GIB * 2**30)
     num_blocks = engine.kv_manager.num_blocks
     assert num_blocks == (budget - reserved) // per_block
@@ -52,21 +47,21 @@ def test_the_kv_cache_leaves_room_for_the_encoder_cache(checkpoint, monkeypatch,
     llm.llm_engine.shutdown()
 
 
-def test_bad_encoder_cache_rows_are_refused(checkpoint, monkeypatch):
+def test_bad_encoder_cache_rows_are_refused(llava_checkpoint, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ENCODER_CACHE_ROWS", "lots")
     with pytest.raises(Exception, match="PAGEDLLM_ENCODER_CACHE_ROWS"):
-        llava_llm(checkpoint)
+        llava_llm(llava_checkpoint)
 
 
-def test_the_profiled_step_encodes_an_image_of_the_largest_size(checkpoint):
+def test_the_profiled_step_encodes_an_image_of_the_largest_size(llava_checkpoint):
     # (a device that measures its peak, CUDA's, runs this before sizing the KV cache)
-    llm = llava_llm(checkpoint)
+    llm = llava_llm(llava_checkpoint)
     engine = llm.llm_engine
     extension = engine.extensions["multimodal"]
     payload = extension.profile_payload()
     assert payload[0] == "image" and tuple(payload[1].shape[-2:]) == (IMAGE_SIZE, IMAGE_SIZE)
     output = type(extension).profile_on_rank(payload, engine.executor.worker)
-    hidden = transformers.AutoConfig.from_pretrained(checkpoint).text_config.hidden_size
+    hidden = transformers.AutoConfig.from_pretrained(llava_checkpoint).text_config.hidden_size
     assert tuple(output.shape) == (NUM_IMAGE_TOKENS, hidden)
     layout, _ = engine.executor.kv_cache_layout(engine.loaded)
     throwaway = engine.executor.profile(
@@ -79,10 +74,12 @@ def test_the_profiled_step_encodes_an_image_of_the_largest_size(checkpoint):
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_cancelled_image_requests_leave_the_encoder_cache_within_its_rows(
-    checkpoint, monkeypatch, reuse
+    llava_checkpoint, monkeypatch, reuse
 ):
     monkeypatch.setenv("PAGEDLLM_ENCODER_CACHE_ROWS", "60")
-    llm = llava_llm(checkpoint, max_num_batched_tokens=64, disable_mm_preprocessor_cache=not reuse)
+    llm = llava_llm(
+        llava_checkpoint, max_num_batched_tokens=64, disable_mm_preprocessor_cache=not reuse
+    )
     engine = llm.llm_engine
     (runner,) = [e for e in engine.runner.extensions if e.name == "multimodal"]
     assert runner.cache.max_rows == 64  # (--max-num-batched-tokens is the floor)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("PIL")
 
 from image_fixtures import data_url, png_of
-from tiny_llava import LlavaReference, encoder_runs, llava_llm, make_image, make_llava
+from tiny_llava import encoder_runs, llava_llm, make_image
 
 from pagedllm import SamplingParams
 from pagedllm.core.errors import InvalidRequestError
@@ -24,23 +24,13 @@ RAW = {"do_normalize": False}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return LlavaReference(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def images():
     return [make_image(kind) for kind in range(3)]
 
 
-def build(checkpoint, **kwargs):
+def build(llava_checkpoint, **kwargs):
     kwargs.setdefault("enable_prefix_caching", False)
-    return llava_llm(checkpoint, **kwargs)
+    return llava_llm(llava_checkpoint, **kwargs)
 
 
 def tokens(llm, prompt):
@@ -49,9 +39,11 @@ def tokens(llm, prompt):
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint, tmp_path_factory):
+def llm(llava_checkpoint, tmp_path_factory):
     media = tmp_path_factory.mktemp("media")
-    return build(checkpoint, allowed_local_media_path=str(media), limit_mm_per_prompt={"image": 1})
+    return build(
+        llava_checkpoint, allowed_local_media_path=str(media), limit_mm_per_prompt={"image": 1}
+    )
 
 
 def test_the_engine_enforces_limit_mm_per_prompt(llm, images):
@@ -62,15 +54,19 @@ def test_the_engine_enforces_limit_mm_per_prompt(llm, images):
     assert tokens(llm, {"prompt": ONE, "multi_modal_data": {"image": images[0]}})
 
 
-def test_mm_processor_kwargs_reach_the_image_processor(checkpoint, llm, reference, images):
-    expected = reference.greedy(ONE, [images[0]], NEW_TOKENS, **RAW)
-    assert expected != reference.greedy(ONE, [images[0]], NEW_TOKENS)  # (a test that can fail)
+def test_mm_processor_kwargs_reach_the_image_processor(
+    llava_checkpoint, llm, llava_reference, images
+):
+    expected = llava_reference.greedy(ONE, [images[0]], NEW_TOKENS, **RAW)
+    assert expected != llava_reference.greedy(
+        ONE, [images[0]], NEW_TOKENS
+    )  # (a test that can fail)
     # The prompt's options, then the engine's flag.
     prompt = {"prompt": ONE, "multi_modal_data": {"image": images[0]}}
     assert tokens(llm, {**prompt, "mm_processor_kwargs": RAW}) == expected
     # (other options make another encoder output: not the cached one of the default)
-    assert tokens(llm, prompt) == reference.greedy(ONE, [images[0]], NEW_TOKENS)
-    flagged = build(checkpoint, mm_processor_kwargs=RAW)
+    assert tokens(llm, prompt) == llava_reference.greedy(ONE, [images[0]], NEW_TOKENS)
+    flagged = build(llava_checkpoint, mm_processor_kwargs=RAW)
     assert tokens(flagged, prompt) == expected
     with pytest.raises(InvalidRequestError, match="mm_processor_kwargs"):
         tokens(flagged, {**prompt, "mm_processor_kwargs": {"no_such_option": 1}})
@@ -78,16 +74,16 @@ def test_mm_processor_kwargs_reach_the_image_processor(checkpoint, llm, referenc
         tokens(flagged, {**prompt, "mm_processor_kwargs": "do_normalize"})
 
 
-def test_disable_mm_preprocessor_cache_encodes_each_request_again(checkpoint, images):
+def test_disable_mm_preprocessor_cache_encodes_each_request_again(llava_checkpoint, images):
     prompt = {"prompt": ONE, "multi_modal_data": {"image": images[1]}}
-    shared = build(checkpoint)
+    shared = build(llava_checkpoint)
     tokens(shared, prompt)
     tokens(shared, prompt)
     assert encoder_runs(shared)[0] == 1
     # 10 tokens a step: the image's 25 placeholders span several steps, which still take
     # slices of the request's one encoder output.
     alone = build(
-        checkpoint,
+        llava_checkpoint,
         disable_mm_preprocessor_cache=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=10,
@@ -98,7 +94,7 @@ def test_disable_mm_preprocessor_cache_encodes_each_request_again(checkpoint, im
     assert encoder_runs(alone)[0] == 2
 
 
-def test_chat_takes_image_parts(llm, reference, images, tmp_path):
+def test_chat_takes_image_parts(llm, llava_reference, images, tmp_path):
     path = llm.llm_engine.config.model_config.allowed_local_media_path
     from pathlib import Path
 
@@ -112,10 +108,12 @@ def test_chat_takes_image_parts(llm, reference, images, tmp_path):
     for image, part in parts:
         messages = [{"role": "user", "content": [{"type": "text", "text": "What?"}, part]}]
         (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
-        rendered = reference.render(
+        rendered = llava_reference.render(
             [{"role": "user", "content": [{"type": "text", "text": "What?"}, {"type": "image"}]}]
         )
-        assert out.outputs[0].token_ids == reference.greedy(rendered, [image], NEW_TOKENS), part
+        assert out.outputs[0].token_ids == llava_reference.greedy(rendered, [image], NEW_TOKENS), (
+            part
+        )
     outside = {"type": "image_url", "image_url": {"url": (tmp_path / "x.png").as_uri()}}
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.image_url"):
         llm.chat([{"role": "user", "content": [outside]}], GREEDY, use_tqdm=False)

@@ -17,7 +17,6 @@ from tiny_llava import (
     encoder_runs,
     llava_llm,
     make_image,
-    make_llava,
 )
 
 from pagedllm import SamplingParams
@@ -32,13 +31,10 @@ TWO = "USER: <image> and <image>\nHow do they differ? ASSISTANT:"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return llava_llm(checkpoint, enable_prefix_caching=False, limit_mm_per_prompt={"image": 1})
+def llm(llava_checkpoint):
+    return llava_llm(
+        llava_checkpoint, enable_prefix_caching=False, limit_mm_per_prompt={"image": 1}
+    )
 
 
 def tokens(llm, prompt):
@@ -46,7 +42,7 @@ def tokens(llm, prompt):
     return out.outputs[0].token_ids
 
 
-def test_a_prepared_prompt_pickles_and_generates_transformers_tokens(llm, checkpoint):
+def test_a_prepared_prompt_pickles_and_generates_transformers_tokens(llm, llava_checkpoint):
     image = make_image(1)
     engine = llm.llm_engine
     raw = {"prompt": ONE, "multi_modal_data": {"image": image}}
@@ -66,7 +62,7 @@ def test_a_prepared_prompt_pickles_and_generates_transformers_tokens(llm, checkp
     assert encoder_runs(llm)[0] == encoded_before + 1
     assert out.prompt == ONE
     assert out.prompt_token_ids == processed.token_ids
-    expected = LlavaReference(checkpoint).greedy(ONE, [image], NEW_TOKENS)
+    expected = LlavaReference(llava_checkpoint).greedy(ONE, [image], NEW_TOKENS)
     assert out.outputs[0].token_ids == expected
     assert tokens(llm, raw) == expected  # (the raw form, processed on this thread)
 
