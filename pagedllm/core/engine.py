@@ -149,11 +149,13 @@ class LLMEngine:
         num_blocks = num_kv_blocks(
             config, bytes_per_block, self.max_model_len, reserved=int(use_graphs)
         )
+        events = config.kv_events_config
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
+            enable_kv_cache_events=events is not None and events.enable_kv_cache_events,
         )
         # Each rank's runner gets the extensions' runner sides, by name.
         runner_sides = {e.name: p for e in extensions if (p := e.runner_payload()) is not None}
@@ -162,7 +164,7 @@ class LLMEngine:
             extension.kv_cache_ready(self, num_blocks)
         self._hooks = {
             hook: overriding(extensions, StepExtension, hook)
-            for hook in ("check_params", "new_parent", "new_request", "process_prompt")
+            for hook in ("check_params", "new_parent", "new_request", "process_prompt", "step_done")
         }
         # Which extension reads each key of a prompt dict beside the prompt itself.
         self._prompt_keys = {key: e for e in extensions for key in e.prompt_keys}
@@ -216,7 +218,17 @@ class LLMEngine:
         processed = self.output_processor.process(scheduler_output, updated, result)
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
+        for extension in self._hooks["step_done"]:
+            extension.step_done()
         return processed.outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the blocks stay, their hashes go). Refused (False,
+        nothing changed) while a request holds blocks."""
+        done = self.kv_manager.reset_prefix_cache()
+        for extension in self._hooks["step_done"]:
+            extension.step_done()
+        return done
 
     def take_failures(self) -> dict[str, BaseException]:
         """Requests that failed (and were aborted) since the last call: id -> error."""

@@ -80,6 +80,9 @@ class ParallelConfig(Config):
     data_parallel_rpc_port: int | None = setting(
         None, min=0, min_exclusive=True, max=65535, range_hint="must be a TCP port"
     )
+    # Which data-parallel replica this engine is (its replica process sets it): e.g. the
+    # rank its KV events carry.
+    data_parallel_rank: int = 0
     # How many ranks load their weights at once (None: all).
     max_parallel_loading_workers: int | None = setting(None, min=1)
 
