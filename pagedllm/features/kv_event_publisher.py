@@ -85,6 +85,9 @@ class KVEventBatch(EventBatch):
 
 # pagedllm has one KV-cache group (every layer shares the block tables): vLLM's group 0.
 _GROUP = 0
+# Where the blocks live, in vLLM's words: "GPU" is the engine's own KV cache (on any device;
+# "CPU" and "STORAGE" are vLLM's offloading tiers).
+_MEDIUM = "GPU"
 
 
 def to_wire(event: core_events.KVCacheEvent) -> KVCacheEvent:
@@ -95,13 +98,14 @@ def to_wire(event: core_events.KVCacheEvent) -> KVCacheEvent:
             parent_block_hash=event.parent_block_hash,
             token_ids=event.token_ids,
             block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=event.medium,
-            lora_name=event.lora_name,
+            # (an adapter's blocks have hashes of their own: its id is in them)
+            lora_id=None,
+            medium=_MEDIUM,
+            lora_name=None,
             group_idx=_GROUP,
         )
     if isinstance(event, core_events.BlockRemoved):
-        return BlockRemoved(block_hashes=event.block_hashes, medium=event.medium, group_idx=_GROUP)
+        return BlockRemoved(block_hashes=event.block_hashes, medium=_MEDIUM, group_idx=_GROUP)
     if isinstance(event, core_events.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(f"not a KV-cache event: {event!r}")

@@ -4,9 +4,10 @@ The block pool records, when events are on, a ``BlockStored`` when full blocks e
 prefix cache (their chain hashes, the hash of the block before the first one, their token
 ids), a ``BlockRemoved`` when a cached block's hash is dropped (evicted, or unverified
 after a preemption) and an ``AllBlocksCleared`` when the prefix cache is reset. The fields
-and their order are vLLM's (``vllm.distributed.kv_events``), so a publisher turns them into
-vLLM's wire format field by field; the engine hands them to its step extensions once per
-step (see :class:`~pagedllm.core.interfaces.extension.StepExtension.step_done`).
+and their order are vLLM's (``vllm.distributed.kv_events``, less the fields the core has no
+value for), so a publisher turns them into vLLM's wire format field by field. A step
+extension takes them (``KVCacheManager.take_events``) once per step (see
+:meth:`~pagedllm.core.interfaces.extension.StepExtension.step_done`).
 
 The hashes are pagedllm's prefix-cache hashes (not vLLM's): a router compares them for
 equality and follows parent links only. One that fits in 64 bits is published as an int,
@@ -25,9 +26,6 @@ logger = logging.getLogger("pagedllm.kv_cache")
 
 ExternalBlockHash = int | bytes
 
-# Where the blocks live, in vLLM's words ("GPU": the engine's own KV cache, on any device).
-MEDIUM_GPU = "GPU"
-
 
 def external_hash(hash_value: int) -> ExternalBlockHash:
     """A block's hash as events carry it: an int where msgpack holds it, else 32 bytes."""
@@ -42,17 +40,13 @@ class BlockStored:
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-    # (vLLM's further fields, which the core has no value for, are left at their defaults
-    # by the publisher, except group_idx: the one KV-cache group, 0.)
+    # (vLLM's other fields, where the blocks live and whose adapter wrote them, are the
+    # publisher's to fill.)
 
 
 @dataclasses.dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[ExternalBlockHash]
-    medium: str | None = MEDIUM_GPU
 
 
 @dataclasses.dataclass(slots=True)
