@@ -161,11 +161,13 @@ class LLMEngine:
             reserved=int(use_graphs),
             reserved_bytes=sum(reserved_bytes.values()),
         )
+        events = config.kv_events_config
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
+            enable_kv_cache_events=events is not None and events.enable_kv_cache_events,
         )
         # Each rank's runner gets the extensions' runner sides, by name.
         runner_sides = {e.name: p for e in extensions if (p := e.runner_payload()) is not None}
@@ -180,6 +182,7 @@ class LLMEngine:
                 "new_request",
                 "process_prompt",
                 "prepare_prompt",
+                "step_done",
             )
         }
         # Which extension reads each key of a prompt dict beside the prompt itself.
@@ -234,7 +237,17 @@ class LLMEngine:
         processed = self.output_processor.process(scheduler_output, updated, result)
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
+        for extension in self._hooks["step_done"]:
+            extension.step_done()
         return processed.outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the blocks stay, their hashes go). Refused (False,
+        nothing changed) while a request holds blocks."""
+        done = self.kv_manager.reset_prefix_cache()
+        for extension in self._hooks["step_done"]:
+            extension.step_done()
+        return done
 
     def take_failures(self) -> dict[str, BaseException]:
         """Requests that failed (and were aborted) since the last call: id -> error."""

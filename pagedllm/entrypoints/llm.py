@@ -127,6 +127,23 @@ class LLM:
         # the cycle now so the KV cache and weights go back to the allocator here.
         gc.collect()
 
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget every cached prompt prefix (with --kv-events-config, subscribers get an
+        AllBlocksCleared). False, and nothing changed, while a request holds blocks."""
+        if reset_running_requests:
+            raise ValueError(
+                "reset_prefix_cache(reset_running_requests=True) is not supported: pagedllm "
+                "resets the prefix cache only while no request holds blocks (it returns "
+                "False otherwise)"
+            )
+        if reset_connector:
+            raise ValueError(
+                "reset_prefix_cache(reset_connector=True): pagedllm has no KV connector"
+            )
+        return self.llm_engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -14,7 +14,19 @@ __all__ = ["StepExtension", "StepOutcome"]
 @hookimpl
 def pagedllm_register_step_extensions(registry):
     registry.add("guided", "pagedllm.features.guided:GuidedExtension")
+    registry.add("kv_events", "pagedllm.features.kv_events:KVEventsExtension")
     registry.add("lora", "pagedllm.features.lora:LoRAExtension")
     registry.add("multimodal", "pagedllm.features.multimodal:MultiModalExtension")
     registry.add("pooling", "pagedllm.features.pooling:PoolingExtension")
     registry.add("spec", "pagedllm.features.speculative:SpeculativeExtension")
+
+
+@hookimpl
+def pagedllm_update_config(config):
+    # (An unknown --kv-events-config publisher, or a missing package, is refused before
+    # the model loads.)
+    events = config.kv_events_config
+    if events is not None and events.enable_kv_cache_events:
+        from pagedllm.features.kv_events import publisher_class
+
+        publisher_class(events.publisher)

@@ -205,8 +205,10 @@ class SchedulingArgs:
     kv_events_config: dict[str, Any] | None = arg(
         None,
         group="PagedLLMConfig",
-        help="JSON settings for publishing KV-cache events.",
-        unbuilt=UNSUPPORTED["kv_events_config"],
+        help="JSON settings for publishing KV-cache events over ZeroMQ, with vLLM's keys and "
+        'wire format, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' '
+        "(needs pyzmq and msgspec: pip install pagedllm[kv-events]).",
     )
     additional_config: dict[str, Any] = arg(
         {},

@@ -83,6 +83,9 @@ class ParallelConfig(Config):
     # Who starts the replicas: "mp" (processes of each node) or "ray" (Ray actors placed
     # by a placement group, on the Ray cluster's nodes).
     data_parallel_backend: str = setting("mp", choices=("mp", "ray"))
+    # Which data-parallel replica this engine is (its replica process sets it): e.g. the
+    # rank its KV events carry.
+    data_parallel_rank: int = 0
     # How many ranks load their weights at once (None: all).
     max_parallel_loading_workers: int | None = setting(None, min=1)
 

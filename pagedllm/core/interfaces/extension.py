@@ -40,6 +40,9 @@ Lifecycle of one request, with the hooks in call order:
 5. after: :meth:`read_outputs` (what the step produced for it), :meth:`check_token` for
    each new token;
 6. it finishes (stopped, capped, aborted, pooled): :meth:`request_finished`.
+
+After each step (and after the engine changed its KV cache between steps):
+:meth:`step_done`.
 """
 
 from __future__ import annotations
@@ -279,6 +282,12 @@ class StepExtension(ABC):
         """Once per step, what the step produced for the requests this extension handles,
         by request id (the others take their sampled token)."""
         return {}
+
+    def step_done(self) -> None:
+        """Once per step, after its outputs are made, and after the engine changed its KV
+        cache between steps (``LLMEngine.reset_prefix_cache``): e.g. publish the KV
+        cache's events (``engine.kv_manager.take_events()``). Must not block."""
+        return
 
     def check_token(self, request: Request, token: int) -> RequestStatus | None:
         """After each new token of a request carrying this extension's state (and after the

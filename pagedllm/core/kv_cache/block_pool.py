@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
+from pagedllm.core.kv_cache.events import KVEventLog
 from pagedllm.core.kv_cache.hashing import BlockHash
 
 
@@ -111,13 +112,18 @@ class BlockPool:
         "blocks",
         "cached_block_hash_to_block",
         "enable_caching",
+        "events",
         "peak_in_use",
     )
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.enable_caching = enable_caching
+        # Where the prefix cache's changes are recorded (KV-cache events), None: nowhere.
+        self.events = events
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self._next_untouched = 0
         self._freed = FreeBlockQueue()
@@ -187,6 +193,8 @@ class BlockPool:
         block.block_hash = None
         if self.cached_block_hash_to_block.get(block_hash) is block:
             del self.cached_block_hash_to_block[block_hash]
+            if self.events is not None:
+                self.events.removed(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block, pulling free ones out of the queue."""
@@ -221,16 +229,28 @@ class BlockPool:
         if not self.enable_caching:
             return
         assert num_full_blocks <= len(blocks) and num_full_blocks <= len(block_hashes)
+        # (With events: the first index of the run of blocks hashed here so far.)
+        run_start = None
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             block_hash = block_hashes[index]
-            if block.block_hash is not None:
-                assert block.block_hash == block_hash, "block reused with other content"
-                continue
-            if block_hash in self.cached_block_hash_to_block:
+            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+                assert block.block_hash in (None, block_hash), "block reused with other content"
+                self._announce(block_hashes, run_start, index)
+                run_start = None
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if run_start is None:
+                run_start = index
+        self._announce(block_hashes, run_start, num_full_blocks)
+
+    def _announce(self, block_hashes: Sequence[BlockHash], start: int | None, end: int) -> None:
+        """Record ``block_hashes[start:end]`` as stored (a BlockStored event each run of
+        consecutive blocks, chained on the block before it); None: nothing to record."""
+        if self.events is not None and start is not None:
+            parent = block_hashes[start - 1] if start > 0 else None
+            self.events.stored(block_hashes[start:end], parent)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (returns False, changes nothing) while any block is
@@ -240,4 +260,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

@@ -28,6 +28,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from pagedllm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache.events import KVCacheEvent, KVEventLog
 from pagedllm.core.kv_cache.hashing import (
     HASH_ALGOS,
     BlockHash,
@@ -83,6 +84,8 @@ class KVCacheManager:
     block_size: int
     enable_caching: bool = True
     hash_algo: str = "builtin"
+    # Record the prefix cache's changes as KV-cache events (see take_events).
+    enable_kv_cache_events: bool = False
     block_pool: BlockPool = dataclasses.field(init=False, repr=False)
     prefix_cache_stats: PrefixCacheStats = dataclasses.field(init=False, repr=False)
     total_prefix_cache_stats: PrefixCacheStats = dataclasses.field(init=False, repr=False)
@@ -104,7 +107,8 @@ class KVCacheManager:
                 f"unknown prefix-cache hash algorithm {self.hash_algo!r}; "
                 f"choose one of {HASH_ALGOS}"
             )
-        self.block_pool = BlockPool(self.num_blocks, self.enable_caching)
+        events = KVEventLog(self.block_size) if self.enable_kv_cache_events else None
+        self.block_pool = BlockPool(self.num_blocks, self.enable_caching, events)
         self.prefix_cache_stats = PrefixCacheStats()
         self.total_prefix_cache_stats = PrefixCacheStats()
         self._hash_fn = get_hash_fn(self.hash_algo)
@@ -330,6 +334,11 @@ class KVCacheManager:
         if done:
             self._tails.clear()
         return done
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first (none when they are off)."""
+        events = self.block_pool.events
+        return events.take() if events is not None else []
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         """Return the counts since the last call and start a new interval."""

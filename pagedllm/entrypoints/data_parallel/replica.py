@@ -179,7 +179,9 @@ def replica_main(spec: ReplicaSpec, status: Connection) -> None:
     from pagedllm.core.plugins import make_plugin_manager
 
     try:
-        engine = AsyncLLMEngine(spec.config, make_plugin_manager())
+        parallel = spec.config.parallel_config.replace(data_parallel_rank=spec.index)
+        config = spec.config.replace(parallel_config=parallel)
+        engine = AsyncLLMEngine(config, make_plugin_manager())
         replica = Replica(engine, spec.index)
         listener = AuthenticatedListener(
             (spec.host, 0), spec.authkey, replica.connected, f"pagedllm-replica-{spec.index}"
