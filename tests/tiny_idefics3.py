@@ -45,10 +45,13 @@ KINDS = {
 }
 
 
-def make_idefics3(directory: Path, kind: str = "idefics3", seed: int = 0) -> Path:
+def make_idefics3(
+    directory: Path, kind: str = "idefics3", seed: int = 0, *, tied: bool = False
+) -> Path:
     """Save a tiny random ``Idefics3ForConditionalGeneration`` (or, ``kind="smolvlm"``,
     ``SmolVLMForConditionalGeneration``), its image processor and the test tokenizer with
-    the image tokens and the chat template."""
+    the image tokens and the chat template. ``tied``: the head is the input embedding
+    (the checkpoint saves no ``lm_head``)."""
     config_cls, vision_cls, model_cls, image_processor_cls = KINDS[kind]
     tokenizer = make_tokenizer(directory)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
@@ -81,6 +84,7 @@ def make_idefics3(directory: Path, kind: str = "idefics3", seed: int = 0) -> Pat
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=SCALE,
         pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(directory)

@@ -5,6 +5,7 @@ image tokens, as LLaVA's does)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import torch
@@ -35,8 +36,12 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
         max_positions: int | None = None,
         disable_sliding_window: bool = False,
     ) -> None:
+        text = copy.deepcopy(config.text_config)
+        # (the whole model's flag ties the head, as in transformers: a tied checkpoint
+        # saves no lm_head)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         super().__init__(
-            config.text_config,
+            text,
             quant_config,
             max_positions=max_positions,
             disable_sliding_window=disable_sliding_window,

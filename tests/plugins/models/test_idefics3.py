@@ -157,6 +157,15 @@ def test_preemption_recomputes_the_same_tokens(checkpoint, reference, images):
         assert out.outputs[0].token_ids == reference.greedy(text, imgs, 40)
 
 
+def test_a_tied_head_is_the_input_embedding(tmp_path, images):
+    checkpoint = make_idefics3(tmp_path, "smolvlm", seed=2, tied=True)
+    reference = Idefics3Reference(checkpoint, "smolvlm")
+    model = reference.model
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    (out,) = generate(build(checkpoint), [(ONE, [images[0]])])
+    assert out.outputs[0].token_ids == reference.greedy(ONE, [images[0]], NEW_TOKENS)
+
+
 @pytest.mark.parametrize(
     "options", [{"do_image_splitting": False}, {"size": {"longest_edge": 48}}], ids=str
 )
