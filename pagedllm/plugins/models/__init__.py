@@ -4,6 +4,7 @@ from pagedllm.core.hookspecs import hookimpl
 
 _LLAMA = "pagedllm.plugins.models.llama"
 _QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+_IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 
 @hookimpl
@@ -33,6 +34,8 @@ def pagedllm_register_models(registry):
     )
     for name in _QWEN_VL:
         registry.add(name, f"pagedllm.plugins.models.qwen2_vl:{name}")
+    for name in _IDEFICS3:
+        registry.add(name, f"pagedllm.plugins.models.idefics3:{name}")
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -57,3 +60,5 @@ def pagedllm_register_multimodal_processors(registry):
     )
     for name in _QWEN_VL:
         registry.add(name, "pagedllm.plugins.models.qwen2_vl_processor:Qwen2VLProcessor")
+    for name in _IDEFICS3:
+        registry.add(name, "pagedllm.plugins.models.idefics3_processor:Idefics3Processor")

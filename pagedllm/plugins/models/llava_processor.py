@@ -7,7 +7,7 @@ prompts hold one placeholder token per image (Qwen2-VL's)."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.interfaces.multimodal import (
@@ -26,6 +26,8 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
     modalities = ("image",)
     # (options go to the image processor's call: e.g. do_normalize, image_mean)
     takes_processor_kwargs = True
+    #: Keyword arguments every call of the image processor takes (not the user's options).
+    call_kwargs: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, image_processor: Any, image_token_id: int) -> None:
         self.image_processor = image_processor
@@ -103,7 +105,9 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         if image.mode != "RGB":
             image = image.convert("RGB")
         try:
-            return self.image_processor(images=[image], return_tensors="pt", **kwargs)
+            return self.image_processor(
+                images=[image], return_tensors="pt", **self.call_kwargs, **kwargs
+            )
         except Exception as exc:
             if kwargs:
                 raise InvalidRequestError(
