@@ -6,12 +6,14 @@ image tokens, as LLaVA's does)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
+from pagedllm.plugins.models.common import float_part_weights
 from pagedllm.plugins.models.idefics3_vision import Idefics3Connector, Idefics3VisionTransformer
 from pagedllm.plugins.models.llama import LlamaForCausalLM
 from pagedllm.plugins.models.llava import LlavaTextModel
@@ -48,6 +50,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
         )
         self.vision_model = Idefics3VisionTransformer(config.vision_config)
         self.connector = Idefics3Connector(config)
+        # (the tower and the connector stay in floats: quant_config is the text model's)
+        self.quantization = None if quant_config is None else quant_config.name
 
     def checkpoint_name(self, name: str) -> str | None:
         for old, new in _RENAMES:
@@ -55,6 +59,17 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
                 name = new + name[len(old) :]
                 break
         return super().checkpoint_name(name)
+
+    def prepare_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return float_part_weights(
+            self,
+            super().prepare_weights(weights),
+            ("vision_model.", "connector."),
+            "vision tower",
+            self.quantization,
+        )
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """A crop's features: ``inputs`` is its pixel values ``[1, 3, H, W]`` and pixel

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.interfaces.multimodal import MultiModalItem, ProcessedPrompt, content_hash
 from pagedllm.plugins.models.llava_processor import ImagePlaceholderProcessor
@@ -84,6 +86,13 @@ class Idefics3Processor(ImagePlaceholderProcessor):
                 f"(max_image_size longest_edge {self.crop_size})",
             )
         return (pixels, mask.bool(), rows, cols), pixels.shape[0] * self.seq_len, None
+
+    def largest_item(self, options: dict[str, Any]) -> MultiModalItem | None:
+        # (every item is one crop of the encoder's size: the largest too)
+        size = self.crop_size
+        pixels = torch.zeros(1, 3, size, size)
+        mask = torch.ones(1, size, size, dtype=torch.bool)
+        return MultiModalItem("image", "largest", (pixels, mask), 0, self.seq_len)
 
     def expansion(self, rows: int, cols: int) -> list[int]:
         key = (rows, cols)

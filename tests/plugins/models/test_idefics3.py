@@ -206,3 +206,27 @@ def test_padded_patches_are_masked_as_transformers(reference):
         got = ours(pixels, mask)
     valid = patch_mask.reshape(2, -1)
     torch.testing.assert_close(got[valid], expected[valid])
+
+
+def test_fp8_at_load_quantizes_the_text_model_only(checkpoint, images):
+    llm = build(checkpoint, quantization="fp8")
+    model = llm.llm_engine.loaded.model
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    floats = {
+        p.dtype for name, p in model.named_parameters() if name.startswith(("vision_", "conn"))
+    }
+    assert floats == {torch.float32}
+    (out,) = generate(llm, [(ONE, [images[0]])])
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS
+    llm.llm_engine.shutdown()
+
+
+def test_the_largest_item_is_one_crop_the_encoder_takes(llm):
+    # (what the KV-cache sizing encodes, on a device that profiles a step)
+    processor = llm.llm_engine.extensions["multimodal"].processor
+    item = processor.largest_item({})
+    model = llm.llm_engine.loaded.model
+    with torch.no_grad():
+        features = model.encode("image", item.inputs)
+    assert item.length == IMAGE_SEQ_LEN
+    assert tuple(features.shape) == (IMAGE_SEQ_LEN, model.config.hidden_size)
