@@ -97,8 +97,9 @@ def make_idefics3(
 
 class Idefics3Reference:
     """transformers' model and processor of a checkpoint: greedy tokens for a prompt with
-    images, as ``generate`` makes them in float32. (SmolVLMProcessor needs the num2words
-    package, which is not installed; Idefics3Processor expands an image the same way.)"""
+    images, as ``generate`` makes them in float32. (transformers' SmolVLMProcessor needs
+    a video processor, hence torchvision, which is not installed; Idefics3Processor expands
+    an image the same way.)"""
 
     def __init__(self, directory: Path, kind: str = "idefics3") -> None:
         _, _, model_cls, image_processor_cls = KINDS[kind]
