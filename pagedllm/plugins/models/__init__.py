@@ -33,6 +33,10 @@ def pagedllm_register_models(registry):
     )
     for name in _QWEN_VL:
         registry.add(name, f"pagedllm.plugins.models.qwen2_vl:{name}")
+    registry.add(
+        "Gemma3ForConditionalGeneration",
+        "pagedllm.plugins.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    )
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -57,3 +61,7 @@ def pagedllm_register_multimodal_processors(registry):
     )
     for name in _QWEN_VL:
         registry.add(name, "pagedllm.plugins.models.qwen2_vl_processor:Qwen2VLProcessor")
+    registry.add(
+        "Gemma3ForConditionalGeneration",
+        "pagedllm.plugins.models.gemma3_processor:Gemma3Processor",
+    )
