@@ -205,3 +205,34 @@ def test_a_backend_without_bidirectional_spans_is_refused(checkpoint, monkeypatc
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "dummy_attn")
     with pytest.raises(ConfigError, match="Gemma3ForConditionalGeneration attends.*dummy_attn"):
         llava_llm(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<start_of_image>",
+        "<s>Look:<start_of_image><start_of_image>",
+        "<s>a\n\n<start_of_image>\n\nb",
+        "<s>\n<start_of_image>\n\n\n<start_of_image> two\n",
+        " <start_of_image>x",
+    ],
+)
+def test_the_processor_makes_transformers_token_ids(checkpoint, reference, images, text):
+    import transformers
+
+    from pagedllm.plugins.models.gemma3_processor import Gemma3Processor
+
+    tokenizer = reference.processor.tokenizer
+    processor = Gemma3Processor.from_model(
+        str(checkpoint), transformers.AutoConfig.from_pretrained(checkpoint), tokenizer
+    )
+    count = text.count("<start_of_image>")
+    given = tokenizer.encode(text, add_special_tokens=False)
+    processed = processor.process(given, {"image": images[:count]}, {})
+    expected = reference.processor(images=images[:count], text=text, add_special_tokens=False)
+    assert processed.token_ids == expected["input_ids"][0]
+    # Each item is its image's soft tokens (transformers' token_type_ids == 1).
+    types = expected["token_type_ids"][0]
+    assert [i for i, t in enumerate(types) if t == 1] == [
+        p for item in processed.items for p in range(item.offset, item.offset + item.length)
+    ]
