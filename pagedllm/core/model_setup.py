@@ -421,18 +421,25 @@ def build_model(config: PagedLLMConfig, pm: PluginManager) -> BuiltModel:
 def _check_attention_backend(
     model: torch.nn.Module, architecture: str, config: PagedLLMConfig, pm: PluginManager
 ) -> None:
-    """A model whose attention soft-caps its scores needs a backend that computes it;
-    refused by name before the weights load."""
+    """A model whose attention soft-caps its scores, or attends some of its tokens both ways,
+    needs a backend that computes it; refused by name before the weights load."""
     from pagedllm.core.args.validate import attention_backend_name
     from pagedllm.core.attention import Attention
 
     capped = any(
         isinstance(m, Attention) and m.logits_soft_cap is not None for m in model.modules()
     )
-    if not capped:
+    both_ways = bool(getattr(model, "attends_items_bidirectionally", False))
+    if not capped and not both_ways:
         return
     backend = pm.load("attention_backends", attention_backend_name(config.device_config.device, pm))
-    if not backend.logits_soft_cap:
+    if both_ways and not backend.bidirectional_spans:
+        raise ConfigError(
+            f"{architecture} attends within each of a prompt's items (images) both ways, "
+            f"which the {backend.name} attention backend does not compute (no bidirectional "
+            "spans)"
+        )
+    if capped and not backend.logits_soft_cap:
         raise ConfigError(
             f"{architecture} soft-caps its attention scores (attn_logit_softcapping), which "
             f"the {backend.name} attention backend does not compute"

@@ -50,6 +50,7 @@ class Scheduler(SchedulerInterface):
         self._per_step = overriding(extensions, StepExtension, "begin_step")
         self._masks = overriding(extensions, StepExtension, "token_mask")
         self._readers = overriding(extensions, StepExtension, "read_outputs")
+        self._cutters = overriding(extensions, StepExtension, "schedulable_tokens")
         verifiers = overriding(extensions, StepExtension, "extra_tokens")
         if len(verifiers) > 1:
             raise ConfigError(
@@ -174,6 +175,8 @@ class Scheduler(SchedulerInterface):
             num_known = request.num_tokens - request.num_computed_tokens
             room = extra.extra_tokens(request, budget) if extra and num_known == 1 else 0
             num_new = self._limit(request, num_known + room, budget)
+            if self._cutters and num_known > 1 and request.features:
+                num_new = self._schedulable(request, request.num_computed_tokens, num_new)
             room = max(0, num_new - num_known)
             if num_new <= 0:
                 index += 1
@@ -223,6 +226,10 @@ class Scheduler(SchedulerInterface):
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = self._limit(request, remaining, budget)
+            if self._cutters and request.features:
+                num_new = self._schedulable(request, num_cached, num_new)
+                if num_new <= 0:
+                    break  # (its next piece does not fit in what is left of the step)
             if num_cached + num_new < request.num_tokens:
                 is_long = (
                     self.config.long_prefill_token_threshold > 0
@@ -266,6 +273,13 @@ class Scheduler(SchedulerInterface):
             aborted=aborted,
             blocks_to_copy=self.kv.take_block_copies(),
         )
+
+    def _schedulable(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` as the extensions of ``request`` let it compute from ``start``."""
+        for ext in self._cutters:
+            if ext.name in request.features:
+                num_new = min(num_new, ext.schedulable_tokens(request, start, num_new))
+        return num_new
 
     def _begin_step(self) -> list[tuple[Request, BaseException]]:
         """The extensions' start of a step; finishes (as aborted) the waiting requests they

@@ -59,9 +59,7 @@ class StatLogger:
         # Per step, the tokens it computed; per request and step with a new token, the time
         # since its previous one (vLLM's iteration_tokens_total and
         # inter_token_latency_seconds). Read and cleared by :meth:`take_samples`.
-        self._iteration_tokens: collections.deque[int] = collections.deque(
-            maxlen=MAX_STEP_SAMPLES
-        )
+        self._iteration_tokens: collections.deque[int] = collections.deque(maxlen=MAX_STEP_SAMPLES)
         self._inter_token_latencies: collections.deque[float] = collections.deque(
             maxlen=MAX_STEP_SAMPLES
         )

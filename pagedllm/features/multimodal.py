@@ -72,6 +72,8 @@ class MultiModalExtension(StepExtension):
         processor_kwargs: dict[str, Any] | None = None,
         reuse_across_requests: bool = True,
         row_bytes: int = 0,
+        whole_items: bool = False,
+        max_step_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.processor = processor
@@ -82,6 +84,10 @@ class MultiModalExtension(StepExtension):
         self.max_images = max_images
         self.processor_kwargs = dict(processor_kwargs or {})
         self.reuse_across_requests = reuse_across_requests
+        # --disable-chunked-mm-input (or the model's own need): no step computes part of an
+        # item; then no item may be longer than a step can compute (max_step_tokens).
+        self.whole_items = whole_items
+        self.max_step_tokens = max_step_tokens
 
     @classmethod
     def from_engine(cls, engine: Any) -> MultiModalExtension | None:
@@ -129,6 +135,9 @@ class MultiModalExtension(StepExtension):
             raise ConfigError(
                 f"--mm-processor-kwargs: the {architecture} processor takes no options"
             )
+        step_tokens = sched.max_num_batched_tokens
+        if sched.long_prefill_token_threshold > 0:
+            step_tokens = min(step_tokens, sched.long_prefill_token_threshold)
         return cls(
             processor,
             max(encoder_cache_rows(), sched.max_num_batched_tokens),
@@ -136,6 +145,8 @@ class MultiModalExtension(StepExtension):
             processor_kwargs=mm.mm_processor_kwargs,
             reuse_across_requests=not mm.disable_mm_preprocessor_cache,
             row_bytes=row_bytes,
+            whole_items=sched.disable_chunked_mm_input or processor.needs_whole_items,
+            max_step_tokens=step_tokens,
         )
 
     @classmethod
@@ -301,10 +312,33 @@ class MultiModalExtension(StepExtension):
 
     def new_request(self, request: Request) -> None:
         items = request.features.get(self.name)
+        if items and self.whole_items and self.max_step_tokens is not None:
+            for index, item in enumerate(items):
+                if item.length > self.max_step_tokens:
+                    raise InvalidRequestError(
+                        f"multi_modal_data.{item.modality}",
+                        f"{item.modality} {index} takes {item.length} tokens, more than one "
+                        f"step computes ({self.max_step_tokens}: --max-num-batched-tokens, "
+                        "--long-prefill-token-threshold), and its tokens are computed in one "
+                        "step (--disable-chunked-mm-input, or a model that takes each item "
+                        "whole): raise --max-num-batched-tokens",
+                    )
         if items:
             request.range_keys = tuple(
                 (item.offset, item.offset + item.length, item.content_hash) for item in items
             )
+
+    def schedulable_tokens(self, request: Request, start: int, num_tokens: int) -> int:
+        if not self.whole_items:
+            return num_tokens
+        end = start + num_tokens
+        for item in request.features.get(self.name) or ():
+            item_end = item.offset + item.length
+            if item.offset < end < item_end:
+                # (the step ends before the item; one that began in cached blocks waits
+                # for a step with room for its rest)
+                return max(0, item.offset - start) if item.offset >= start else 0
+        return num_tokens
 
 
 def encoder_cache_rows() -> int:
@@ -393,6 +427,8 @@ class MultiModalRunner(RunnerExtension):
         self.cache = EncoderCache(cache_rows)
         # (a model placing its items' tokens by their grids gets each step's: M-RoPE)
         self.grids = bool(getattr(model, "uses_item_grids", False))
+        # (a model whose items' tokens attend to each other both ways gets their ranges)
+        self.spans = bool(getattr(model, "attends_items_bidirectionally", False))
         # False (--disable-mm-preprocessor-cache): outputs are kept for the chunks of the
         # request that made them only.
         self.reuse = reuse
@@ -401,12 +437,15 @@ class MultiModalRunner(RunnerExtension):
         self.num_cache_hits = 0
 
     def step_input(self, output: SchedulerOutput) -> Any:
-        """``(pieces, grids)``: ``(first row in the step, first row of the item's output,
-        rows, item, cache key)`` for each item whose placeholders this step computes (all or
-        part of them), and where the model uses them, its requests' item grids
-        (:meth:`SupportsMultiModal.set_item_grids`); None: neither."""
+        """``(pieces, grids, spans)``: ``(first row in the step, first row of the item's
+        output, rows, item, cache key)`` for each item whose placeholders this step computes
+        (all or part of them), and where the model uses them, its requests' item grids
+        (:meth:`SupportsMultiModal.set_item_grids`) and the ranges of the items a step's
+        request computes (:meth:`SupportsMultiModal.set_bidirectional_items`); None:
+        none."""
         pieces = []
         grids = []
+        spans: dict[int, tuple[tuple[int, int], ...]] = {}
         offset = 0
         for scheduled in output.scheduled:
             items = scheduled.request.features.get(self.name)
@@ -427,19 +466,29 @@ class MultiModalRunner(RunnerExtension):
                                 f"{item.modality}:{item.content_hash}{scope}",
                             )
                         )
+                if self.spans:
+                    ranges = tuple(
+                        (item.offset, item.offset + item.length)
+                        for item in items
+                        if item.offset < end and item.offset + item.length > start + 1
+                    )
+                    if ranges:
+                        spans[offset] = ranges
                 if self.grids:
                     layout = tuple((i.offset, i.length, i.grid) for i in items if i.grid)
                     if layout:
                         grids.append((offset, start, scheduled.num_new_tokens, layout))
             offset += scheduled.num_new_tokens
-        return (pieces, grids) if pieces or grids else None
+        return (pieces, grids, spans) if pieces or grids or spans else None
 
     def before_forward(self, step: Any, data: Any, built_here: bool) -> None:
         if data is None:
             return
-        data, grids = data
+        data, grids, spans = data
         if grids:
             self.model.set_item_grids(grids)
+        if spans:
+            self.model.set_bidirectional_items(spans)
         if not data:
             return
         rows: list[int] = []

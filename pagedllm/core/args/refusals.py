@@ -67,8 +67,6 @@ UNSUPPORTED: dict[str, str] = {
     "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,
     "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
     "(--speculative-config)" + _LEAVE_OUT,
-    "disable_chunked_mm_input": "pagedllm does not offer this switch of how a prompt's image "
-    "tokens are scheduled" + _LEAVE_OUT,
     # PagedLLMConfig
     "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,

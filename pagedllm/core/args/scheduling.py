@@ -174,8 +174,9 @@ class SchedulingArgs:
     disable_chunked_mm_input: bool = arg(
         False,
         group="SchedulerConfig",
-        help="With chunked prefill, never split one multi-modal item across steps.",
-        unbuilt=UNSUPPORTED["disable_chunked_mm_input"],
+        help="With chunked prefill, never split one multi-modal item across steps: a step "
+        "ends before an image that does not fit in it whole (on by itself for models that "
+        "attend within an image both ways, Gemma 3).",
     )
     disable_hybrid_kv_cache_manager: bool = arg(
         False,

@@ -25,6 +25,9 @@ class PrefillSequence:
     slots: torch.Tensor
     # Masks by sliding window (None = full attention); None when plainly causal.
     masks: dict[int | None, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+    # Context position ranges [start, end) whose query tokens also see the keys after them
+    # up to the range's end (AttentionBackend.with_bidirectional_spans).
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_query_tokens(self) -> int:
@@ -33,8 +36,10 @@ class PrefillSequence:
     def mask(self, sliding_window: int | None) -> torch.Tensor | None:
         if sliding_window not in self.masks:
             context = self.slots.shape[0]
-            if self.num_query_tokens == context and (
-                sliding_window is None or sliding_window >= context
+            if (
+                self.num_query_tokens == context
+                and (sliding_window is None or sliding_window >= context)
+                and not self.bidirectional
             ):
                 # No cached context: plain causal attention.
                 self.masks[sliding_window] = None
@@ -42,6 +47,12 @@ class PrefillSequence:
                 key_pos = torch.arange(context)
                 query_pos = key_pos[context - self.num_query_tokens :]
                 mask = causal_window_mask(query_pos, key_pos, sliding_window)
+                for start, end in self.bidirectional:
+                    # (as transformers' Gemma 3: within a range both ways, and the
+                    # sliding window still bounds how far back a query sees)
+                    inside = (query_pos >= start) & (query_pos < end)
+                    ahead = (key_pos > query_pos[:, None]) & (key_pos < end)
+                    mask |= inside[:, None] & ahead
                 self.masks[sliding_window] = mask[None, None]
         return self.masks[sliding_window]
 

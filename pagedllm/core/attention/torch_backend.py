@@ -32,6 +32,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     logits_soft_cap = True
+    bidirectional_spans = True
 
     def build_metadata(
         self,
@@ -46,6 +47,17 @@ class TorchSDPABackend(AttentionBackend):
             query_lens, context_lens, block_tables, block_size, kv_caches, device
         )
         metadata.backend = self
+        return metadata
+
+    def with_bidirectional_spans(
+        self, metadata: AttentionMetadata, spans: dict[int, tuple[tuple[int, int], ...]]
+    ) -> AttentionMetadata:
+        # (a decode's one query token is the last of its context: nothing after it to see)
+        for seq in metadata.prefills:
+            given = spans.get(seq.token_start)
+            if given:
+                seq.bidirectional = tuple(given)
+                seq.masks.clear()
         return metadata
 
     def forward(

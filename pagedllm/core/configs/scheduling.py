@@ -25,6 +25,9 @@ class SchedulerConfig(Config):
     delay_factor: float = setting(0.0, min=0, range_hint="must be >= 0")
     # A registered scheduler's name, a SchedulerInterface class, or the dotted path to one.
     scheduler_cls: str | type = "pagedllm.core.scheduler.Scheduler"
+    # --disable-chunked-mm-input: a step never computes part of a multimodal item (the
+    # extension of items asks the scheduler through StepExtension.schedulable_tokens).
+    disable_chunked_mm_input: bool = False
     # --step-extensions: plugins' step extensions to turn on, by registered name.
     step_extensions: list[str] = dataclasses.field(default_factory=list)
 

@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     # (``cap * tanh(score / cap)`` before the softmax, Gemma 2); the engine refuses
     # models with such layers on a backend that does not.
     logits_soft_cap: ClassVar[bool] = False
+    # Whether :meth:`with_bidirectional_spans` is implemented; the engine refuses models
+    # that need it (``attends_spans_bidirectionally``) on a backend that does not.
+    bidirectional_spans: ClassVar[bool] = False
 
     def batch_invariant_refusal(
         self, layers: list[Any], kv_cache_dtype: torch.dtype | None
@@ -63,3 +66,14 @@ class AttentionBackend(ABC):
         metadata: Any,
     ) -> torch.Tensor:
         """``query`` ``[T, heads*d]``, ``key``/``value`` ``[T, kv_heads*d]`` -> ``[T, heads*d]``."""
+
+    def with_bidirectional_spans(
+        self, metadata: Any, spans: dict[int, tuple[tuple[int, int], ...]]
+    ) -> Any:
+        """``metadata`` (this backend's, of one step) where the query tokens of some
+        requests also attend to later keys: ``spans`` maps a request's first token in the
+        flat batch to context position ranges ``[start, end)`` (each within what the step
+        makes its context); a query token inside a range sees the keys up to the range's
+        end as well as the causal ones (within the layer's sliding window back). A model
+        calls it in its forward pass (image tokens attending to their whole image)."""
+        raise NotImplementedError(f"the {self.name} attention backend has no bidirectional spans")

@@ -33,7 +33,8 @@ Lifecycle of one request, with the hooks in call order:
    :meth:`new_request` (validate, attach state);
 2. the scheduler queues it: :meth:`add_request`;
 3. each step, before scheduling: :meth:`begin_step` (may abort waiting requests);
-   while admitting it: :meth:`admit`, then :meth:`admitted`; while it decodes:
+   while admitting it: :meth:`admit`, then :meth:`admitted`; while its prompt is
+   computed: :meth:`schedulable_tokens`; while it decodes:
    :meth:`extra_tokens` and :meth:`propose` (extra tokens to verify);
 4. before the model runs: :meth:`token_mask`; in the model runner, the extension's
    :class:`RunnerExtension` (its step inputs, the rows it reads instead of sampling);
@@ -256,6 +257,13 @@ class StepExtension(ABC):
     def admitted(self, request: Request) -> None:
         """A request carrying this extension's state was admitted this step."""
         return
+
+    def schedulable_tokens(self, request: Request, start: int, num_tokens: int) -> int:
+        """How many of the ``num_tokens`` prompt tokens from position ``start`` of a request
+        carrying this extension's state this step may compute (at most ``num_tokens``; 0:
+        none this step, e.g. a step must not end inside a piece that the model takes
+        whole). Asked for running and waiting requests alike, after the budget's cut."""
+        return num_tokens
 
     # ----------------------------------------------------- extra tokens to verify
 

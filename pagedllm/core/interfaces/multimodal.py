@@ -76,6 +76,10 @@ class MultiModalProcessor(ABC):
     #: Whether :meth:`process` takes ``options`` (``--mm-processor-kwargs``, a prompt's
     #: ``mm_processor_kwargs``); they are refused by name where not.
     takes_processor_kwargs: ClassVar[bool] = False
+    #: Whether the model takes each item's tokens in one step (its items' tokens attend to
+    #: each other both ways): the engine then never splits an item across steps, as
+    #: ``--disable-chunked-mm-input`` asks.
+    needs_whole_items: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -133,6 +137,19 @@ class SupportsMultiModal(ABC):
         consecutive positions from there, and ``items`` its ``(offset, length, grid)`` in
         prompt order (once, as :meth:`set_input_embeddings`). Called only where
         ``uses_item_grids``."""
+        raise NotImplementedError
+
+    #: Its items' tokens attend to each other both ways (the rest causally): each step
+    #: gives it the ranges of its requests' items (:meth:`set_bidirectional_items`), and it
+    #: refuses attention backends without bidirectional spans.
+    attends_items_bidirectionally: ClassVar[bool] = False
+
+    def set_bidirectional_items(self, spans: dict[int, tuple[tuple[int, int], ...]]) -> None:
+        """The next forward pass's requests whose items it computes: each one's first row
+        in the flat batch -> its items' ``[offset, offset + length)`` ranges, in prompt
+        positions (once, as :meth:`set_input_embeddings`); for
+        ``AttentionBackend.with_bidirectional_spans``. Called only where
+        ``attends_items_bidirectionally``."""
         raise NotImplementedError
 
 

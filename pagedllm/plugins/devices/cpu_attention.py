@@ -122,6 +122,34 @@ class CpuPagedBackend(TorchSDPABackend):
             backend=self,
         )
 
+    def with_bidirectional_spans(
+        self, metadata: Any, spans: dict[int, tuple[tuple[int, int], ...]]
+    ) -> Any:
+        """The kernel attends causally: the requests with spans go to SDPA's prefills."""
+        if not isinstance(metadata, PagedMetadata):
+            return super().with_bidirectional_spans(metadata, spans)
+        block_size = next(c for c in metadata.kv_caches if c.dim() > 1).shape[2]
+        moved = [
+            column
+            for column, start in enumerate(metadata.seq_ranges[0].tolist())
+            if spans.get(start)
+        ]
+        if moved:
+            sequences = _kernel_sequences(metadata, block_size)
+            kept = [c for c in range(metadata.seq_ranges.shape[1]) if c not in moved]
+            for column in moved:
+                seq = sequences[column]
+                seq.bidirectional = tuple(spans[seq.token_start])
+                metadata.prefills.append(seq)
+            metadata.seq_ranges = metadata.seq_ranges[:, kept]
+            metadata.block_tables = metadata.block_tables[kept]
+        for seq in metadata.prefills:
+            given = spans.get(seq.token_start)
+            if given and not seq.bidirectional:
+                seq.bidirectional = tuple(given)
+                seq.masks.clear()
+        return metadata
+
     def forward(
         self,
         layer: Any,

@@ -36,6 +36,10 @@ def pagedllm_register_models(registry):
         registry.add(name, f"pagedllm.plugins.models.qwen2_vl:{name}")
     for name in _IDEFICS3:
         registry.add(name, f"pagedllm.plugins.models.idefics3:{name}")
+    registry.add(
+        "Gemma3ForConditionalGeneration",
+        "pagedllm.plugins.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    )
     # Sequence classification / reward heads on the native decoders.
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         name = f"{family}ForSequenceClassification"
@@ -62,3 +66,7 @@ def pagedllm_register_multimodal_processors(registry):
         registry.add(name, "pagedllm.plugins.models.qwen2_vl_processor:Qwen2VLProcessor")
     for name in _IDEFICS3:
         registry.add(name, "pagedllm.plugins.models.idefics3_processor:Idefics3Processor")
+    registry.add(
+        "Gemma3ForConditionalGeneration",
+        "pagedllm.plugins.models.gemma3_processor:Gemma3Processor",
+    )
