@@ -26,6 +26,7 @@ from pagedllm.core.args.validate import (
 from pagedllm.core.batch_invariance import batch_invariant_setting, check_batch_invariant_options
 from pagedllm.core.compilation import compilation_config
 from pagedllm.core.configs.base import Config
+from pagedllm.core.configs.kv_transfer import KVTransferConfig
 from pagedllm.core.configs.model import LoadConfig, ModelConfig
 from pagedllm.core.configs.multimodal import MultiModalConfig
 from pagedllm.core.configs.runtime import (
@@ -103,6 +104,8 @@ class PagedLLMConfig(Config):
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     # --limit-mm-per-prompt, --mm-processor-kwargs, --disable-mm-preprocessor-cache.
     multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    # --kv-transfer-config, or None.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def check(self) -> None:
         """Each config's own checks (again, unless frozen: a plugin may have changed it),
@@ -189,6 +192,11 @@ def create_engine_config(
         ),
         compilation_config=compilation_config(args, scheduler.max_num_seqs),
         multimodal_config=MultiModalConfig.from_args(args),
+        kv_transfer_config=(
+            KVTransferConfig.from_dict(dict(args.kv_transfer_config))
+            if args.kv_transfer_config
+            else None
+        ),
     )
     _check_data_parallel(config, usage_context)
     pm.hook.pagedllm_update_config(config=config)

@@ -73,7 +73,6 @@ UNSUPPORTED: dict[str, str] = {
     "disable_chunked_mm_input": "pagedllm does not offer this switch of how a prompt's image "
     "tokens are scheduled" + _LEAVE_OUT,
     # PagedLLMConfig
-    "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "kv_events_config": "pagedllm does not publish KV-cache events" + _LEAVE_OUT,
     "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,
 }

@@ -199,8 +199,10 @@ class SchedulingArgs:
     kv_transfer_config: dict[str, Any] | None = arg(
         None,
         group="PagedLLMConfig",
-        help="JSON settings for transferring the KV cache between instances.",
-        unbuilt=UNSUPPORTED["kv_transfer_config"],
+        help="JSON settings for transferring prompts' KV cache between instances (prefill/"
+        "decode disaggregation), with vLLM's keys: 'kv_connector' (ExampleConnector: a "
+        "shared folder), 'kv_role' (kv_producer, kv_consumer or kv_both) and "
+        "'kv_connector_extra_config' (ExampleConnector: 'shared_storage_path').",
     )
     kv_events_config: dict[str, Any] | None = arg(
         None,
