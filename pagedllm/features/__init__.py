@@ -24,3 +24,4 @@ def pagedllm_register_step_extensions(registry):
 @hookimpl
 def pagedllm_register_kv_connectors(registry):
     registry.add("ExampleConnector", "pagedllm.features.kv_shared_storage:SharedStorageConnector")
+    registry.add("TCPConnector", "pagedllm.features.kv_tcp:TCPConnector")

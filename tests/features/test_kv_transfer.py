@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -341,6 +344,19 @@ def test_proxy_gives_one_instances_tokens_and_decode_loads_the_prompt(
     assert served_counters(decode)[2] - after[2] == 48
 
 
+def test_proxy_streams_chat_as_one_instance_answers(served, checkpoint):
+    prefill, decode, url, _ = served
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 4}]
+    params = dict(model=str(checkpoint), messages=messages, max_tokens=NEW_TOKENS)
+    params.update(temperature=0.0, extra_body={"min_tokens": NEW_TOKENS})
+    plain = prefill.client().chat.completions.create(**params).choices[0].message.content
+    hits = served_counters(decode)[2]
+    proxied = RemoteServer.client(decode, base_url=url + "/v1")
+    chunks = proxied.chat.completions.create(stream=True, **params)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    assert served_counters(decode)[2] > hits
+
+
 def test_decode_computes_a_truncated_block_and_keeps_serving(served, checkpoint, reference):
     prefill, decode, url, store = served
     tokens = prompt(13, 45)
@@ -360,3 +376,111 @@ def test_decode_computes_a_truncated_block_and_keeps_serving(served, checkpoint,
         token_ids(completion(url, checkpoint, tokens))
         == reference_greedy(reference, tokens, NEW_TOKENS)[0]
     )
+
+
+# --------------------------------------------------- the TCP connector, process to process
+
+
+def tcp(role: str, **extra) -> dict:
+    return {"kv_connector": "TCPConnector", "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def test_tcp_consumer_pulls_from_a_producer_process_and_outlives_it(
+    checkpoint, reference, tmp_path
+):
+    port = free_port()
+    producer = RemoteServer(
+        checkpoint,
+        *("--block-size", str(BLOCK)),
+        *("--kv-transfer-config", json.dumps(tcp("kv_producer", listen_port=port))),
+        log_path=tmp_path / "producer.log",
+    )
+    start_servers(producer)
+    try:
+        consumer = build(
+            checkpoint,
+            kv_transfer_config=tcp("kv_consumer", peer=f"127.0.0.1:{port}", timeout_s=5),
+        )
+        tokens = prompt(21, 45)
+        completion(producer.url, checkpoint, tokens, max_tokens=1, min_tokens=0)
+        before = counters(consumer)
+        assert greedy(consumer, tokens) == reference_greedy(reference, tokens, NEW_TOKENS)[0]
+        after = counters(consumer)
+        assert (after[0] - before[0], after[2] - before[2]) == (13, 32)
+    finally:
+        producer.stop(signal.SIGKILL)
+    # The producer is gone: its prompts are computed here.
+    tokens = prompt(22, 45)
+    started = time.monotonic()
+    assert greedy(consumer, tokens) == reference_greedy(reference, tokens, NEW_TOKENS)[0]
+    assert time.monotonic() - started < 30
+    assert (counters(consumer)[0] - after[0], counters(consumer)[2] - after[2]) == (45, 0)
+
+
+class HostilePeer:
+    """A producer that holds every block it is asked about, then sends ``sent`` bytes of
+    the first and closes the connection (``stall``: stops sending and keeps it open)."""
+
+    def __init__(self, sent: int, stall: bool) -> None:
+        self.sent, self.stall = sent, stall
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            op = conn.recv(1)
+            count = int.from_bytes(conn.recv(4), "big")
+            while count and len(conn.recv(32 * count, socket.MSG_WAITALL)) < 32 * count:
+                pass
+            if op == b"L":
+                conn.sendall(count.to_bytes(4, "big"))
+                conn.close()
+            else:
+                conn.sendall(b"\1" + bytes(self.sent))
+                if self.stall:
+                    self.held.append(conn)
+                else:
+                    conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["dies", "stalls"])
+def test_tcp_peer_failing_mid_transfer_means_computing_the_prompt(
+    checkpoint, reference, stall, caplog
+):
+    peer = HostilePeer(sent=1000, stall=stall)
+    try:
+        consumer = build(
+            checkpoint,
+            kv_transfer_config=tcp("kv_consumer", peer=f"127.0.0.1:{peer.port}", timeout_s=1),
+        )
+        caplog.set_level(logging.WARNING, logger="pagedllm.kv_transfer")
+        tokens = prompt(23, 45)
+        started = time.monotonic()
+        assert greedy(consumer, tokens) == reference_greedy(reference, tokens, NEW_TOKENS)[0]
+        assert time.monotonic() - started < 20
+        assert counters(consumer)[::2] == (45, 0)
+        assert "0 of 2 blocks from 127.0.0.1" in caplog.text
+    finally:
+        peer.close()
+
+
+def test_tcp_settings_are_checked_at_start(checkpoint):
+    with pytest.raises(ConfigError, match="peer None: give the producer's address"):
+        build(checkpoint, kv_transfer_config=tcp("kv_consumer"))
+    with pytest.raises(ConfigError, match="listen_port None"):
+        build(checkpoint, kv_transfer_config=tcp("kv_producer"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            build(checkpoint, kv_transfer_config=tcp("kv_producer", listen_port=port))

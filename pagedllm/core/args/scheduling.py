@@ -201,8 +201,10 @@ class SchedulingArgs:
         group="PagedLLMConfig",
         help="JSON settings for transferring prompts' KV cache between instances (prefill/"
         "decode disaggregation), with vLLM's keys: 'kv_connector' (ExampleConnector: a "
-        "shared folder), 'kv_role' (kv_producer, kv_consumer or kv_both) and "
-        "'kv_connector_extra_config' (ExampleConnector: 'shared_storage_path').",
+        "shared folder; TCPConnector: pulled from the producer), 'kv_role' (kv_producer, "
+        "kv_consumer or kv_both) and 'kv_connector_extra_config' (ExampleConnector: "
+        "'shared_storage_path'; TCPConnector: the producer's 'listen_port', the consumer's "
+        "'peer' and 'timeout_s').",
     )
     kv_events_config: dict[str, Any] | None = arg(
         None,
