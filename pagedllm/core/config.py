@@ -119,6 +119,11 @@ class PagedLLMConfig(Config):
             raise ConfigError(
                 f"--qlora-adapter-name-or-path is not supported with {parallel.sizes_flag()} yet"
             )
+        if parallel.ranks > 1 and self.kv_transfer_config is not None:
+            # (each rank would have to save and load its own share of every block)
+            raise ConfigError(
+                f"--kv-transfer-config is not supported with {parallel.sizes_flag()} yet"
+            )
         check_batch_invariant_options(self)
 
 

@@ -102,13 +102,6 @@ class KVTransferExtension(StepExtension):
         config = engine.config.kv_transfer_config
         if config is None:
             return None
-        parallel = engine.config.parallel_config
-        for flag, size in (
-            ("--tensor-parallel-size", parallel.tensor_parallel_size),
-            ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
-        ):
-            if size > 1:
-                raise ConfigError(f"--kv-transfer-config is not supported with {flag} {size} yet")
         registry = engine.pm.registry("kv_connectors")
         if config.kv_connector not in registry.names():
             raise ConfigError(
@@ -199,6 +192,10 @@ class KVTransferRunner(RunnerExtension):
         self.worker = worker
         self.layout = layout
         self.saver = saver
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
 
     def step_input(self, output: SchedulerOutput) -> StepTransfers | None:
         transfers = StepTransfers()

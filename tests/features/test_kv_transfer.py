@@ -25,8 +25,10 @@ from tiny_models import load_reference, make_checkpoint, reference_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.configs.kv_transfer import KVTransferConfig
+from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces import KVBlockLayout
+from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.request import Request
 from pagedllm.features.kv_transfer import prompt_block_keys
 
@@ -160,6 +162,23 @@ def test_config_takes_vllm_defaults():
         }
     )
     assert config.is_consumer and not config.is_producer
+
+
+@pytest.mark.parametrize(
+    ("sizes", "flag"),
+    [
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
+    ],
+)
+def test_more_than_one_rank_is_refused_before_loading(sizes, flag, tmp_path, checkpoint):
+    args = EngineArgs(
+        model=str(checkpoint),
+        kv_transfer_config=transfer("kv_consumer", tmp_path),
+        **sizes,
+    )
+    with pytest.raises(ConfigError, match=f"--kv-transfer-config is not supported with {flag}"):
+        args.create_engine_config(make_plugin_manager())
 
 
 def test_unknown_connector_and_unwritable_folder_are_refused_at_start(checkpoint, tmp_path):
@@ -480,6 +499,11 @@ def test_tcp_settings_are_checked_at_start(checkpoint):
         build(checkpoint, kv_transfer_config=tcp("kv_consumer"))
     with pytest.raises(ConfigError, match="listen_port None"):
         build(checkpoint, kv_transfer_config=tcp("kv_producer"))
+    # A producer's port is free again once its engine stops.
+    port = free_port()
+    settings = tcp("kv_producer", listen_port=port)
+    build(checkpoint, kv_transfer_config=settings).llm_engine.shutdown()
+    build(checkpoint, kv_transfer_config=settings).llm_engine.shutdown()
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):

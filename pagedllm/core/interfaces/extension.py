@@ -300,6 +300,11 @@ class RunnerExtension:
         """Every rank, once the model computed ``step`` (its KV is in the cache)."""
         return
 
+    def close(self) -> None:
+        """Every rank, when the engine stops: release what the runner side holds
+        (threads, sockets)."""
+        return
+
     def split(self, data: Any, requests: slice, tokens: slice, first: bool) -> Any:
         """A pipeline micro-batch's share of the step input ``data``: its requests and
         tokens; ``first``: the first micro-batch."""
