@@ -78,7 +78,8 @@ class _BlockStore:
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        store: _BlockStore = self.server.store  # type: ignore[attr-defined]
+        assert isinstance(self.server, _Server)
+        store = self.server.store
         sock: socket.socket = self.request
         sock.settimeout(30.0)
         try:
@@ -106,6 +107,10 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], store: _BlockStore) -> None:
+        super().__init__(address, _Handler)
+        self.store = store
 
 
 class TCPConnector(KVConnector):
@@ -142,10 +147,9 @@ class TCPConnector(KVConnector):
             raise _fail(f"max_blocks must be a positive integer, got {max_blocks!r}")
         host = extra.get("listen_host", "127.0.0.1")
         try:
-            self.server = _Server((host, port), _Handler)
+            self.server = _Server((host, port), _BlockStore(max_blocks))
         except OSError as exc:
             raise _fail(f"cannot listen on {host}:{port}: {exc}") from None
-        self.server.store = _BlockStore(max_blocks)  # type: ignore[attr-defined]
         threading.Thread(
             target=self.server.serve_forever, name="kv-transfer-tcp", daemon=True
         ).start()
@@ -201,7 +205,7 @@ class TCPConnector(KVConnector):
 
     def save(self, keys: Sequence[str], blocks: Sequence[torch.Tensor]) -> None:
         assert self.server is not None
-        store = self.server.store  # type: ignore[attr-defined]
+        store = self.server.store
         for key, block in zip(keys, blocks, strict=True):
             store.put(bytes.fromhex(key), block.contiguous().view(torch.uint8).numpy().tobytes())
 

@@ -102,6 +102,11 @@ class KVTransferExtension(StepExtension):
         config = engine.config.kv_transfer_config
         if config is None:
             return None
+        if engine.task != "generate":
+            raise ConfigError(
+                f"--kv-transfer-config moves generation's KV cache; this engine serves the "
+                f"{engine.task} task (its prompts are pooled, not decoded)"
+            )
         registry = engine.pm.registry("kv_connectors")
         if config.kv_connector not in registry.names():
             raise ConfigError(

@@ -191,6 +191,8 @@ def test_unknown_connector_and_unwritable_folder_are_refused_at_start(checkpoint
     blocker.write_text("")
     with pytest.raises(ConfigError, match="shared_storage_path .* is not a writable folder"):
         build(checkpoint, kv_transfer_config=transfer("kv_producer", blocker / "kv"))
+    with pytest.raises(ConfigError, match="this engine serves the embed task"):
+        build(checkpoint, kv_transfer_config=transfer("kv_consumer", tmp_path), task="embed")
     settings = transfer("kv_consumer", tmp_path)
     settings["kv_connector_extra_config"]["path"] = "x"
     with pytest.raises(ConfigError, match=r"keys \['path'\] are not ExampleConnector's"):
