@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import clean_env
+from conftest import clean_env, run_cli
+from core.test_scheduler import BS, TOK, add, make_scheduler, step
 from openai_server import RemoteServer, free_port, start_servers
 from tiny_models import load_reference, make_checkpoint, reference_greedy
 
@@ -27,9 +28,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.configs.kv_transfer import KVTransferConfig
 from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
-from pagedllm.core.interfaces import KVBlockLayout
+from pagedllm.core.interfaces import KVBlockLayout, StepExtension
 from pagedllm.core.plugins import make_plugin_manager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.features.kv_transfer import prompt_block_keys
 
 BLOCK = 16
@@ -197,6 +198,63 @@ def test_unknown_connector_and_unwritable_folder_are_refused_at_start(checkpoint
     settings["kv_connector_extra_config"]["path"] = "x"
     with pytest.raises(ConfigError, match=r"keys \['path'\] are not ExampleConnector's"):
         build(checkpoint, kv_transfer_config=settings)
+
+
+# ------------------------------------------- the scheduler's hook (no model, no connector)
+
+
+class Loader(StepExtension):
+    """Loads up to ``blocks`` whole blocks after the local hits of every request."""
+
+    name = "loader"
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.asked: list[tuple[str, int]] = []
+
+    @classmethod
+    def from_engine(cls, engine):
+        return None
+
+    def new(self, request: Request) -> Request:
+        request.features[self.name] = True
+        return request
+
+    def external_tokens(self, request, num_cached):
+        self.asked.append((request.request_id, num_cached))
+        room = (request.num_tokens - 1 - num_cached) // BS
+        return min(self.blocks, room) * BS
+
+
+def test_loaded_tokens_are_allocated_and_computed_but_not_scheduled():
+    loader = Loader(blocks=3)
+    sched = make_scheduler(caching=True, max_num_batched_tokens=8, extensions=[loader])
+    request = loader.new(add(sched, "a", 21))
+    first = step(sched)
+    # 3 blocks loaded (12 tokens), then 8 of the 9 others within the budget.
+    assert first.new == {"a": 8}
+    item = first.out.scheduled[0]
+    assert item.num_computed_tokens == 12 and len(item.block_ids) == 5
+    assert request.num_cached_tokens == 12 and loader.asked == [("a", 0)]
+    step(sched)
+    assert request.num_computed_tokens == 21 and request.output_token_ids == [TOK]
+    # The loaded blocks are local prefix hits now: a second request is asked only after them.
+    twin = loader.new(add(sched, "b", list(request.prompt_token_ids)))
+    assert step(sched).new == {"a": 1, "b": 1}
+    assert loader.asked[-1] == ("b", 20) and twin.num_computed_tokens == 21
+
+
+def test_a_request_that_cannot_get_its_blocks_waits_and_is_asked_again():
+    loader = Loader(blocks=4)
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32, extensions=[loader])
+    big = loader.new(add(sched, "a", 18, max_tokens=1))  # 5 blocks: the whole cache
+    small = loader.new(add(sched, "b", 10))
+    assert step(sched).new == {"a": 2}
+    assert small.status is RequestStatus.WAITING and loader.asked == [("a", 0), ("b", 0)]
+    assert big.is_finished
+    assert step(sched).new == {"b": 2}
+    assert loader.asked[-1] == ("b", 0) and small.num_computed_tokens == 10
 
 
 # ------------------------------------------------------------------ offline engines
@@ -510,3 +568,20 @@ def test_tcp_settings_are_checked_at_start(checkpoint):
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
             build(checkpoint, kv_transfer_config=tcp("kv_producer", listen_port=port))
+
+
+def test_serve_with_an_unusable_folder_exits_naming_it(checkpoint, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    config = json.dumps(transfer("kv_producer", blocker / "kv"))
+    result = run_cli(
+        "serve",
+        str(checkpoint),
+        "--dtype",
+        "float32",
+        "--kv-transfer-config",
+        config,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert f"shared_storage_path '{blocker / 'kv'}' is not a writable folder" in result.stderr
