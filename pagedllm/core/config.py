@@ -27,6 +27,7 @@ from pagedllm.core.batch_invariance import batch_invariant_setting, check_batch_
 from pagedllm.core.compilation import compilation_config
 from pagedllm.core.configs.base import Config
 from pagedllm.core.configs.kv_events import KVEventsConfig
+from pagedllm.core.configs.kv_transfer import KVTransferConfig
 from pagedllm.core.configs.model import LoadConfig, ModelConfig
 from pagedllm.core.configs.multimodal import MultiModalConfig
 from pagedllm.core.configs.runtime import (
@@ -107,6 +108,8 @@ class PagedLLMConfig(Config):
     multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
     # --kv-events-config, or None.
     kv_events_config: KVEventsConfig | None = None
+    # --kv-transfer-config, or None.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def check(self) -> None:
         """Each config's own checks (again, unless frozen: a plugin may have changed it),
@@ -119,6 +122,11 @@ class PagedLLMConfig(Config):
         if parallel.ranks > 1 and self.load_config.qlora_adapter_name_or_path:
             raise ConfigError(
                 f"--qlora-adapter-name-or-path is not supported with {parallel.sizes_flag()} yet"
+            )
+        if parallel.ranks > 1 and self.kv_transfer_config is not None:
+            # (each rank would have to save and load its own share of every block)
+            raise ConfigError(
+                f"--kv-transfer-config is not supported with {parallel.sizes_flag()} yet"
             )
         check_batch_invariant_options(self)
 
@@ -196,6 +204,11 @@ def create_engine_config(
         kv_events_config=(
             KVEventsConfig.from_dict(dict(args.kv_events_config))
             if args.kv_events_config is not None
+            else None
+        ),
+        kv_transfer_config=(
+            KVTransferConfig.from_dict(dict(args.kv_transfer_config))
+            if args.kv_transfer_config
             else None
         ),
     )

@@ -105,6 +105,11 @@ class RegistrationSpecs:
         """Add :class:`~pagedllm.core.interfaces.multimodal.MultiModalProcessor` classes,
         under the Hugging Face architecture names whose prompts they process."""
 
+    @hookspec
+    def pagedllm_register_kv_connectors(self, registry: Registry) -> None:
+        """Add :class:`~pagedllm.core.interfaces.kv_connector.KVConnector` classes
+        (``--kv-transfer-config '{"kv_connector": NAME, ...}'``)."""
+
 
 class LifecycleSpecs:
     """Hooks called at a few well-defined moments."""
@@ -147,4 +152,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "schedulers": "pagedllm_register_schedulers",
     "step_extensions": "pagedllm_register_step_extensions",
     "multimodal_processors": "pagedllm_register_multimodal_processors",
+    "kv_connectors": "pagedllm_register_kv_connectors",
 }

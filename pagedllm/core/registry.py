@@ -243,5 +243,6 @@ REGISTRY_BASES: dict[str, str | None] = {
     "schedulers": "pagedllm.core.interfaces.scheduler:SchedulerInterface",
     "step_extensions": "pagedllm.core.interfaces.extension:StepExtension",
     "multimodal_processors": "pagedllm.core.interfaces.multimodal:MultiModalProcessor",
+    "kv_connectors": "pagedllm.core.interfaces.kv_connector:KVConnector",
 }
 assert REGISTRY_BASES.keys() == hookspecs.REGISTRATION_HOOKS.keys()

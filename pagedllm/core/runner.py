@@ -99,6 +99,7 @@ class ModelRunner:
         self._inputs = overriding(self.extensions, RunnerExtension, "step_input")
         self._claimers = overriding(self.extensions, RunnerExtension, "claim")
         self._before = overriding(self.extensions, RunnerExtension, "before_forward")
+        self._after = overriding(self.extensions, RunnerExtension, "after_forward")
         self._splitters = overriding(self.extensions, RunnerExtension, "split")
         self._after_micro_batches = overriding(
             self.extensions, RunnerExtension, "after_micro_batches"
@@ -263,8 +264,14 @@ class ModelRunner:
             and len(step.token_ids) == len(step.query_lens)  # one token each: decodes only
             and graphs.covers(len(step.token_ids), max(step.context_lens))
         ):
-            return graphs.run(step.token_ids, step.positions, step.context_lens, step.block_tables)
-        return self._forward(step, intermediate)
+            hidden = graphs.run(
+                step.token_ids, step.positions, step.context_lens, step.block_tables
+            )
+        else:
+            hidden = self._forward(step, intermediate)
+        for extension in self._after:
+            extension.after_forward(step, step.extras.get(extension.name))
+        return hidden
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer's cache."""

@@ -51,6 +51,7 @@ class Scheduler(SchedulerInterface):
         self._masks = overriding(extensions, StepExtension, "token_mask")
         self._readers = overriding(extensions, StepExtension, "read_outputs")
         self._cutters = overriding(extensions, StepExtension, "schedulable_tokens")
+        self._loaders = overriding(extensions, StepExtension, "external_tokens")
         verifiers = overriding(extensions, StepExtension, "extra_tokens")
         if len(verifiers) > 1:
             raise ConfigError(
@@ -222,15 +223,18 @@ class Scheduler(SchedulerInterface):
                     skipped.append(self.waiting.pop())
                     continue
             blocks, num_cached = self.kv.get_computed_blocks(request)
-            remaining = request.num_tokens - num_cached
+            # Tokens an extension loads (e.g. another engine's KV): computed, not scheduled.
+            loaded = self._external_tokens(request, num_cached) if request.features else 0
+            computed = num_cached + loaded
+            remaining = request.num_tokens - computed
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = self._limit(request, remaining, budget)
             if self._cutters and request.features:
-                num_new = self._schedulable(request, num_cached, num_new)
+                num_new = self._schedulable(request, computed, num_new)
                 if num_new <= 0:
                     break  # (its next piece does not fit in what is left of the step)
-            if num_cached + num_new < request.num_tokens:
+            if computed + num_new < request.num_tokens:
                 is_long = (
                     self.config.long_prefill_token_threshold > 0
                     and request.num_tokens > self.config.long_prefill_token_threshold
@@ -243,18 +247,18 @@ class Scheduler(SchedulerInterface):
                     continue
                 partial += 1
                 long_partial += int(is_long)
-            if self.kv.allocate_slots(request, num_new, blocks) is None:
+            if self.kv.allocate_slots(request, loaded + num_new, blocks) is None:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = computed
             self.running.append(request)
             if request.features:
                 for ext in self._features(request):
                     ext.admitted(request)
-            scheduled[request] = ScheduledRequest(request, num_new, num_cached)
+            scheduled[request] = ScheduledRequest(request, num_new, computed)
             budget -= num_new
             admitted = True
         for request in reversed(skipped):
@@ -293,6 +297,13 @@ class Scheduler(SchedulerInterface):
                 self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
                 aborted.append((request, error))
         return aborted
+
+    def _external_tokens(self, request: Request, num_cached: int) -> int:
+        """The tokens after ``num_cached`` that an extension of ``request`` loads."""
+        for ext in self._loaders:
+            if ext.name in request.features:
+                return ext.external_tokens(request, num_cached)
+        return 0
 
     def _admit(self, request: Request, aborted: list[tuple[Request, BaseException]]) -> bool | None:
         """Whether the extensions of a waiting request let it start now; None when one

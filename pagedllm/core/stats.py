@@ -33,6 +33,9 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # KV transfer (vLLM's external prefix cache): prompt tokens looked up, found.
+    kv_transfer_queries: int = 0
+    kv_transfer_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -43,7 +46,7 @@ class EngineStats:
 
 # The step extensions' counters that EngineStats reports (see SchedulerInterface).
 _EXTENSION_COUNTERS = frozenset(
-    f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("spec_")
+    f.name for f in dataclasses.fields(EngineStats) if f.name.startswith(("spec_", "kv_transfer_"))
 )
 
 

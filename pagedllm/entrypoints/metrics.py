@@ -52,6 +52,8 @@ VLLM_METRICS = frozenset(
         "kv_cache_usage_perc",
         "prefix_cache_queries",
         "prefix_cache_hits",
+        "external_prefix_cache_queries",
+        "external_prefix_cache_hits",
         "num_preemptions",
         "prompt_tokens",
         "generation_tokens",
@@ -118,6 +120,12 @@ class Metrics:
         )
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.external_queries = counter(
+            "external_prefix_cache_queries", "Prompt tokens looked up by the KV connector."
+        )
+        self.external_hits = counter(
+            "external_prefix_cache_hits", "Prompt tokens loaded from the KV connector."
+        )
         self.preemptions = counter("num_preemptions", "Requests preempted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -197,6 +205,7 @@ class Metrics:
         self._last_spec = dict.fromkeys(self.spec, 0)
         self._last_queries = 0
         self._last_hits = 0
+        self._last_external = (0, 0)
         self._last_preemptions = 0
         self._last_prompt = 0
         self._last_generation = 0
@@ -214,6 +223,9 @@ class Metrics:
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens - self._last_prompt)
         self.generation_tokens.labels(m).inc(stats.generation_tokens - self._last_generation)
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.external_queries.labels(m).inc(stats.kv_transfer_queries - self._last_external[0])
+        self.external_hits.labels(m).inc(stats.kv_transfer_hits - self._last_external[1])
+        self._last_external = (stats.kv_transfer_queries, stats.kv_transfer_hits)
         self._last_preemptions = stats.num_preemptions
         self._last_prompt, self._last_generation = stats.prompt_tokens, stats.generation_tokens
         for key, metric in self.spec.items():

@@ -241,8 +241,11 @@ class Worker:
             self.runner.follow(step)
 
     def free_cache(self) -> None:
-        """Drop the KV cache (the engine is shutting down)."""
+        """Close the step extensions' runner sides and drop the KV cache (the engine is
+        shutting down)."""
         if self.runner is not None:
+            for extension in self.runner.extensions:
+                extension.close()
             self.runner.kv_caches.clear()
 
     def leave(self) -> None:

@@ -19,6 +19,13 @@ def pagedllm_register_step_extensions(registry):
     registry.add("multimodal", "pagedllm.features.multimodal:MultiModalExtension")
     registry.add("pooling", "pagedllm.features.pooling:PoolingExtension")
     registry.add("spec", "pagedllm.features.speculative:SpeculativeExtension")
+    registry.add("kv_transfer", "pagedllm.features.kv_transfer:KVTransferExtension")
+
+
+@hookimpl
+def pagedllm_register_kv_connectors(registry):
+    registry.add("ExampleConnector", "pagedllm.features.kv_shared_storage:SharedStorageConnector")
+    registry.add("TCPConnector", "pagedllm.features.kv_tcp:TCPConnector")
 
 
 @hookimpl

@@ -68,7 +68,6 @@ UNSUPPORTED: dict[str, str] = {
     "num_lookahead_slots": "the scheduler reserves the slots of draft tokens itself "
     "(--speculative-config)" + _LEAVE_OUT,
     # PagedLLMConfig
-    "kv_transfer_config": "pagedllm does not transfer KV caches between instances" + _LEAVE_OUT,
     "additional_config": "pagedllm has no platform-specific settings" + _LEAVE_OUT,
 }
 

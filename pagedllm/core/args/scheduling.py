@@ -200,8 +200,12 @@ class SchedulingArgs:
     kv_transfer_config: dict[str, Any] | None = arg(
         None,
         group="PagedLLMConfig",
-        help="JSON settings for transferring the KV cache between instances.",
-        unbuilt=UNSUPPORTED["kv_transfer_config"],
+        help="JSON settings for transferring prompts' KV cache between instances (prefill/"
+        "decode disaggregation), with vLLM's keys: 'kv_connector' (ExampleConnector: a "
+        "shared folder; TCPConnector: pulled from the producer), 'kv_role' (kv_producer, "
+        "kv_consumer or kv_both) and 'kv_connector_extra_config' (ExampleConnector: "
+        "'shared_storage_path'; TCPConnector: the producer's 'listen_port', the consumer's "
+        "'peer' and 'timeout_s').",
     )
     kv_events_config: dict[str, Any] | None = arg(
         None,

@@ -7,5 +7,6 @@ freezes them once validated.
 - :mod:`.model`: :class:`~.model.ModelConfig`, :class:`~.model.LoadConfig`;
 - :mod:`.runtime`: decoding, parallelism, KV cache, LoRA, device, speculative decoding;
 - :mod:`.scheduling`: scheduling, observability, compilation;
-- :mod:`.multimodal`: multi-modal inputs (images per prompt, processor settings).
+- :mod:`.multimodal`: multi-modal inputs (images per prompt, processor settings);
+- :mod:`.kv_transfer`: moving prompts' KV cache between engines (--kv-transfer-config).
 """

@@ -12,6 +12,7 @@ from pagedllm.core.interfaces.guided import (
     GuidedConstraint,
     GuidedOptions,
 )
+from pagedllm.core.interfaces.kv_connector import KVBlockLayout, KVConnector
 from pagedllm.core.interfaces.loader import ModelLoader
 from pagedllm.core.interfaces.model import ModelArchitecture
 from pagedllm.core.interfaces.multimodal import (
@@ -52,7 +53,9 @@ __all__ = [
     "GuidedBackend",
     "GuidedConstraint",
     "GuidedOptions",
+    "KVBlockLayout",
     "KVCacheMemory",
+    "KVConnector",
     "LinearMethod",
     "MoEMethod",
     "ModelArchitecture",

@@ -33,8 +33,9 @@ Lifecycle of one request, with the hooks in call order:
    :meth:`new_request` (validate, attach state);
 2. the scheduler queues it: :meth:`add_request`;
 3. each step, before scheduling: :meth:`begin_step` (may abort waiting requests);
-   while admitting it: :meth:`admit`, then :meth:`admitted`; while its prompt is
-   computed: :meth:`schedulable_tokens`; while it decodes:
+   while admitting it: :meth:`admit`, :meth:`external_tokens` (prompt tokens whose KV
+   the extension loads instead of computing them), then :meth:`admitted`; while its prompt
+   is computed: :meth:`schedulable_tokens`; while it decodes:
    :meth:`extra_tokens` and :meth:`propose` (extra tokens to verify);
 4. before the model runs: :meth:`token_mask`; in the model runner, the extension's
    :class:`RunnerExtension` (its step inputs, the rows it reads instead of sampling);
@@ -254,6 +255,17 @@ class StepExtension(ABC):
         its failure)."""
         return True
 
+    def external_tokens(self, request: Request, num_cached: int) -> int:
+        """How many of a waiting request's tokens after its ``num_cached`` prefix-cache
+        hits this extension loads into the cache instead of computing them (whole blocks
+        from the block at ``num_cached``, which must start one; at least the last token
+        left to compute, for its logits). They get slots with the step's tokens and count
+        as computed; the extension writes their KV before the step's forward pass (its
+        runner side's :meth:`RunnerExtension.before_forward`), from the block ids of the
+        request's scheduled item. May be asked again when the request cannot start this
+        step. At most one extension per request loads tokens."""
+        return 0
+
     def admitted(self, request: Request) -> None:
         """A request carrying this extension's state was admitted this step."""
         return
@@ -313,8 +325,9 @@ class RunnerExtension:
     value goes to every rank with the step under ``step.extras[name]``, and :meth:`claim`
     for each scheduled request that does not sample); every rank computes the hidden
     states (:meth:`before_forward`; with pipeline stages :meth:`split` per micro-batch and
-    :meth:`after_micro_batches`) and the logits of its row blocks (:meth:`logits_rows`);
-    rank 0 finishes it (:meth:`finish`)."""
+    :meth:`after_micro_batches`; :meth:`after_forward` once the step's KV is in the cache)
+    and the logits of its row blocks (:meth:`logits_rows`); rank 0 finishes it
+    (:meth:`finish`)."""
 
     name: ClassVar[str] = ""
 
@@ -336,6 +349,15 @@ class RunnerExtension:
         """Every rank, before the model computes ``step`` (its ``StepInput``; ``data``: its
         :meth:`step_input`). ``built_here``: rank 0 built this very step (else it came from
         rank 0, or it is a pipeline's micro-batch)."""
+        return
+
+    def after_forward(self, step: Any, data: Any) -> None:
+        """Every rank, once the model computed ``step`` (its KV is in the cache)."""
+        return
+
+    def close(self) -> None:
+        """Every rank, when the engine stops: release what the runner side holds
+        (threads, sockets)."""
         return
 
     def split(self, data: Any, requests: slice, tokens: slice, first: bool) -> Any:
