@@ -42,6 +42,10 @@ class RequestMetrics:
     num_preemptions: int = 0
     # Tokens of the request's longest sequence (for the inter-token latency).
     num_generation_tokens: int = 0
+    # --collect-detailed-traces: seconds in the model's forward passes ("model") and in
+    # the runner's whole steps ("worker") of the steps that computed this request.
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
