@@ -100,6 +100,8 @@ class AsyncLLMEngine:
         self.dead = threading.Event()
         # Called on the engine thread after each step with its outputs (metrics).
         self.step_listeners: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+        # Called on the engine thread with the last outputs of aborted requests (traces).
+        self.abort_listeners: list[Callable[[list[RequestOutput]], None]] = []
         # The engine is built on its own thread, which then steps it: every OpenMP
         # parallel region (loading and every step's kernels) has that one thread as its
         # master. With a second master (the main thread, had it loaded the model), libgomp
@@ -196,7 +198,16 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(RequestFailedError(f"the engine failed on this request: {exc}"))
-        self.engine.abort_request(ids)
+        self._aborted(self.engine.abort_request(ids))
+
+    def _aborted(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for listener in self.abort_listeners:
+            try:
+                listener(outputs)
+            except Exception:  # traces must never cost a request
+                logger.exception("an abort listener failed")
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn`` on the engine thread, between steps. A caller that gave up before it
@@ -346,7 +357,7 @@ class AsyncLLMEngine:
         def command() -> None:
             for request_id in ids:
                 self._streams.pop(request_id, None)
-            self.engine.abort_request(ids)
+            self._aborted(self.engine.abort_request(ids))
 
         if self.dead_error is None and not self._stopped:
             self._commands.put(command)

@@ -519,13 +519,18 @@ class LLMEngine:
             parent.sequences.append(self.output_processor.new_sequence(request, index))
         return parent
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Stop requests now; their KV blocks are freed."""
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now; their KV blocks are freed. Returns the last outputs of those
+        that were unfinished (finish reason "abort"), for whoever accounts for every
+        request (traces)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = []
         for request_id in ids:
             parent = self.output_processor.pop(request_id)
             if parent is not None:
                 self.scheduler.finish_requests(parent.sequence_ids, RequestStatus.FINISHED_ABORTED)
+                aborted.append(self.output_processor.aborted_output(parent))
+        return aborted
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.output_processor.requests)

@@ -105,6 +105,33 @@ class OutputProcessor:
     def pop(self, request_id: str) -> ParentRequest | None:
         return self.requests.pop(request_id, None)
 
+    @staticmethod
+    def aborted_output(parent: ParentRequest) -> RequestOutput:
+        """The last output of an aborted request (finish reason "abort" for its unfinished
+        sequences; no text or logprobs): its token counts and timestamps."""
+        parent.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[
+                CompletionOutput(
+                    index=seq.index,
+                    text="",
+                    token_ids=list(seq.request.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=None,
+                    finish_reason=seq.finish_reason or "abort",
+                    stop_reason=seq.stop_reason,
+                )
+                for seq in parent.sequences
+            ],
+            finished=True,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+        )
+
     def take_failures(self) -> dict[str, BaseException]:
         failed, self.failed = self.failed, {}
         return failed
@@ -119,12 +146,16 @@ class OutputProcessor:
         step = ProcessedStep()
         for request, error in scheduled.aborted:
             self._abort_uncompiled(request, error, step)
+        timed: set[str] | None = None if result.model_forward_time is None else set()
         for item in scheduled.scheduled:
             parent = self.requests.get(item.request.parent_id)
             if parent is None:
                 continue
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = scheduled.scheduled_time
+            if timed is not None and parent.request_id not in timed:
+                timed.add(parent.request_id)  # (once per step for n sequences)
+                self._add_step_times(parent.metrics, result)
             rows = result.prompt_logprobs.get(item.request.request_id)
             if rows:
                 self._record_prompt_logprobs(parent, item.num_computed_tokens + 1, rows)
@@ -172,6 +203,16 @@ class OutputProcessor:
             except Exception:  # statistics must never cost a request
                 logger.exception("the stat logger failed")
         return step
+
+    @staticmethod
+    def _add_step_times(metrics: RequestMetrics, result: RunnerOutput) -> None:
+        """A timed step's times, added to those of each request it computed."""
+        metrics.model_forward_time = (metrics.model_forward_time or 0.0) + (
+            result.model_forward_time or 0.0
+        )
+        metrics.model_execute_time = (metrics.model_execute_time or 0.0) + (
+            result.model_execute_time or 0.0
+        )
 
     def _on_new_token(
         self,

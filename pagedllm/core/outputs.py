@@ -45,6 +45,10 @@ class RequestMetrics:
     # The request's n and max_tokens (the metrics' request_params_* histograms).
     n: int = 1
     max_tokens: int | None = None
+    # --collect-detailed-traces: seconds in the model's forward passes ("model") and in
+    # the runner's whole steps ("worker") of the steps that computed this request.
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -81,8 +82,12 @@ class ModelRunner:
         batch_invariant: bool = False,
         extensions: list[RunnerExtension] | None = None,
         decode_graphs: Callable[[ModelRunner], Any] | None = None,
+        time_steps: bool = False,
     ) -> None:
         self.model = model
+        # --collect-detailed-traces: each step's RunnerOutput carries its forward and
+        # whole-step times (a device synchronization per step; off by default).
+        self.time_steps = time_steps
         # --batch-invariant: each step computed in the kernels' batch-invariant mode.
         self.batch_invariant = batch_invariant
         self.attention_backend = attention_backend
@@ -117,11 +122,29 @@ class ModelRunner:
         their end. ``token_mask`` (bool ``[sampling rows, vocab]``, True = allowed, rows
         in the order of ``output.sampling_requests``) constrains their sampling. Each
         row block's logits are computed when asked for (one at a time)."""
+        started = time.perf_counter() if self.time_steps else 0.0
         with self.step_mode():
             step, plan = self.build_step(output)
+            forward_started = self.synced_clock() if self.time_steps else 0.0
             hidden = self.hidden_states(step)
+            forwarded = self.synced_clock() if self.time_steps else 0.0
             blocks = self.row_blocks(step)
-            return self.finish(plan, hidden, lambda i: self.logits(hidden, blocks[i]), token_mask)
+            result = self.finish(plan, hidden, lambda i: self.logits(hidden, blocks[i]), token_mask)
+        if self.time_steps:
+            self.record_times(result, started, forwarded - forward_started)
+        return result
+
+    def synced_clock(self) -> float:
+        """``time.perf_counter()`` once the device has done the work queued so far."""
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == self.device.type:
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
+
+    def record_times(self, result: RunnerOutput, started: float, forward_time: float) -> None:
+        """Set a timed step's times on its result (``started``: the step's start)."""
+        result.model_forward_time = forward_time
+        result.model_execute_time = self.synced_clock() - started
 
     @contextlib.contextmanager
     def step_mode(self) -> Iterator[None]:

@@ -88,5 +88,9 @@ class RunnerOutput:
     # A plugin's step extension's results, by its name (its runner side writes them, its
     # read_outputs reads them).
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Seconds of the step's forward pass and of the runner's whole step, measured only
+    # when the runner times its steps (--collect-detailed-traces).
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
     # Set when computing the step failed: every scheduled request fails with it.
     error: Exception | None = None

@@ -27,6 +27,7 @@ from pagedllm.core.pooling import (
     ScoringRequestOutput,
 )
 from pagedllm.core.sampling import SamplingParams
+from pagedllm.entrypoints.tracing import RequestTracer
 from pagedllm.inputs import PromptType
 
 if TYPE_CHECKING:
@@ -104,6 +105,10 @@ class LLM:
             **kwargs,
         )
         config = engine_args.create_engine_config(self.plugin_manager, UsageContext.LLM_CLASS)
+        # --otlp-traces-endpoint: a span per request, as from the server.
+        self._tracer = RequestTracer.for_config(
+            config.observability_config, config.model_config.served_model_name[0]
+        )
         self._engine: LLMEngine | None = LLMEngine(config, self.plugin_manager)
         self._counter = 0
 
@@ -121,6 +126,8 @@ class LLM:
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        if self._tracer is not None:
+            self._tracer.shutdown()
         engine.shutdown()
         del engine
         # The engine's parts refer to each other (the stat logger to the engine): collect
@@ -200,11 +207,21 @@ class LLM:
                     priority=priority[i] if priority else 0,
                     lora_request=loras[i] if loras is not None else lora_request,
                 )
+                self._started(request_id, params)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
-            self.llm_engine.abort_request(request_ids)
+            self._abort(request_ids)
             raise
+
+    def _started(self, request_id: str, params: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.start(request_id, params)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        aborted = self.llm_engine.abort_request(request_ids)
+        if self._tracer is not None:
+            self._tracer.on_aborted(aborted)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
@@ -220,6 +237,8 @@ class LLM:
         with bar:
             while self.llm_engine.has_unfinished_requests():
                 outputs = self.llm_engine.step()
+                if self._tracer is not None:
+                    self._tracer.on_step(self.llm_engine, outputs)
                 for request_id, exc in self.llm_engine.take_failures().items():
                     raise RequestFailedError(f"request {request_id} failed: {exc}") from exc
                 for output in outputs:
@@ -493,10 +512,11 @@ class LLM:
                 request_id = str(self._counter)
                 self._counter += 1
                 self.llm_engine.add_request(request_id, prompt, params)
+                self._started(request_id, params)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
-            self.llm_engine.abort_request(request_ids)
+            self._abort(request_ids)
             raise
 
     # -------------------------------------------------------------------- saving

@@ -288,23 +288,30 @@ class MultiprocExecutor(UniProcExecutor):
         if self.group is None:
             return super().execute(output, token_mask)
         runner = self.runner
+        timed = runner.time_steps
+        started = time.perf_counter() if timed else 0.0
         try:
             with runner.step_mode():
                 step, plan = runner.build_step(output)
                 message = step if self.pipeline is None else self.pipeline.split(runner, step)
                 self.group.step(message)
                 try:
+                    forward_started = runner.synced_clock() if timed else 0.0
                     if self.pipeline is None:
                         hidden = runner.hidden_states(step)
                     else:
                         hidden = self.pipeline.hidden(runner, message)
+                    forwarded = runner.synced_clock() if timed else 0.0
                     computed = [
                         None if rows is None else runner.logits(hidden, rows)
                         for rows in runner.row_blocks(step)
                     ]
                 except Exception as exc:
                     raise self._stopped(exc) from exc
-                return runner.finish(plan, hidden, computed.__getitem__, token_mask)
+                result = runner.finish(plan, hidden, computed.__getitem__, token_mask)
+            if timed:
+                runner.record_times(result, started, forwarded - forward_started)
+            return result
         except EngineDeadError:
             raise
         except Exception as exc:

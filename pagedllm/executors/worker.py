@@ -227,6 +227,7 @@ class Worker:
                 for name, payload in (extensions or {}).items()
             ],
             decode_graphs=decode_graphs,
+            time_steps=config.observability_config.collect_detailed_traces is not None,
         )
         return self.runner
 

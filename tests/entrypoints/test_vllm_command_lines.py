@@ -263,8 +263,7 @@ def test_readme_names_the_accepted_no_op_switches():
         ),
         (
             ["--collect-detailed-traces", "model,worker"],
-            r'--collect-detailed-traces=\["model", "worker"\] is not supported by pagedllm '
-            r"yet: pagedllm does not export OpenTelemetry traces",
+            r"--collect-detailed-traces needs --otlp-traces-endpoint",
         ),
     ],
 )

@@ -25,7 +25,6 @@ from pagedllm.core.configs.runtime import NO_TYPICAL_ACCEPTANCE, SPEC_KEYS_REFUS
 _LEAVE_OUT = "; leave this flag out"
 _ONE_WORKER = "pagedllm has a single built-in worker" + _LEAVE_OUT
 _NO_PROMPT_ADAPTERS = "pagedllm does not support prompt adapters" + _LEAVE_OUT
-_NO_TRACING = "pagedllm does not export OpenTelemetry traces; use the Prometheus /metrics instead"
 
 # Flag (field name) -> why pagedllm refuses it when it is set to anything but its default.
 UNSUPPORTED: dict[str, str] = {
@@ -60,8 +59,6 @@ UNSUPPORTED: dict[str, str] = {
     # ObservabilityConfig
     "show_hidden_metrics_for_version": "pagedllm has not hidden any metrics, so there are "
     "none to bring back" + _LEAVE_OUT,
-    "otlp_traces_endpoint": _NO_TRACING,
-    "collect_detailed_traces": _NO_TRACING,
     # SchedulerConfig
     "num_scheduler_steps": "pagedllm schedules every step" + _LEAVE_OUT,
     "multi_step_stream_outputs": "pagedllm has no multi-step scheduling" + _LEAVE_OUT,

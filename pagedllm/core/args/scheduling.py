@@ -61,16 +61,19 @@ class SchedulingArgs:
     otlp_traces_endpoint: str | None = arg(
         None,
         group="ObservabilityConfig",
-        help="URL to send OpenTelemetry traces to.",
-        unbuilt=UNSUPPORTED["otlp_traces_endpoint"],
+        help="URL to export a span per request to (OTLP; the protocol is "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's, grpc or http/protobuf, grpc when unset as in "
+        "vLLM). Needs the otel extra: pip install 'pagedllm[otel]'.",
     )
     collect_detailed_traces: list[str] | None = arg(
         None,
         group="ObservabilityConfig",
         choices=("all", "model", "worker"),
         nargs="+",
-        help="Modules to collect detailed (and costly) traces for; needs --otlp-traces-endpoint.",
-        unbuilt=UNSUPPORTED["collect_detailed_traces"],
+        help="Add model timings to each request's span, summed over its steps: 'model' "
+        "the forward passes (gen_ai.latency.time_in_model_forward), 'worker' the runner's "
+        "whole steps (time_in_model_execute), 'all' both. Costs a device synchronization "
+        "per step; needs --otlp-traces-endpoint.",
     )
 
     # -------------------------------------------------------------- SchedulerConfig

@@ -40,6 +40,37 @@ class SchedulerConfig(Config):
 @dataclasses.dataclass
 class ObservabilityConfig(Config):
     disable_log_stats: bool = False
+    # --otlp-traces-endpoint: where the serving layer exports one span per request.
+    otlp_traces_endpoint: str | None = None
+    # --collect-detailed-traces: "model" times each step's forward pass, "worker" the
+    # runner's whole step, "all" both (summed per request over its steps).
+    collect_detailed_traces: list[str] | None = None
+
+    def check(self) -> None:
+        if not self.collect_detailed_traces:
+            self.collect_detailed_traces = None
+            return
+        unknown = sorted(set(self.collect_detailed_traces) - {"all", "model", "worker"})
+        if unknown:
+            raise ConfigError(
+                f"--collect-detailed-traces: invalid choice(s) {unknown} (choose from "
+                "all, model, worker)"
+            )
+        if not self.otlp_traces_endpoint:
+            raise ConfigError(
+                "--collect-detailed-traces needs --otlp-traces-endpoint (the traces it adds "
+                "to are exported there)"
+            )
+
+    @property
+    def collect_model_forward_time(self) -> bool:
+        modules = self.collect_detailed_traces or ()
+        return "model" in modules or "all" in modules
+
+    @property
+    def collect_model_execute_time(self) -> bool:
+        modules = self.collect_detailed_traces or ()
+        return "worker" in modules or "all" in modules
 
 
 @dataclasses.dataclass

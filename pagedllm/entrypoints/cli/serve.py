@@ -69,6 +69,7 @@ class ServeSubcommand(CLISubcommand):
             raise ConfigError("--lora-modules needs --enable-lora")
         if frontend_args.disable_frontend_multiprocessing:
             check_one_process(engine_args, frontend_args)
+        check_traced_layout(engine_args, frontend_args)
         log_config = apply_log_config(frontend_args.log_config_file)
         if frontend_args.headless or frontend_args.api_server_count > 1:
             gc.enable()  # (these serve from here on)
@@ -105,6 +106,21 @@ def engine_args_from_serve(args: argparse.Namespace) -> EngineArgs:
             )
         engine_args.model = args.model_tag
     return engine_args
+
+
+def check_traced_layout(engine_args: EngineArgs, frontend_args: FrontendArgs) -> None:
+    """``--otlp-traces-endpoint``: spans are made by the engine in the API server's
+    process; layouts whose engines run in processes of their own are refused by name."""
+    if not engine_args.otlp_traces_endpoint:
+        return
+    dp, count = engine_args.data_parallel_size, frontend_args.api_server_count
+    if dp > 1 or count > 1 or frontend_args.headless:
+        raise ConfigError(
+            "--otlp-traces-endpoint: traces are exported by an engine running in the API "
+            "server's process; with --data-parallel-size > 1, --api-server-count > 1 or "
+            f"--headless (here {dp}, {count}, {frontend_args.headless}) the engines run in "
+            "processes of their own, which do not export traces yet"
+        )
 
 
 def check_one_process(engine_args: EngineArgs, frontend_args: FrontendArgs) -> None:

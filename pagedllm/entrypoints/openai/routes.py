@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.serving_pooling import (
     RerankRequest,
     ScoreRequest,
 )
+from pagedllm.entrypoints.tracing import incoming_trace_headers, trace_headers
 
 if TYPE_CHECKING:
     from pagedllm.core.engine_client import EngineClient
@@ -147,6 +148,8 @@ def add_routes(
         """A request's work: its id, the handler's result unless the client disconnects
         first, sent by ``reply``, its ignored fields named."""
         request_id = _request_id(request, body.request_id, prefix)
+        if serving.tracer is not None:  # (the span's parent, read where it is submitted)
+            incoming_trace_headers.set(trace_headers(request.headers))
         result = await _until_disconnect(request, handler(body, request_id))
         return _note_ignored(body, await reply(result))
 

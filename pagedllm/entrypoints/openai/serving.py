@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.response_size import ResponseLimit
 from pagedllm.entrypoints.openai.responses import Usage
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.tracing import incoming_trace_headers
 from pagedllm.features.multimodal import MultiModalExtension
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
     from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
+    from pagedllm.entrypoints.tracing import RequestTracer
     from pagedllm.lora.request import LoRARequest
 
 
@@ -68,8 +70,11 @@ class OpenAIServing:
         chat_template: str | None = None,
         tool_parser: type[ToolParser] | None = None,
         reasoning_parser: type[ReasoningParser] | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
+        # --otlp-traces-endpoint: told of each request submitted (it exports their spans).
+        self.tracer = tracer
         self.options = options
         self.model_names = list(model_names)
         # The LoRA adapters served (--lora-modules, or loaded at run time), by name.
@@ -304,6 +309,10 @@ class OpenAIServing:
             )
             for i, prompt in enumerate(prompts)
         ]
+        if self.tracer is not None:
+            headers = incoming_trace_headers.get()
+            for request in requests:
+                self.tracer.start(request.request_id, request.params, headers, model)
         unlogged = log
         # (closed with this generator: a reply that stops reading aborts its requests)
         async with contextlib.aclosing(self.engine.generate_many(requests)) as outputs:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.metrics import Metrics, ReplicaMetrics
     from pagedllm.entrypoints.openai.cli_args import FrontendArgs
     from pagedllm.entrypoints.openai.serving import OpenAIServing
+    from pagedllm.entrypoints.tracing import RequestTracer
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,6 +78,18 @@ def start_serving(
         raise ConfigError("; ".join(problems))
     chat_template = load_chat_template(options.chat_template)
     config = engine_args.create_engine_config(pm, UsageContext.OPENAI_API_SERVER)
+    tracer = None
+    if config.observability_config.otlp_traces_endpoint:  # (checked before the model loads)
+        from pagedllm.entrypoints.tracing import RequestTracer
+
+        if config.parallel_config.data_parallel_size > 1:
+            raise ConfigError(
+                "--otlp-traces-endpoint with --data-parallel-size > 1 is not supported yet "
+                "(the replicas' engines run in processes of their own)"
+            )
+        tracer = RequestTracer(
+            config.observability_config, config.model_config.served_model_name[0]
+        )
     engine: EngineClient
     if config.parallel_config.data_parallel_size > 1:
         from pagedllm.entrypoints.data_parallel.replica_client import DataParallelClient
@@ -84,7 +97,7 @@ def start_serving(
         engine = DataParallelClient.start(config)
     else:
         engine = AsyncLLMEngine(config, pm, wait=False)
-    return PendingServing(config, engine, options, pm, chat_template)
+    return PendingServing(config, engine, options, pm, chat_template, tracer)
 
 
 @dataclasses.dataclass
@@ -96,6 +109,8 @@ class PendingServing:
     options: FrontendArgs
     pm: PluginManager
     chat_template: str | None
+    # --otlp-traces-endpoint's span exporter.
+    tracer: RequestTracer | None = None
 
     def finish(self) -> ServingStack:
         """Wait for the model, then build what serves it. A load that fails raises
@@ -106,6 +121,8 @@ class PendingServing:
             return self._build()
         except BaseException:
             self.engine.shutdown()
+            if self.tracer is not None:
+                self.tracer.shutdown()
             raise
 
     def _build(self) -> ServingStack:
@@ -129,6 +146,7 @@ class PendingServing:
             reasoning_parser=(
                 pm.load("reasoning_parsers", reasoning_parser) if reasoning_parser else None
             ),
+            tracer=self.tracer,
         )
         for name, path, base in parse_lora_modules(options.lora_modules or []):
             try:
@@ -141,6 +159,9 @@ class PendingServing:
                 metrics_label(names[0]), engine.engine.max_model_len, options.metrics_prefix
             )
             engine.step_listeners.append(metrics.on_step)
+            if self.tracer is not None:
+                engine.step_listeners.append(self.tracer.on_step)
+                engine.abort_listeners.append(self.tracer.on_aborted)
         else:  # (each replica keeps its own; /metrics gathers them)
             metrics = ReplicaMetrics(engine, options.metrics_prefix)
         return ServingStack(config, engine, serving, metrics)
