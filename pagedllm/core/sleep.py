@@ -141,7 +141,6 @@ class RankSleep:
             ) from None
         try:
             released = self.device.release_memory(self._saved, self._file)
-            self._file.flush()
         except BaseException:
             self._close()
             raise
@@ -166,9 +165,10 @@ class RankSleep:
             self.level = 0
 
     def _wake_weights(self) -> None:
-        self._file.seek(0)
-        self.device.restore_memory(self._saved, self._file)
-        self._close()
+        if self._file is not None:  # (not yet restored by a wake that failed later)
+            self._file.seek(0)
+            self.device.restore_memory(self._saved, self._file)
+            self._close()
         if not self._dropped:
             return
         fresh = named_storages(self.reload())

@@ -252,3 +252,35 @@ def test_a_draft_model_refuses_the_flag(tiny_checkpoint_dir):
             speculative_config=spec,
             **SMALL_CACHE,
         )
+
+
+def test_cpu_release_keeps_the_address_and_restores_the_bytes():
+    import io
+
+    from pagedllm.plugins.devices.cpu_memory import release, restore
+
+    tensor = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB: an anonymous mapping
+    address, storages = tensor.data_ptr(), [tensor.untyped_storage()]
+
+    other = torch.ones(4 << 20)
+
+    class FullDisk(io.BytesIO):
+        """Takes the first storage's bytes, then is full."""
+
+        def write(self, data):
+            if self.tell():
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    with pytest.raises(OSError, match="No space"):
+        release([*storages, other.untyped_storage()], FullDisk())
+    # (nothing released: the first storage's write had succeeded)
+    assert torch.equal(tensor, torch.arange(4 << 20, dtype=torch.float32))
+    saved = io.BytesIO()
+    assert release(storages, saved) >= tensor.nbytes - 8192
+    # (its whole pages read back as zeros; at most a partial page at each end keeps values)
+    assert int((tensor == 0).sum()) >= tensor.numel() - 2 * 4096 // 4
+    saved.seek(0)
+    restore(storages, saved)
+    assert tensor.data_ptr() == address
+    assert torch.equal(tensor, torch.arange(4 << 20, dtype=torch.float32))

@@ -61,23 +61,26 @@ def _view(ptr: int, nbytes: int) -> memoryview:
 
 
 def release(storages: list[Any], save: BinaryIO | None) -> int:
-    """:meth:`Device.release_memory` on the cpu: each releasable storage's bytes written
-    to ``save`` (no copy), then its whole pages dropped. The bytes dropped."""
+    """:meth:`Device.release_memory` on the cpu: every releasable storage's bytes written
+    to ``save`` (no copy), and only then (a failed write releases nothing) their whole
+    pages dropped. The bytes dropped."""
     spans = _anonymous_writable()
-    madvise = _madvise()
-    released = 0
+    chosen = []
     for storage in storages:
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         pages = _releasable(spans, ptr, nbytes)
-        if pages is None:
-            continue
-        if save is not None:
-            save.write(_view(ptr, nbytes))
-        if madvise(pages[0], pages[1], _MADV_DONTNEED) != 0:
+        if pages is not None:
+            chosen.append(pages)
+            if save is not None:
+                save.write(_view(ptr, nbytes))
+    if save is not None:
+        save.flush()
+    madvise = _madvise()
+    for start, length in chosen:
+        if madvise(start, length, _MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise(MADV_DONTNEED): {os.strerror(err)}")
-        released += pages[1]
-    return released
+    return sum(length for _, length in chosen)
 
 
 def restore(storages: list[Any], source: BinaryIO | None) -> None:
