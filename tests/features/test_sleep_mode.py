@@ -157,12 +157,25 @@ def test_sleep_aborts_unfinished_requests(tiny_checkpoint_dir):
         engine.shutdown()
 
 
-def test_sleep_with_two_tensor_parallel_ranks(tiny_checkpoint_dir):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_sleep_with_two_tensor_parallel_ranks(tiny_checkpoint_dir, backend):
+    if backend == "ray":
+        ray = pytest.importorskip("ray")
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        _sleep_with_two_ranks(tiny_checkpoint_dir, backend)
+    finally:
+        if backend == "ray":
+            ray.shutdown()
+
+
+def _sleep_with_two_ranks(tiny_checkpoint_dir: Path, backend: str) -> None:
     llm = LLM(
         str(tiny_checkpoint_dir),
         dtype="float32",
         enable_sleep_mode=True,
         tensor_parallel_size=2,
+        distributed_executor_backend=backend,
         **SMALL_CACHE,
     )
     try:
