@@ -95,6 +95,8 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        # Sleeps waiting for the running requests to finish (mode "wait"): (level, future).
+        self._pending_sleeps: list[tuple[int, concurrent.futures.Future[Any]]] = []
         self.dead_error: BaseException | None = None
         # Set when the loop has died (not on a normal shutdown).
         self.dead = threading.Event()
@@ -145,6 +147,8 @@ class AsyncLLMEngine:
         try:
             while not self._stopped:
                 self._run_commands()
+                if self._pending_sleeps and not self.engine.has_unfinished_requests():
+                    self._sleep_now()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
@@ -230,7 +234,60 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return future
 
+    def _sleep_now(self) -> None:
+        """The running requests have finished: the waiting sleeps happen now."""
+        pending, self._pending_sleeps = self._pending_sleeps, []
+        for level, future in pending:
+            try:
+                self._deliver(self.engine.sleep(level))
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
     # ------------------------------------------------------------------ callers
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (``--enable-sleep-mode``) between steps. ``mode``
+        ``abort``: the running requests end now (finish reason ``abort``); ``wait``: new
+        requests are refused at once, and it sleeps once the running ones finish."""
+        from pagedllm.core.sleep import check_sleep_level
+
+        check_sleep_level(level)
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"sleep mode {mode!r} is not supported: abort or wait")
+        if mode == "abort":
+
+            def now() -> None:
+                self._deliver(self.engine.sleep(level))
+
+            await asyncio.wrap_future(self._submit(now))
+            return
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def later() -> None:
+            self.engine.refuse_requests()
+            self._pending_sleeps.append((level, done))
+
+        await asyncio.wrap_future(self._submit(later))
+        await asyncio.wrap_future(done)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what ``tags`` name (None: everything); whether fully awake. A sleep
+        still waiting for its requests is called off."""
+
+        def wake() -> bool:
+            awake = self.engine.wake_up(tags)
+            if awake:
+                pending, self._pending_sleeps = self._pending_sleeps, []
+                for _, future in pending:
+                    future.set_exception(RuntimeError("woken up before it fell asleep"))
+            return awake
+
+        return await asyncio.wrap_future(self._submit(wake))
+
+    async def is_sleeping(self) -> bool:
+        return await asyncio.wrap_future(self._submit(lambda: self.engine.is_sleeping))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread, between steps."""

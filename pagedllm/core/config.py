@@ -213,10 +213,30 @@ def create_engine_config(
         ),
     )
     _check_data_parallel(config, usage_context)
+    _check_sleep_mode(config)
     pm.hook.pagedllm_update_config(config=config)
     device.check_and_update_config(config)
     config.validate()
     return config.freeze()
+
+
+def _check_sleep_mode(config: PagedLLMConfig) -> None:
+    """--enable-sleep-mode needs a device that releases memory (keeping addresses), and
+    one engine to put to sleep."""
+    if not config.model_config.enable_sleep_mode:
+        return
+    device = config.device_config.device
+    if not device.releases_memory:
+        raise ConfigError(
+            f"--enable-sleep-mode is not supported on the {device.name} device yet (it cannot "
+            "release its memory while asleep); leave the flag out"
+        )
+    dp = config.parallel_config.data_parallel_size
+    if dp > 1:
+        raise ConfigError(
+            f"--enable-sleep-mode with --data-parallel-size {dp} is not supported yet (the "
+            "sleep routes put one engine to sleep); leave one of them out"
+        )
 
 
 def _check_data_parallel(config: PagedLLMConfig, usage_context: UsageContext) -> None:

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.args.validate import attention_backend_name
 from pagedllm.core.batch_invariance import check_batch_invariance
 from pagedllm.core.config import scheduler_class
-from pagedllm.core.errors import ConfigError, EngineDeadError, InvalidRequestError
+from pagedllm.core.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
 from pagedllm.core.interfaces.executor import Executor, executor_class
 from pagedllm.core.interfaces.extension import StepExtension, overriding
 from pagedllm.core.kv_cache import KVCacheManager
@@ -25,6 +30,7 @@ from pagedllm.core.outputs import RequestMetrics, RequestOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner import ModelRunner
 from pagedllm.core.sampling import SamplingParams
+from pagedllm.core.sleep_mode import SleepMode
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.step_extensions import build_step_extensions
@@ -53,7 +59,7 @@ class NewRequest:
     extension_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class LLMEngine:
+class LLMEngine(SleepMode):
     """Requests in, ``RequestOutput``s out. Each :meth:`step` is schedule → execute →
     update → output: the scheduler picks the tokens (and the blocks) of the step, the
     model runner computes them, the scheduler's update advances the requests, and the
@@ -200,6 +206,12 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, pm, self.stat_logger)
         self._ids = itertools.count()
+        # Sleep mode: the level asleep at (0: awake), what is still asleep (vLLM's wake
+        # tags) and whether new requests are refused (asleep, or falling asleep once the
+        # running ones finish).
+        self.sleep_level = 0
+        self.sleeping_tags: set[str] = set()
+        self.refusing_requests = False
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
             num_blocks,
@@ -308,6 +320,11 @@ class LLMEngine:
     def add_requests(self, requests: Sequence[NewRequest]) -> None:
         """Queue several requests at once: every one is validated first, so an invalid
         one (:class:`InvalidRequestError`) queues none of them."""
+        if self.refusing_requests:
+            raise EngineSleepingError(
+                "the engine is sleeping (or falling asleep): wake it up first with "
+                "POST /wake_up (LLM.wake_up() offline)"
+            )
         ids = [r.request_id for r in requests]
         live = self.output_processor.requests
         taken = sorted({i for i in ids if i in live or ids.count(i) > 1})

@@ -61,6 +61,14 @@ class EngineClient(Protocol):
 
     def unload_lora(self, lora_int_id: int) -> concurrent.futures.Future[None]: ...
 
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (``--enable-sleep-mode``; ``mode``: abort or wait)."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake what ``tags`` name (None: everything); whether fully awake."""
+
+    async def is_sleeping(self) -> bool: ...
+
     def stop_compiling(self) -> None:
         """Stop every guided-decoding compile now (from a signal's thread)."""
 

@@ -34,3 +34,8 @@ class InvalidRequestError(PagedLLMError, ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (``--enable-sleep-mode``) or falling asleep: it takes no
+    request until woken (``LLM.wake_up()``, ``POST /wake_up``). The server answers 503."""

@@ -132,6 +132,21 @@ class OutputProcessor:
             metrics=parent.metrics,
         )
 
+    def abort_all(self) -> tuple[list[RequestOutput], list[str]]:
+        """End every live request as aborted: their last outputs (finish reason
+        ``abort``) and the sequence ids the scheduler must finish."""
+        outputs, sequence_ids = [], []
+        for parent in list(self.requests.values()):
+            self.requests.pop(parent.request_id)
+            for seq in parent.sequences:
+                if seq.finish_reason is None:
+                    self.finish(seq, "abort", None)
+            sequence_ids.extend(parent.sequence_ids)
+            output = self.make_output(parent)
+            if output is not None:
+                outputs.append(output)
+        return outputs, sequence_ids
+
     def take_failures(self) -> dict[str, BaseException]:
         failed, self.failed = self.failed, {}
         return failed

@@ -519,6 +519,23 @@ class LLM:
             self._abort(request_ids)
             raise
 
+    # ---------------------------------------------------------------- sleep mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (needs ``enable_sleep_mode=True``): level 1 moves the
+        weights out of the device's memory (on the cpu: to a file in
+        ``PAGEDLLM_SLEEP_DIR``) and drops the KV cache; level 2 drops both (waking reloads
+        the weights from the checkpoint). Unfinished requests are aborted; ``generate``
+        raises until :meth:`wake_up`."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``tags`` name (``"weights"``, ``"kv_cache"``; None: both)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping
+
     # -------------------------------------------------------------------- saving
 
     def save_sharded_state(

@@ -345,6 +345,26 @@ class MultiprocExecutor(UniProcExecutor):
         if failures:
             raise ConfigError(f"save_sharded_state: another rank failed: {failures[0]}")
 
+    def sleep(self, level: int) -> None:
+        self._on_every_rank("sleep", level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._on_every_rank("wake_up", tags)
+
+    def _on_every_rank(self, method: str, argument: Any) -> None:
+        """Rank 0's worker and every other rank's run ``method(argument)`` (at once); the
+        first failure is raised once all have answered."""
+        if self.group is None:
+            getattr(super(), method)(argument)
+            return
+        self.group.send(method, argument)
+        try:
+            getattr(self.worker, method)(argument)
+        finally:
+            failures = [f for f in self.group.wait("done") if f]
+        if failures:
+            raise RuntimeError(f"{method}: another rank failed: {failures[0]}")
+
     def shutdown(self) -> None:
         super().shutdown()
         if self.group is not None:
@@ -401,6 +421,20 @@ class WorkerRank:
         except Exception as exc:
             return "saved", f"{rank_name(self.config, self.rank)}: {exc!r}"
         return "saved", None
+
+    def sleep(self, level: int) -> tuple[str, Any]:
+        return self._answer(self.worker.sleep, level)
+
+    def wake_up(self, tags: list[str] | None) -> tuple[str, Any]:
+        return self._answer(self.worker.wake_up, tags)
+
+    def _answer(self, method: Any, argument: Any) -> tuple[str, Any]:
+        """``("done", None)``, or with this rank's error (rank 0 raises it)."""
+        try:
+            method(argument)
+        except Exception as exc:
+            return "done", f"{rank_name(self.config, self.rank)}: {exc!r}"
+        return "done", None
 
     def stop(self) -> None:
         self.worker.leave()

@@ -118,7 +118,12 @@ class RayWorkerGroup:
     def send(self, kind: str, payload: Any = None) -> None:
         """Call each actor's ``kind`` (``profile``, ``cache``, ``follow``)."""
         refs = [getattr(a, kind).remote(payload) for a in self.actors]
-        answer = {"cache": "ready", "save_sharded_state": "saved"}.get(kind)
+        answer = {
+            "cache": "ready",
+            "save_sharded_state": "saved",
+            "sleep": "done",
+            "wake_up": "done",
+        }.get(kind)
         if answer is not None:
             self._pending[answer] = refs
         else:

@@ -49,5 +49,11 @@ class UniProcExecutor(Executor):
 
         save_rank_state(self.config, self.pm, Path(output), pattern, max_size)
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.worker.wake_up(tags)
+
     def shutdown(self) -> None:
         self.worker.free_cache()

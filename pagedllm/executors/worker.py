@@ -107,6 +107,9 @@ class Worker:
         self.lora: Any = None  # (with --enable-lora: the adapters' slots)
         self.runner: Any = None
         self.stage_io: Any = None  # (pipeline parallelism: the hidden states between stages)
+        self.sleeping: Any = None  # (--enable-sleep-mode: a RankSleep while asleep)
+        # (--enable-sleep-mode: the model's storages as loaded, which a reload builds again)
+        self.reloadable: set[str] = set()
 
     def join(self) -> None:
         """Enter the group of the ``size`` ranks at ``init_method``."""
@@ -141,6 +144,10 @@ class Worker:
         pm = self.pm
         with loading_turn(self.load_gate) as loading:
             self.loaded = loaded = load_model(config, pm)
+        if config.model_config.enable_sleep_mode:
+            from pagedllm.core.sleep import named_storages
+
+            self.reloadable = set(named_storages(loaded.model))
         if self.size > 1:  # (the ranks share the machine's cores)
             cores = device.num_threads() if self.cores is None else self.cores
             torch.set_num_threads(max(1, cores // self.size))
@@ -240,6 +247,58 @@ class Worker:
             follow(self.runner, self.stage_io, step)
         else:
             self.runner.follow(step)
+
+    def sleep(self, level: int) -> int:
+        """Release this rank's weights and KV cache (:mod:`pagedllm.core.sleep`); the
+        bytes released."""
+        from pagedllm.core.errors import ConfigError
+        from pagedllm.core.sleep import RankSleep, check_sleep_level
+
+        level = check_sleep_level(level)
+        if self.sleeping is not None:
+            return 0
+        if level == 2 and self.lora is not None:
+            raise ConfigError(
+                "sleep level 2 with --enable-lora is not supported: reloading the model from "
+                "its checkpoint would not restore the adapters' slots; use level 1"
+            )
+        device = self.config.device_config.device
+        sleeping = RankSleep(
+            device, self.loaded.model, self.runner.kv_caches, self._reload, self.reloadable
+        )
+        released = sleeping.sleep(level)
+        self.sleeping = sleeping
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` released (``tags``: weights, kv_cache; None:
+        both)."""
+        if self.sleeping is None:
+            return
+        self.sleeping.wake_up(tags)
+        if not self.sleeping.asleep:
+            import gc
+
+            self.sleeping = None
+            gc.collect()  # (a level-2 wake's second model, built and dropped)
+            self.config.device_config.device.release_startup_memory()
+
+    def _reload(self) -> Any:
+        """This rank's part of the model built again from its checkpoint, as :meth:`load`
+        builds it (the weights and the KV cache's scales; compiling and the adapters'
+        slots change no tensor of it)."""
+        from pagedllm.core.attention.layer import set_kv_scales
+        from pagedllm.core.kv_cache.spec import kv_cache_torch_dtype
+        from pagedllm.core.model_setup import load_model
+
+        threads = torch.get_num_threads()  # (loading resets it)
+        try:
+            loaded = load_model(self.config, self.pm)
+        finally:
+            torch.set_num_threads(threads)
+        cache = self.config.cache_config
+        set_kv_scales(loaded.model, cache, kv_cache_torch_dtype(cache, loaded.dtype))
+        return loaded.model
 
     def free_cache(self) -> None:
         """Close the step extensions' runner sides and drop the KV cache (the engine is

@@ -66,6 +66,12 @@ class SpeculativeExtension(StepExtension):
             raise ConfigError("--speculative-config applies to text generation")
         draft = None
         if config.method == "draft_model":
+            if engine.config.model_config.enable_sleep_mode:
+                # (the draft model is the extension's, outside the ranks that sleep)
+                raise ConfigError(
+                    "--enable-sleep-mode with a draft model (--speculative-config "
+                    "method draft_model) is not supported yet; leave one of them out"
+                )
             draft = load_draft(engine, config)
         draft_len = None if draft is None else draft[0].max_model_len
         # (its limits settled against the models' lengths)

@@ -222,12 +222,12 @@ def test_config_choices_checked_for_python_callers(pm):
 
 def test_unbuilt_features_are_refused_by_name(pm):
     with pytest.raises(ConfigError) as excinfo:
-        EngineArgs(enable_sleep_mode=True, fully_sharded_loras=True).create_engine_config(pm)
+        EngineArgs(enable_prompt_embeds=True, fully_sharded_loras=True).create_engine_config(pm)
     message = str(excinfo.value)
-    assert "--enable-sleep-mode=True is not supported" in message
+    assert "--enable-prompt-embeds=True is not supported" in message
     assert "--fully-sharded-loras=True is not supported" in message
     # Set to their defaults, the same flags are fine.
-    EngineArgs(enable_sleep_mode=False, fully_sharded_loras=False).create_engine_config(pm)
+    EngineArgs(enable_prompt_embeds=False, fully_sharded_loras=False).create_engine_config(pm)
 
 
 def test_removed_and_deprecated_flags(pm, caplog):

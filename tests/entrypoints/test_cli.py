@@ -94,9 +94,9 @@ def test_plugins_lists_every_registry_with_sources():
 
 
 def test_serve_refuses_unbuilt_and_unavailable(tmp_path):
-    ep = run_cli("serve", "some-model", "--enable-sleep-mode")
+    ep = run_cli("serve", "some-model", "--enable-prompt-embeds")
     assert ep.returncode == 2
-    assert "--enable-sleep-mode=True is not supported by pagedllm yet" in ep.stderr
+    assert "--enable-prompt-embeds=True is not supported by pagedllm yet" in ep.stderr
     # -tp 2 / -pp 2 on a model that is not there: refused before any worker process starts.
     for flag in ("-tp", "-pp"):
         ranks = run_cli("serve", "some-model", flag, "2")

@@ -312,7 +312,8 @@ def test_no_refusal_sends_the_user_to_a_refused_or_missing_flag(cli):
     assert len(texts) > 60
     options = set(_serve_actions(cli))
     refused = _always_refused()
-    assert "--enable-sleep-mode" in refused
+    assert "--enable-prompt-embeds" in refused
+    assert "--enable-sleep-mode" not in refused  # (built: sleep mode)
     # (the old image flags point to --mm-processor-kwargs, an option pagedllm honours)
     assert "--mm-processor-kwargs" in texts["--image-processor (removed)"]
     for source, text in texts.items():

@@ -268,10 +268,12 @@ class ModelArgs:
         "(default 20).",
     )
     enable_sleep_mode: bool = arg(
-        False,
+        ModelConfig.enable_sleep_mode,
         group="ModelConfig",
-        help="Allow the engine to be put to sleep to free accelerator memory.",
-        unbuilt=UNSUPPORTED["enable_sleep_mode"],
+        help="Allow the engine to be put to sleep (LLM.sleep() / LLM.wake_up(); the server's "
+        "POST /sleep, POST /wake_up and GET /is_sleeping) to free the device's memory: level "
+        "1 moves the weights out (on the cpu: to a file in PAGEDLLM_SLEEP_DIR) and drops the "
+        "KV cache, level 2 drops both (waking reloads the weights from the checkpoint).",
     )
     enable_prompt_embeds: bool = arg(
         False,

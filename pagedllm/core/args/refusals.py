@@ -32,7 +32,6 @@ UNSUPPORTED: dict[str, str] = {
     "code_revision": "pagedllm does not run remote model code from the Hub" + _LEAVE_OUT,
     "hf_token": "pagedllm never downloads from the Hub; pass a local model path instead",
     "override_neuron_config": "pagedllm has no Neuron-specific configuration" + _LEAVE_OUT,
-    "enable_sleep_mode": "pagedllm has no sleep mode" + _LEAVE_OUT,
     "enable_prompt_embeds": "pagedllm accepts only text or token-id prompts" + _LEAVE_OUT,
     # LoadConfig
     "pt_load_map_location": "pagedllm loads PyTorch checkpoints on the CPU only" + _LEAVE_OUT,

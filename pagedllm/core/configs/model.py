@@ -60,6 +60,8 @@ class ModelConfig(Config):
     enforce_eager: bool = False
     # --batch-invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT=1).
     batch_invariant: bool = False
+    # --enable-sleep-mode: the engine may release its weights and KV cache while asleep.
+    enable_sleep_mode: bool = False
     quantization: str | None = None
     model_impl: str = setting("auto", choices=("auto", "vllm", "pagedllm", "transformers"))
     runner: str = setting("auto", choices=("auto", "generate", "pooling"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,9 @@ class Device(ABC):
     captures_graphs: ClassVar[bool] = False
     # Whether `pagedllm serve --data-parallel-size N` may run N replicas on it.
     runs_data_parallel: ClassVar[bool] = False
+    # Whether release_memory / restore_memory are built (else --enable-sleep-mode is
+    # refused on this device).
+    releases_memory: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -129,6 +132,21 @@ class Device(ABC):
         loading buffers), once the model and the KV cache are built; the memory the
         steps use is kept. The default changes nothing."""
         return None
+
+    def release_memory(self, storages: list[Any], save: BinaryIO | None) -> int:
+        """Sleep mode: give the memory of ``storages`` (``torch.UntypedStorage``s of the
+        model or the KV cache) back to the system while keeping their addresses (kernels
+        and graphs hold raw pointers to them); with ``save``, first write their bytes to
+        it, in order, for :meth:`restore_memory`. The bytes released (a storage the
+        device cannot release stays as it is, and is not written). Only where
+        ``releases_memory``."""
+        raise NotImplementedError(f"the {self.name} device does not release memory")
+
+    def restore_memory(self, storages: list[Any], source: BinaryIO | None) -> None:
+        """Undo :meth:`release_memory` for the same ``storages`` (in the same order):
+        their memory is usable again, and with ``source`` (what ``save`` got) it holds
+        their bytes again; without, what it holds is undefined until written."""
+        raise NotImplementedError(f"the {self.name} device does not release memory")
 
     def describe(self) -> dict[str, Any]:
         """Facts for ``pagedllm collect-env`` (name, count, versions, ...)."""

@@ -10,6 +10,7 @@ once each but for :meth:`Executor.execute` (every step) and :meth:`Executor.shut
     executor.profile(...)             # (devices that measure memory) the largest step
     executor.init_cache(...)          # every rank allocates its KV cache
     executor.execute(output, mask)    # each step
+    executor.sleep(level), executor.wake_up(tags)   # (--enable-sleep-mode) between steps
     executor.shutdown()
 
 Rank 0 is in the engine's process with every built-in executor: what the engine reads
@@ -117,6 +118,19 @@ class Executor(abc.ABC):
         from pagedllm.core.errors import ConfigError
 
         raise ConfigError(f"save_sharded_state: {type(self).__name__} does not save ranks")
+
+    def sleep(self, level: int) -> None:
+        """``--enable-sleep-mode``: every rank releases its weights and KV cache
+        (:mod:`pagedllm.core.sleep`; ``level`` 1 or 2). Not every executor can."""
+        from pagedllm.core.errors import ConfigError
+
+        raise ConfigError(f"--enable-sleep-mode: {type(self).__name__} cannot put ranks to sleep")
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """Every rank brings back what ``tags`` name (weights, kv_cache; None: both)."""
+        from pagedllm.core.errors import ConfigError
+
+        raise ConfigError(f"--enable-sleep-mode: {type(self).__name__} cannot wake ranks")
 
     @abc.abstractmethod
     def shutdown(self) -> None:

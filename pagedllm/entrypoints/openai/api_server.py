@@ -46,6 +46,13 @@ def build_app(
     add_middleware(app, args)
     add_exception_handlers(app)
     add_routes(app, args, engine, serving, metrics, model_path)
+    if engine.config.model_config.enable_sleep_mode:
+        from pagedllm.entrypoints.openai.sleep_routes import add_sleep_routes
+        from pagedllm.entrypoints.sleep_metrics import SleepStateGauge
+
+        registry = getattr(metrics, "registry", None)
+        gauge = None if registry is None else SleepStateGauge(registry, metrics.model)
+        add_sleep_routes(app, engine, gauge)
     pm.hook.pagedllm_add_api_routes(app=app, engine=engine)
     generate_openapi = app.openapi
     key = api_key(args)

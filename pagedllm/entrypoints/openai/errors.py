@@ -12,7 +12,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagedllm.core.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 
 _TYPES = {
     400: "BadRequestError",
@@ -48,7 +53,7 @@ def as_openai_error(exc: BaseException) -> OpenAIError | None:
         return OpenAIError(400, str(exc))
     if isinstance(exc, RequestFailedError):
         return OpenAIError(500, str(exc))
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, EngineSleepingError)):
         return OpenAIError(503, str(exc))
     return None
 
@@ -94,7 +99,7 @@ def add_exception_handlers(app: FastAPI) -> None:
         assert error is not None
         return error_response(error.status, error.message, error.type, error.param)
 
-    for kind in (OpenAIError, ValueError, RequestFailedError, EngineDeadError):
+    for kind in (OpenAIError, ValueError, RequestFailedError, EngineDeadError, EngineSleepingError):
         app.add_exception_handler(kind, request_error)
 
     @app.exception_handler(Exception)

@@ -27,6 +27,7 @@ class CpuDevice(Device):
     attention_backend = "cpu_paged"
     uses_gpu_memory_utilization = False
     runs_data_parallel = True
+    releases_memory = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -72,6 +73,18 @@ class CpuDevice(Device):
 
     def release_startup_memory(self) -> None:
         trim_malloc()
+
+    def release_memory(self, storages: list[Any], save: Any) -> int:
+        from pagedllm.plugins.devices.cpu_memory import release
+
+        released = release(storages, save)
+        trim_malloc()
+        return released
+
+    def restore_memory(self, storages: list[Any], source: Any) -> None:
+        from pagedllm.plugins.devices.cpu_memory import restore
+
+        restore(storages, source)
 
     def describe(self) -> dict[str, Any]:
         import torch
