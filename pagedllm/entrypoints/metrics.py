@@ -49,6 +49,7 @@ VLLM_METRICS = frozenset(
     {
         "num_requests_running",
         "num_requests_waiting",
+        "engine_sleep_state",
         "kv_cache_usage_perc",
         "prefix_cache_queries",
         "prefix_cache_hits",

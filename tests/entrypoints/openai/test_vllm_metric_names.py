@@ -31,6 +31,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         MODEL,
         "--metrics-prefix",
         "vllm",
+        # (and vLLM's engine_sleep_state gauge)
+        "--enable-sleep-mode",
         log_path=log,
     )
     remote.start().wait_ready()
