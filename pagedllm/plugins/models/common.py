@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -409,6 +409,41 @@ class CausalLM(nn.Module, ModelArchitecture):
 
 # The dtypes a float module's weights come in.
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def renamed(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """``name`` with the first of ``renames``' ``(old prefix, new prefix)`` it starts with
+    applied."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+class VisionLanguageWeights:
+    """Mixin of the vision-language models (listed before their decoder's class): the
+    checkpoint's prefixes renamed to the model's (``checkpoint_renames``), and the vision
+    parts (``vision_prefixes``), which run as float modules whatever ``quantization`` (the
+    text model's method, set by the model) is, refused by name where the checkpoint
+    quantized them."""
+
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    vision_prefixes: ClassVar[tuple[str, ...]] = ()
+    quantization: str | None = None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return super().checkpoint_name(renamed(name, self.checkpoint_renames))  # type: ignore[misc]
+
+    def prepare_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return float_part_weights(
+            self,
+            super().prepare_weights(weights),  # type: ignore[misc]
+            self.vision_prefixes,
+            "vision tower",
+            self.quantization,
+        )
 
 
 def float_part_weights(

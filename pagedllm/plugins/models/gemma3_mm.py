@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
-from pagedllm.plugins.models.common import RMSNorm
+from pagedllm.plugins.models.common import RMSNorm, VisionLanguageWeights, renamed
 from pagedllm.plugins.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
 from pagedllm.plugins.models.siglip import SiglipTower
 
@@ -79,7 +79,9 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM, SupportsMultiModal):
+class Gemma3ForConditionalGeneration(VisionLanguageWeights, Gemma3ForCausalLM, SupportsMultiModal):
+    checkpoint_renames = _RENAMES
+    vision_prefixes = ("vision_tower.", "multi_modal_projector.")
     model_cls: ClassVar[type[nn.Module]] = Gemma3ImageTextModel
     # (the vision tower is one module on one device)
     supports_pipeline_parallel: ClassVar[bool] = False
@@ -101,16 +103,15 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM, SupportsMultiModal):
         )
         self.vision_tower = SiglipTower(config.vision_config)
         self.multi_modal_projector = Gemma3Projector(config)
+        # (the tower and the projector stay in floats: quant_config is the text model's)
+        self.quantization = None if quant_config is None else quant_config.name
         self._spans: dict[int, tuple[tuple[int, int], ...]] | None = None
 
     def checkpoint_name(self, name: str) -> str | None:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
+        name = renamed(name, _RENAMES)
         if name.startswith("vision_tower."):
             return SiglipTower.checkpoint_name(name)
-        return super().checkpoint_name(name)
+        return Gemma3ForCausalLM.checkpoint_name(self, name)
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """One image's ``mm_tokens_per_image`` features from its pixel values

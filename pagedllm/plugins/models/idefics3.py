@@ -6,14 +6,13 @@ image tokens, as LLaVA's does)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
-from pagedllm.plugins.models.common import float_part_weights
+from pagedllm.plugins.models.common import VisionLanguageWeights
 from pagedllm.plugins.models.idefics3_vision import Idefics3Connector, Idefics3VisionTransformer
 from pagedllm.plugins.models.llama import LlamaForCausalLM
 from pagedllm.plugins.models.llava import LlavaTextModel
@@ -25,7 +24,9 @@ _RENAMES = (
 )
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
+class Idefics3ForConditionalGeneration(VisionLanguageWeights, LlamaForCausalLM, SupportsMultiModal):
+    checkpoint_renames = _RENAMES
+    vision_prefixes = ("vision_model.", "connector.")
     model_cls: ClassVar[type[nn.Module]] = LlavaTextModel
     # (the vision tower is one module on one device)
     supports_pipeline_parallel: ClassVar[bool] = False
@@ -52,24 +53,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
         self.connector = Idefics3Connector(config)
         # (the tower and the connector stay in floats: quant_config is the text model's)
         self.quantization = None if quant_config is None else quant_config.name
-
-    def checkpoint_name(self, name: str) -> str | None:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        return super().checkpoint_name(name)
-
-    def prepare_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        return float_part_weights(
-            self,
-            super().prepare_weights(weights),
-            ("vision_model.", "connector."),
-            "vision tower",
-            self.quantization,
-        )
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """A crop's features: ``inputs`` is its pixel values ``[1, 3, H, W]`` and pixel

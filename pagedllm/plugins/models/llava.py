@@ -9,14 +9,13 @@ CLS row dropped under the ``default`` feature-select strategy, through the proje
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
-from pagedllm.plugins.models.common import activation, float_part_weights
+from pagedllm.plugins.models.common import VisionLanguageWeights, activation
 from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaModel
 
 # Checkpoint prefixes -> this model's parameter prefixes: the language model's (older
@@ -70,7 +69,9 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
+class LlavaForConditionalGeneration(VisionLanguageWeights, LlamaForCausalLM, SupportsMultiModal):
+    checkpoint_renames = _RENAMES
+    vision_prefixes = ("vision_tower.", "multi_modal_projector.")
     model_cls: ClassVar[type[nn.Module]] = LlavaTextModel
     # (the vision tower is one module on one device)
     supports_pipeline_parallel: ClassVar[bool] = False
@@ -101,24 +102,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM, SupportsMultiModal):
         self.multi_modal_projector = LlavaProjector(config)
         # (the tower and the projector stay in floats: quant_config is the text model's)
         self.quantization = None if quant_config is None else quant_config.name
-
-    def checkpoint_name(self, name: str) -> str | None:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        return super().checkpoint_name(name)
-
-    def prepare_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        return float_part_weights(
-            self,
-            super().prepare_weights(weights),
-            ("vision_tower.", "multi_modal_projector."),
-            "vision tower",
-            self.quantization,
-        )
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """One image's features: ``inputs`` is its pixel values (``[1, 3, H, W]``)."""

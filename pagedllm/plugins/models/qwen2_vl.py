@@ -22,7 +22,6 @@ the 1-D kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +31,7 @@ from pagedllm.core.errors import ConfigError
 from pagedllm.core.interfaces.multimodal import SupportsMultiModal
 from pagedllm.core.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.kernels.rotary import apply_rotary
-from pagedllm.plugins.models.common import float_part_weights
+from pagedllm.plugins.models.common import VisionLanguageWeights
 from pagedllm.plugins.models.llama import Qwen2DecoderLayer, Qwen2ForCausalLM
 from pagedllm.plugins.models.llava import LlavaTextModel
 
@@ -159,7 +158,9 @@ class Qwen2VLTextModel(LlavaTextModel):
         return super().forward(input_ids, positions, metadata, intermediate)
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM, SupportsMultiModal):
+class Qwen2VLForConditionalGeneration(VisionLanguageWeights, Qwen2ForCausalLM, SupportsMultiModal):
+    checkpoint_renames = _RENAMES
+    vision_prefixes = ("visual.",)
     model_cls: ClassVar[type[nn.Module]] = Qwen2VLTextModel
     # (the vision tower is one module on one device)
     supports_pipeline_parallel: ClassVar[bool] = False
@@ -193,20 +194,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM, SupportsMultiModal):
         self.visual = vision_cls._from_config(config.vision_config)
         # (the tower stays in floats: quant_config is the text model's)
         self.quantization = None if quant_config is None else quant_config.name
-
-    def checkpoint_name(self, name: str) -> str | None:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        return super().checkpoint_name(name)
-
-    def prepare_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        return float_part_weights(
-            self, super().prepare_weights(weights), ("visual.",), "vision tower", self.quantization
-        )
 
     def encode(self, modality: str, inputs: Any) -> torch.Tensor:
         """One image's features (``[tokens, hidden]``) from its ``pixel_values`` (its

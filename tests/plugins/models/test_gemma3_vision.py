@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("PIL")
 
+import torch
 from tiny_gemma3_vision import (
     NUM_IMAGE_TOKENS,
     Gemma3Reference,
@@ -236,3 +237,16 @@ def test_the_processor_makes_transformers_token_ids(checkpoint, reference, image
     assert [i for i, t in enumerate(types) if t == 1] == [
         p for item in processed.items for p in range(item.offset, item.offset + item.length)
     ]
+
+
+def test_fp8_at_load_quantizes_the_text_model_only(checkpoint, images):
+    # (the SigLIP tower and the projector stay float modules, as LLaVA's)
+    llm = llava_llm(checkpoint, quantization="fp8")
+    model = llm.llm_engine.loaded.model
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    tower = ("vision_tower.", "multi_modal_projector.")
+    floats = {p.dtype for name, p in model.named_parameters() if name.startswith(tower)}
+    assert floats == {torch.float32}
+    (out,) = generate(llm, [(ONE, [images[0]])])
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS
+    llm.llm_engine.shutdown()
