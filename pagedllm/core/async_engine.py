@@ -289,6 +289,10 @@ class AsyncLLMEngine:
     async def is_sleeping(self) -> bool:
         return await asyncio.wrap_future(self._submit(lambda: self.engine.is_sleeping))
 
+    async def reset_prefix_cache(self) -> bool:
+        """:meth:`LLMEngine.reset_prefix_cache` on the engine thread, between steps."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread, between steps."""
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))

@@ -243,6 +243,12 @@ class Metrics:
             if output.finished:
                 self.on_finished(output)
 
+    def on_aborted(self, outputs: list[RequestOutput]) -> None:
+        """Requests aborted between steps (a client gone, a failed step): counted as
+        vLLM counts them, finished with reason "abort"."""
+        for output in outputs:
+            self.on_finished(output)
+
     def on_finished(self, output: RequestOutput) -> None:
         m = self.model
         # (a pooling request's output is its pooled result: it ends once, stopped)

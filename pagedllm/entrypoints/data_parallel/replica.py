@@ -232,6 +232,7 @@ class Replica:
             engine.engine.max_model_len,
         )
         engine.step_listeners.append(self.metrics.on_step)
+        engine.abort_listeners.append(self.metrics.on_aborted)
         self.peers: list[_Peer] = []
         # Unfinished request ids of each running group: the load is their total.
         self._live: dict[tuple[_Peer, int], set[str]] = {}

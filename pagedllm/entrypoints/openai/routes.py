@@ -90,6 +90,27 @@ def add_routes(
     async def prometheus() -> Response:
         return Response(await metrics.exposition(engine), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict[str, bool]:
+        """vLLM's: forget every cached prefix (``{"success": false}`` while a request
+        holds blocks; retry). Its options pagedllm does not honour are refused by name."""
+        for name in ("reset_running_requests", "reset_external"):
+            if request.query_params.get(name, "false").lower() not in ("false", "0"):
+                raise OpenAIError(
+                    400,
+                    f"{name}: pagedllm resets the prefix cache of finished requests only",
+                    param=name,
+                )
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if reset is None:
+            raise OpenAIError(
+                501,
+                "POST /reset_prefix_cache is not supported with --data-parallel-size above 1 "
+                "yet",
+                type="NotImplementedError",
+            )
+        return {"success": bool(await reset())}
+
     def model_cards() -> list[dict[str, Any]]:
         cards = [
             {

@@ -159,6 +159,7 @@ class PendingServing:
                 metrics_label(names[0]), engine.engine.max_model_len, options.metrics_prefix
             )
             engine.step_listeners.append(metrics.on_step)
+            engine.abort_listeners.append(metrics.on_aborted)
             if self.tracer is not None:
                 engine.step_listeners.append(self.tracer.on_step)
                 engine.abort_listeners.append(self.tracer.on_aborted)

@@ -140,6 +140,11 @@ def test_concurrent_requests_reach_both_replicas(servers, model, name):
     assert prompt_tokens >= sum(len(p) for p in _prompts()) * 2
 
 
+def test_reset_prefix_cache_is_refused_with_replicas(servers):
+    response = httpx.post(servers["dp2"].url + "/reset_prefix_cache", timeout=30)
+    assert_openai_error(response, 501, "--data-parallel-size above 1")
+
+
 @pytest.mark.parametrize("name", list(SERVERS))
 def test_an_invalid_request_is_a_400_and_the_server_goes_on(servers, model, name):
     server = servers[name]

@@ -1073,3 +1073,17 @@ def test_access_but_no_request_contents_are_logged_by_default(
     assert "Uvicorn running on" in log
     assert "Do not log me" not in log and "Nor this message" not in log
     assert "received request" not in log
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(client: openai.OpenAI, http: httpx.Client):
+    prompt = "Reset probe: " + " ".join(f"r{i}" for i in range(30))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    response = http.post("/reset_prefix_cache")
+    assert response.status_code == 200 and response.json() == {"success": True}
+    after = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    for name in ("reset_running_requests", "reset_external"):
+        refused = http.post(f"/reset_prefix_cache?{name}=true")
+        assert_openai_error(refused, 400, name)

@@ -5,6 +5,7 @@ metrics (its Grafana dashboard, alerts, autoscalers) reads pagedllm's."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +122,36 @@ def test_values_mean_what_vllms_do(server: RemoteServer) -> None:
 
 def _present(server: RemoteServer, name: str) -> bool:
     return any(key.split("{")[0] == name for key in server.metrics())
+
+
+def test_an_aborted_request_counts_as_finished_with_reason_abort(server: RemoteServer) -> None:
+    """As vLLM's: a client that leaves mid-stream ends its request with reason "abort"."""
+
+    def aborted() -> float:
+        return (
+            server.metric("vllm:request_success_total", finished_reason="abort")
+            if _present_with(server, "vllm:request_success_total", 'finished_reason="abort"')
+            else 0.0
+        )
+
+    before = aborted()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {
+            "model": MODEL,
+            "prompt": "a long story",
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # (the first chunk: then the client goes)
+    deadline = time.monotonic() + 60
+    while aborted() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted() == before + 1
+
+
+def _present_with(server: RemoteServer, name: str, label: str) -> bool:
+    return any(key.split("{")[0] == name and label in key for key in server.metrics())
