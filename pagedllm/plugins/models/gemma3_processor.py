@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
-from pagedllm.core.interfaces.multimodal import MultiModalItem, ProcessedPrompt, content_hash
+from pagedllm.core.interfaces.multimodal import MultiModalItem
 from pagedllm.plugins.models.llava_processor import ImagePlaceholderProcessor
 
 _NEWLINES = "\n\n"
@@ -67,54 +67,48 @@ class Gemma3Processor(ImagePlaceholderProcessor):
             )
         return pixels, self.num_image_tokens, None
 
-    def process(
-        self,
-        token_ids: list[int],
-        data: dict[str, list[Any]],
-        hashes: dict[str, list[str]],
-        options: dict[str, Any] | None = None,
-    ) -> ProcessedPrompt:
-        images = data.get("image", [])
-        placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise InvalidRequestError(
-                "multi_modal_data.image",
-                f"{len(images)} image(s) for {len(placeholders)} <start_of_image> token(s) in "
-                "the prompt: one per image",
-            )
+    def check_tokens(self, token_ids: list[int]) -> None:
         if self.soft_token_id in token_ids:
             raise InvalidRequestError(
                 "prompt", "the prompt holds image soft tokens: give one <start_of_image> per image"
             )
-        given = hashes.get("image") or [None] * len(images)
-        expanded: list[int] = []
-        items: list[MultiModalItem] = []
-        last = 0
-        for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
-            inputs, length, _ = self.item_inputs(image, index, options or {})
-            expanded.extend(token_ids[last:position])
-            # (a prompt's newlines beside the expansion's join them into one token)
-            before = (
-                self.tokenizer.decode([expanded.pop()])
-                if expanded and self._joins(expanded[-1])
-                else ""
-            )
-            expanded.extend(self._encode(before + _NEWLINES))
-            expanded.append(self.image_token_id)
-            key = given[index] or content_hash(image)
-            items.append(MultiModalItem("image", str(key), inputs, len(expanded), length))
-            expanded.extend([self.soft_token_id] * length)
-            expanded.append(self.eoi_token_id)
-            following = position + 1
-            nxt = token_ids[following] if following < len(token_ids) else None
-            after = ""
-            if nxt is not None and self._joins(nxt):
-                after = self.tokenizer.decode([nxt])
-                following += 1
-            expanded.extend(self._encode(_NEWLINES + after))
-            last = following
-        expanded.extend(token_ids[last:])
-        return ProcessedPrompt(expanded, items)
+
+    def placeholder_mismatch(self, num_images: int, num_placeholders: int) -> str:
+        return (
+            f"{num_images} image(s) for {num_placeholders} <start_of_image> token(s) in "
+            "the prompt: one per image"
+        )
+
+    def expand_image(
+        self,
+        token_ids: list[int],
+        position: int,
+        expanded: list[int],
+        items: list[MultiModalItem],
+        key: str,
+        inputs: Any,
+        length: int,
+        grid: tuple[int, int, int] | None,
+    ) -> int:
+        # (a prompt's newlines beside the expansion's join them into one token)
+        before = (
+            self.tokenizer.decode([expanded.pop()])
+            if expanded and self._joins(expanded[-1])
+            else ""
+        )
+        expanded.extend(self._encode(before + _NEWLINES))
+        expanded.append(self.image_token_id)
+        items.append(MultiModalItem("image", key, inputs, len(expanded), length))
+        expanded.extend([self.soft_token_id] * length)
+        expanded.append(self.eoi_token_id)
+        following = position + 1
+        nxt = token_ids[following] if following < len(token_ids) else None
+        after = ""
+        if nxt is not None and self._joins(nxt):
+            after = self.tokenizer.decode([nxt])
+            following += 1
+        expanded.extend(self._encode(_NEWLINES + after))
+        return following
 
     def _joins(self, token: int) -> bool:
         """Whether ``token`` is a run of newlines."""

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from pagedllm.core.errors import ConfigError, InvalidRequestError
-from pagedllm.core.interfaces.multimodal import MultiModalItem, ProcessedPrompt, content_hash
+from pagedllm.core.interfaces.multimodal import MultiModalItem
 from pagedllm.plugins.models.llava_processor import ImagePlaceholderProcessor
 
 FAKE, GLOBAL = "<fake_token_around_image>", "<global-img>"
@@ -101,45 +101,32 @@ class Idefics3Processor(ImagePlaceholderProcessor):
             self._expansions[key] = list(self.tokenizer.encode(text, add_special_tokens=False))
         return self._expansions[key]
 
-    def process(
+    def expand_image(
         self,
         token_ids: list[int],
-        data: dict[str, list[Any]],
-        hashes: dict[str, list[str]],
-        options: dict[str, Any] | None = None,
-    ) -> ProcessedPrompt:
-        images = data.get("image", [])
-        placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(placeholders) != len(images):
-            raise InvalidRequestError(
-                "multi_modal_data.image",
-                f"{len(images)} image(s) for {len(placeholders)} image placeholder(s) in the "
-                "prompt: one placeholder per image",
+        position: int,
+        expanded: list[int],
+        items: list[MultiModalItem],
+        key: str,
+        inputs: Any,
+        length: int,
+        grid: tuple[int, int, int] | None,
+    ) -> int:
+        pixels, mask, rows, cols = inputs
+        start = len(expanded)
+        tokens = self.expansion(rows, cols)
+        expanded.extend(tokens)
+        # Runs of image tokens in the expansion: one per crop, in pixel_values' order.
+        runs = [
+            i
+            for i, t in enumerate(tokens)
+            if t == self.image_token_id and (i == 0 or tokens[i - 1] != self.image_token_id)
+        ]
+        if len(runs) != pixels.shape[0]:
+            raise AssertionError(f"{len(runs)} image token runs for {pixels.shape[0]} crops")
+        for crop, run in enumerate(runs):
+            crop_inputs = (pixels[crop : crop + 1], mask[crop : crop + 1])
+            items.append(
+                MultiModalItem("image", f"{key}#{crop}", crop_inputs, start + run, self.seq_len)
             )
-        given = hashes.get("image") or [None] * len(images)
-        expanded: list[int] = []
-        items: list[MultiModalItem] = []
-        last = 0
-        for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
-            (pixels, mask, rows, cols), _, _ = self.item_inputs(image, index, options or {})
-            expanded.extend(token_ids[last:position])
-            start = len(expanded)
-            tokens = self.expansion(rows, cols)
-            expanded.extend(tokens)
-            key = given[index] or content_hash(image)
-            # Runs of image tokens in the expansion: one per crop, in pixel_values' order.
-            runs = [
-                i
-                for i, t in enumerate(tokens)
-                if t == self.image_token_id and (i == 0 or tokens[i - 1] != self.image_token_id)
-            ]
-            if len(runs) != pixels.shape[0]:
-                raise AssertionError(f"{len(runs)} image token runs for {pixels.shape[0]} crops")
-            for crop, run in enumerate(runs):
-                inputs = (pixels[crop : crop + 1], mask[crop : crop + 1])
-                items.append(
-                    MultiModalItem("image", f"{key}#{crop}", inputs, start + run, self.seq_len)
-                )
-            last = position + 1
-        expanded.extend(token_ids[last:])
-        return ProcessedPrompt(expanded, items)
+        return position + 1

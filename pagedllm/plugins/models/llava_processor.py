@@ -63,10 +63,9 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(placeholders) != len(images):
             raise InvalidRequestError(
-                "multi_modal_data.image",
-                f"{len(images)} image(s) for {len(placeholders)} image placeholder(s) in the "
-                "prompt: one placeholder per image",
+                "multi_modal_data.image", self.placeholder_mismatch(len(images), len(placeholders))
             )
+        self.check_tokens(token_ids)
         given = hashes.get("image") or [None] * len(images)
         expanded: list[int] = []
         items: list[MultiModalItem] = []
@@ -74,12 +73,42 @@ class ImagePlaceholderProcessor(MultiModalProcessor):
         for index, (position, image) in enumerate(zip(placeholders, images, strict=True)):
             inputs, length, grid = self.item_inputs(image, index, options or {})
             expanded.extend(token_ids[last:position])
-            key = given[index] or content_hash(image)
-            items.append(MultiModalItem("image", str(key), inputs, len(expanded), length, grid))
-            expanded.extend([self.image_token_id] * length)
-            last = position + 1
+            key = str(given[index] or content_hash(image))
+            last = self.expand_image(
+                token_ids, position, expanded, items, key, inputs, length, grid
+            )
         expanded.extend(token_ids[last:])
         return ProcessedPrompt(expanded, items)
+
+    def placeholder_mismatch(self, num_images: int, num_placeholders: int) -> str:
+        """The error of a prompt whose placeholders do not match its images."""
+        return (
+            f"{num_images} image(s) for {num_placeholders} image placeholder(s) in the "
+            "prompt: one placeholder per image"
+        )
+
+    def check_tokens(self, token_ids: list[int]) -> None:
+        """Raise :class:`InvalidRequestError` for a prompt token the expansion makes (none
+        here)."""
+
+    def expand_image(
+        self,
+        token_ids: list[int],
+        position: int,
+        expanded: list[int],
+        items: list[MultiModalItem],
+        key: str,
+        inputs: Any,
+        length: int,
+        grid: tuple[int, int, int] | None,
+    ) -> int:
+        """Append the image's tokens (its placeholder at ``position`` of ``token_ids``
+        expanded) to ``expanded`` and its item(s), whose content hash is ``key``, to
+        ``items``; the position in ``token_ids`` where the prompt goes on. Here: its
+        ``length`` placeholder tokens, one item."""
+        items.append(MultiModalItem("image", key, inputs, len(expanded), length, grid))
+        expanded.extend([self.image_token_id] * length)
+        return position + 1
 
     def largest_image_size(self, options: dict[str, Any]) -> tuple[int, int] | None:
         """(width, height) of an image of the most tokens; None: unknown."""
