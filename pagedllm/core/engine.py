@@ -167,13 +167,11 @@ class LLMEngine(SleepMode):
             reserved=int(use_graphs),
             reserved_bytes=sum(reserved_bytes.values()),
         )
-        events = config.kv_events_config
         self.kv_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
-            enable_kv_cache_events=events is not None and events.enable_kv_cache_events,
         )
         # Each rank's runner gets the extensions' runner sides, by name.
         runner_sides = {e.name: p for e in extensions if (p := e.runner_payload()) is not None}

@@ -74,6 +74,7 @@ class KVEventsExtension(StepExtension):
         # (The sockets open once the engine is about to serve: a failed start leaves
         # no port bound.)
         self._kv_manager = engine.kv_manager
+        self._kv_manager.record_events()
         if self._publisher_cls is not None:
             self.publisher = self._publisher_cls(self._config, self._rank)
 

@@ -541,9 +541,9 @@ def test_a_default_engine_does_not_import_zmq():
 
 
 def manager_with_events(num_blocks: int = 8, hash_algo: str = "builtin") -> KVCacheManager:
-    return KVCacheManager(
-        num_blocks=num_blocks, block_size=BS, hash_algo=hash_algo, enable_kv_cache_events=True
-    )
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=BS, hash_algo=hash_algo)
+    manager.record_events()
+    return manager
 
 
 def test_blocks_cached_in_chunks_chain_on_the_previous_chunk():

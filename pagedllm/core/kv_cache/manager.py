@@ -84,8 +84,6 @@ class KVCacheManager:
     block_size: int
     enable_caching: bool = True
     hash_algo: str = "builtin"
-    # Record the prefix cache's changes as KV-cache events (see take_events).
-    enable_kv_cache_events: bool = False
     block_pool: BlockPool = dataclasses.field(init=False, repr=False)
     prefix_cache_stats: PrefixCacheStats = dataclasses.field(init=False, repr=False)
     total_prefix_cache_stats: PrefixCacheStats = dataclasses.field(init=False, repr=False)
@@ -107,8 +105,7 @@ class KVCacheManager:
                 f"unknown prefix-cache hash algorithm {self.hash_algo!r}; "
                 f"choose one of {HASH_ALGOS}"
             )
-        events = KVEventLog(self.block_size) if self.enable_kv_cache_events else None
-        self.block_pool = BlockPool(self.num_blocks, self.enable_caching, events)
+        self.block_pool = BlockPool(self.num_blocks, self.enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self.total_prefix_cache_stats = PrefixCacheStats()
         self._hash_fn = get_hash_fn(self.hash_algo)
@@ -334,6 +331,12 @@ class KVCacheManager:
         if done:
             self._tails.clear()
         return done
+
+    def record_events(self) -> None:
+        """From now on, record the prefix cache's changes as KV-cache events (see
+        :meth:`take_events`): called by whoever publishes them, before any request."""
+        if self.block_pool.events is None:
+            self.block_pool.events = KVEventLog(self.block_size)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV-cache events since the last call, oldest first (none when they are off)."""
