@@ -27,14 +27,14 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.engine import LLMEngine, NewRequest
-from pagedllm.core.errors import ConfigError, EngineDeadError, RequestFailedError
+from pagedllm.core.env import env_number
+from pagedllm.core.errors import EngineDeadError, RequestFailedError
 from pagedllm.core.guided_compile import CompileCancelled
 from pagedllm.core.outputs import RequestOutput
 from pagedllm.core.sampling.guided_params import as_guided_params
@@ -57,16 +57,13 @@ DEFAULT_PREPARE_THREADS = 4
 
 
 def prepare_threads() -> int:
-    value = os.environ.get(PREPARE_THREADS_VARIABLE, "")
-    if not value:
-        return DEFAULT_PREPARE_THREADS
-    try:
-        threads = int(value)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ConfigError(f"{PREPARE_THREADS_VARIABLE}={value!r}: a number of threads (1 or more)")
-    return threads
+    return env_number(
+        PREPARE_THREADS_VARIABLE,
+        DEFAULT_PREPARE_THREADS,
+        "a number of threads (1 or more)",
+        parse=int,
+        minimum=1,
+    )
 
 
 @dataclasses.dataclass(slots=True)

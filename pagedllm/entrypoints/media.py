@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.env import env_number
 from pagedllm.core.interfaces.multimodal import content_hash
 
 if TYPE_CHECKING:
@@ -80,16 +80,15 @@ class MediaLimits:
 
 
 def _positive(env: Mapping[str, str], name: str, unit: str, default: float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ConfigError(f"{name}={text!r}: give a number of {unit} above 0")
-    return value
+    return env_number(
+        name,
+        default,
+        f"a number of {unit} above 0",
+        parse=float,
+        minimum=0.0,
+        exclusive=True,
+        env=env,
+    )
 
 
 class MediaConnector:

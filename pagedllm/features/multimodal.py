@@ -25,12 +25,12 @@ import collections
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.core.env import env_number
 from pagedllm.core.errors import ConfigError, InvalidRequestError
 from pagedllm.core.interfaces.extension import RunnerExtension, StepExtension
 from pagedllm.core.interfaces.multimodal import (
@@ -343,18 +343,13 @@ class MultiModalExtension(StepExtension):
 
 def encoder_cache_rows() -> int:
     """``PAGEDLLM_ENCODER_CACHE_ROWS``, else :data:`DEFAULT_CACHE_ROWS`."""
-    raw = os.environ.get(ENV_ENCODER_CACHE_ROWS, "").strip()
-    if not raw:
-        return DEFAULT_CACHE_ROWS
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = 0
-    if rows < 1:
-        raise ConfigError(
-            f"{ENV_ENCODER_CACHE_ROWS}={raw!r} is invalid: expected a positive number of rows"
-        )
-    return rows
+    return env_number(
+        ENV_ENCODER_CACHE_ROWS,
+        DEFAULT_CACHE_ROWS,
+        "a number of rows (1 or more)",
+        parse=int,
+        minimum=1,
+    )
 
 
 def _as_list(value: Any) -> list[Any]:

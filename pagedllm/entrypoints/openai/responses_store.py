@@ -13,11 +13,10 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 from collections import OrderedDict
 from typing import Any
 
-from pagedllm.core.errors import ConfigError
+from pagedllm.core.env import env_number
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -30,15 +29,13 @@ FINISHED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 def store_limit_bytes() -> int:
     """The store's bound, from ``PAGEDLLM_RESPONSES_STORE_MB``."""
-    value = os.environ.get(STORE_SIZE_VARIABLE, "").strip()
-    if not value:
-        return DEFAULT_STORE_MB << 20
-    try:
-        megabytes = float(value)
-    except ValueError:
-        megabytes = -1.0
-    if megabytes < 0:
-        raise ConfigError(f"{STORE_SIZE_VARIABLE}={value!r}: give a size in MiB (0 or more)")
+    megabytes = env_number(
+        STORE_SIZE_VARIABLE,
+        float(DEFAULT_STORE_MB),
+        "a size in MiB (0 or more)",
+        parse=float,
+        minimum=0.0,
+    )
     return int(megabytes * (1 << 20))
 
 
