@@ -34,12 +34,14 @@ from pagedllm.core.sleep_mode import SleepMode
 from pagedllm.core.stats import StatLogger
 from pagedllm.core.step_data import RunnerOutput
 from pagedllm.core.step_extensions import build_step_extensions
+from pagedllm.core.virtual_engines import StepQueue, VirtualEngines
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from pagedllm.core.config import PagedLLMConfig
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.core.step_data import SchedulerOutput
     from pagedllm.inputs import PromptType
 
 logger = logging.getLogger("pagedllm.engine")
@@ -196,9 +198,29 @@ class LLMEngine(SleepMode):
         stateful = overriding(extensions, StepExtension, "request_state")
         self._states = [e for e in extensions if e.request_arg or e in stateful]
         sched = config.scheduler_config
-        self.scheduler = scheduler_class(sched.scheduler_cls, pm)(
-            sched, self.kv_manager, self.max_model_len, extensions=extensions
-        )
+        # Steps in flight (pipeline stages): one virtual engine, with its own scheduler
+        # and requests, per step the executor can have in flight.
+        in_flight = self.executor.steps_in_flight
+        holding = [e.name for e in extensions if not e.allows_steps_in_flight]
+        if in_flight > 1 and holding:
+            logger.info(
+                "one step at a time (not %d in flight): the step extensions %s do not allow more",
+                in_flight,
+                holding,
+            )
+            in_flight = 1
+        schedulers = [
+            scheduler_class(sched.scheduler_cls, pm)(
+                sched, self.kv_manager, self.max_model_len, extensions=extensions
+            )
+            for _ in range(in_flight)
+        ]
+        self.scheduler: Any = schedulers[0]
+        self.step_queue: StepQueue | None = None
+        if in_flight > 1:
+            self.scheduler = VirtualEngines(schedulers)
+            self.step_queue = StepQueue(self.scheduler, self.executor, self._finish_step)
+            logger.info("%d virtual engines: up to %d steps in flight", in_flight, in_flight)
         self.stat_logger = StatLogger(
             self, enabled=not config.observability_config.disable_log_stats
         )
@@ -232,7 +254,11 @@ class LLMEngine(SleepMode):
 
     def step(self) -> list[RequestOutput]:
         """One step. A failure while computing it fails only the requests it scheduled
-        (see :meth:`take_failures`); the engine goes on with the others."""
+        (see :meth:`take_failures`); the engine goes on with the others. With steps in
+        flight (:mod:`pagedllm.core.virtual_engines`): the virtual engines with none in
+        flight start one, and the oldest step in flight ends."""
+        if self.step_queue is not None:
+            return self.step_queue.step()
         scheduler_output = self.scheduler.schedule()
         result = RunnerOutput()
         if not scheduler_output.is_empty:
@@ -243,13 +269,24 @@ class LLMEngine(SleepMode):
                 raise
             except Exception as exc:
                 result = RunnerOutput(error=exc)
-        updated = self.scheduler.update_from_output(scheduler_output, result)
+        return self._finish_step(self.scheduler, scheduler_output, result)
+
+    def _finish_step(
+        self, scheduler: Any, scheduler_output: SchedulerOutput, result: RunnerOutput
+    ) -> list[RequestOutput]:
+        """A step's end on ``scheduler`` (its virtual engine's): requests advanced,
+        outputs made, requests stopped by text finished."""
+        updated = scheduler.update_from_output(scheduler_output, result)
         processed = self.output_processor.process(scheduler_output, updated, result)
-        self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
         for extension in self._hooks["step_done"]:
             extension.step_done()
         return processed.outputs
+
+    def drain_steps(self) -> list[RequestOutput]:
+        """Finish the steps in flight (none without virtual engines)."""
+        return [] if self.step_queue is None else self.step_queue.drain()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (the blocks stay, their hashes go). Refused (False,
@@ -551,7 +588,9 @@ class LLMEngine(SleepMode):
         return list(self.output_processor.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests)
+        """Whether a request is unfinished, or a step still in flight (its requests
+        aborted meanwhile): either way :meth:`step` has work."""
+        return bool(self.output_processor.requests) or bool(self.step_queue)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -561,6 +600,10 @@ class LLMEngine(SleepMode):
         (their worker processes and threads) and drop the KV cache. The engine takes no
         request afterwards."""
         self.abort_request(self.unfinished_request_ids())
+        try:
+            self.drain_steps()  # (the ranks computing them stop next)
+        except Exception:  # (a rank died: nothing is left to wait for)
+            logger.debug("steps in flight lost at shutdown", exc_info=True)
         for extension in self.extensions.values():
             extension.shutdown()
         self._stop_executor()

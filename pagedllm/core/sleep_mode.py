@@ -5,6 +5,7 @@ requests are refused until it is woken."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.errors import ConfigError
@@ -28,6 +29,8 @@ class SleepMode:
     sleep_level: int
     sleeping_tags: set[str]
     refusing_requests: bool
+
+    drain_steps: Callable[[], list[Any]]
 
     def _check_sleep_mode(self) -> None:
         if not self.config.model_config.enable_sleep_mode:
@@ -60,6 +63,7 @@ class SleepMode:
             return []
         outputs, sequence_ids = self.output_processor.abort_all()
         self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
+        self.drain_steps()  # (steps in flight still write the KV cache)
         # (no block is in use now: the cache's contents are gone, so are its hashes)
         if not self.kv_manager.reset_prefix_cache():
             raise RuntimeError("sleep: KV blocks are still in use after aborting every request")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -75,14 +76,42 @@ def set_pipeline_parallel(rank: int, size: int) -> None:
     _pipeline = PipelineParallel(rank, size)
 
 
+# The layers of each stage, as vLLM's variable gives them ("11,19": stage 0 holds 11 of
+# 30, stage 1 the other 19); ours first.
+PARTITION_VARIABLES = ("PAGEDLLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+
+
+def layer_partition(num_layers: int, size: int, env: Mapping[str, str] = os.environ) -> list[int]:
+    """How many of the ``num_layers`` decoder layers each of ``size`` stages holds: the
+    counts ``PAGEDLLM_PP_LAYER_PARTITION`` (or vLLM's ``VLLM_PP_LAYER_PARTITION``) lists
+    where set; else equal shares, the later stages one more each where the layers do
+    not divide evenly (stage 0 also embeds the tokens, computes the logits and samples).
+    A list that is not ``size`` counts of at least one layer adding up to ``num_layers``
+    is a ``ValueError`` naming the variable."""
+    for name in PARTITION_VARIABLES:
+        text = env.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            counts = [int(part) for part in text.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != size or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(
+                f"{name}={text!r}: give {size} comma-separated layer counts, one per pipeline "
+                f"stage, each at least 1, adding up to the model's {num_layers} layers"
+            )
+        return counts
+    share, extra = divmod(num_layers, size)
+    return [share + (1 if i >= size - extra else 0) for i in range(size)]
+
+
 def stage_layers(num_layers: int, rank: int | None = None, size: int | None = None) -> range:
-    """The decoder layers pipeline stage ``rank`` of ``size`` holds: equal shares, the
-    later stages one more each where the layers do not divide evenly (stage 0 also embeds
-    the tokens, computes the logits and samples)."""
+    """The decoder layers pipeline stage ``rank`` of ``size`` holds
+    (:func:`layer_partition`)."""
     rank = _pipeline.rank if rank is None else rank
     size = _pipeline.size if size is None else size
-    share, extra = divmod(num_layers, size)
-    counts = [share + (1 if i >= size - extra else 0) for i in range(size)]
+    counts = layer_partition(num_layers, size)
     start = sum(counts[:rank])
     return range(start, start + counts[rank])
 

@@ -18,12 +18,15 @@ the engine (a server answers 503 on ``/health`` and exits) rather than hanging.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import pickle
 import socket
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -164,6 +167,17 @@ class WorkerGroup:
             self.load_gate.remove()
 
 
+@dataclasses.dataclass(slots=True)
+class _StepInFlight:
+    """A pipeline step :meth:`MultiprocExecutor.submit` started: rank 0's plan of it, its
+    transfers, its token mask and when it started (timed steps)."""
+
+    plan: Any
+    pending: Any
+    mask: Any
+    started: float
+
+
 def _kind(config: Any) -> str:
     parallel = config.parallel_config
     return "tensor-parallel" if parallel.pipeline_parallel_size == 1 else "pipeline-parallel"
@@ -277,8 +291,52 @@ class MultiprocExecutor(UniProcExecutor):
         if stages > 1:
             from pagedllm.executors.pipeline import PipelineStages
 
-            self.pipeline = PipelineStages(stages, self.worker.stage_io)
+            tp = self.config.parallel_config.tensor_parallel_size
+            self.pipeline = PipelineStages(stages, self.worker.stage_io, tp)
         return runner
+
+    @property
+    def steps_in_flight(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.steps_in_flight
+
+    def submit(self, output: Any, token_mask: Any) -> Any:
+        """With pipeline stages: the step built, sent to the other ranks and through stage
+        0's layers (one micro-batch); :meth:`collect` waits for its final hidden states
+        and samples. Otherwise the step is computed here."""
+        if self.pipeline is None:
+            return self.execute(output, token_mask)
+        runner = self.runner
+        started = time.perf_counter() if runner.time_steps else 0.0
+        with self._shared_step(), runner.step_mode():
+            step, plan = runner.build_step(output)
+            message = self.pipeline.split(runner, step, micro_batches=1)
+            self.group.step(message)
+            try:
+                pending = self.pipeline.start(runner, message)
+            except Exception as exc:
+                raise self._stopped(exc) from exc
+        return _StepInFlight(plan, pending, token_mask, started)
+
+    def collect(self, handle: Any) -> Any:
+        if not isinstance(handle, _StepInFlight):
+            return handle  # (computed by submit)
+        runner = self.runner
+        step = handle.pending.message.step
+        with self._shared_step(), runner.step_mode():
+            try:
+                hidden = self.pipeline.finish(runner, handle.pending)
+                forwarded = time.perf_counter() if runner.time_steps else 0.0
+                computed = [
+                    None if rows is None else runner.logits(hidden, rows)
+                    for rows in runner.row_blocks(step)
+                ]
+            except Exception as exc:
+                raise self._stopped(exc) from exc
+            result = runner.finish(handle.plan, hidden, computed.__getitem__, handle.mask)
+        if runner.time_steps:
+            # (the forward time: from the start of stage 0's layers to the last stage's)
+            runner.record_times(result, handle.started, forwarded - handle.started)
+        return result
 
     def execute(self, output: Any, token_mask: Any) -> Any:
         """Rank 0 builds the step and sends it to the other ranks first; every row block's
@@ -290,32 +348,38 @@ class MultiprocExecutor(UniProcExecutor):
         runner = self.runner
         timed = runner.time_steps
         started = time.perf_counter() if timed else 0.0
+        with self._shared_step(), runner.step_mode():
+            step, plan = runner.build_step(output)
+            message = step if self.pipeline is None else self.pipeline.split(runner, step)
+            self.group.step(message)
+            try:
+                forward_started = runner.synced_clock() if timed else 0.0
+                if self.pipeline is None:
+                    hidden = runner.hidden_states(step)
+                else:
+                    hidden = self.pipeline.hidden(runner, message)
+                forwarded = runner.synced_clock() if timed else 0.0
+                computed = [
+                    None if rows is None else runner.logits(hidden, rows)
+                    for rows in runner.row_blocks(step)
+                ]
+            except Exception as exc:
+                raise self._stopped(exc) from exc
+            result = runner.finish(plan, hidden, computed.__getitem__, token_mask)
+        if timed:
+            runner.record_times(result, started, forwarded - forward_started)
+        return result
+
+    @contextlib.contextmanager
+    def _shared_step(self) -> Iterator[None]:
+        """Within: a step the other ranks take part in. A collective fails when a worker
+        died: that is raised as the worker's EngineDeadError (the engine cannot go on);
+        any other failure as it is."""
         try:
-            with runner.step_mode():
-                step, plan = runner.build_step(output)
-                message = step if self.pipeline is None else self.pipeline.split(runner, step)
-                self.group.step(message)
-                try:
-                    forward_started = runner.synced_clock() if timed else 0.0
-                    if self.pipeline is None:
-                        hidden = runner.hidden_states(step)
-                    else:
-                        hidden = self.pipeline.hidden(runner, message)
-                    forwarded = runner.synced_clock() if timed else 0.0
-                    computed = [
-                        None if rows is None else runner.logits(hidden, rows)
-                        for rows in runner.row_blocks(step)
-                    ]
-                except Exception as exc:
-                    raise self._stopped(exc) from exc
-                result = runner.finish(plan, hidden, computed.__getitem__, token_mask)
-            if timed:
-                runner.record_times(result, started, forwarded - forward_started)
-            return result
+            yield
         except EngineDeadError:
             raise
         except Exception as exc:
-            # (a collective fails when a worker died: the engine cannot go on)
             dead = self.group.check(exc)
             if isinstance(dead, EngineDeadError):
                 raise dead from exc

@@ -19,6 +19,14 @@ worker processes of :mod:`pagedllm.executors.mp` (or Ray actors). Each step:
 The stages overlap within a step: while stage 1 runs micro-batch ``i``, stage 0 runs
 micro-batch ``i + 1``. Each stage's KV cache holds its own layers only.
 
+Steps in flight (:attr:`PipelineStages.steps_in_flight`): the engine may also start a
+step before the previous one came back (its virtual engines, each with its own
+requests): :meth:`PipelineStages.start` runs stage 0's layers and posts the receive of
+the final hidden states, :meth:`PipelineStages.finish` waits for them. Each stage
+computes the steps in the order stage 0 started them, so a step sees the KV blocks an
+earlier step in flight writes; each step's transfers have their own tags. A step in
+flight is one micro-batch: the overlap comes from the other steps.
+
 With tensor parallelism too (``-tp T -pp N``), each stage is T ranks that split its
 layers as ``-tp T`` does (collectives within the stage's group); each rank sends its
 hidden states (the same on every rank of a stage) to its own rank in the next stage, and
@@ -37,14 +45,21 @@ import torch.distributed as dist
 from pagedllm.core.runner import ModelRunner, StepInput, split_step
 from pagedllm.distributed.parallel_state import pipeline_parallel, return_group, stage_peer
 
+# Each step's transfers are tagged tag + i (micro-batch i); tags cycle through this many
+# steps, far more than are ever in flight at once.
+TAG_STEPS = 1024
+MAX_MICRO_BATCHES = 64
+
 
 @dataclasses.dataclass(slots=True)
 class PipelineStep:
     """What the other ranks take for a step: the step (its logits rows, which stage 0's
-    tensor-parallel ranks compute together) and its micro-batches, in order."""
+    tensor-parallel ranks compute together), its micro-batches, in order, and the tag
+    of its first micro-batch's transfers."""
 
     step: StepInput
     micro_batches: list[StepInput]
+    tag: int = 0
 
 
 def split_micro_batches(
@@ -90,27 +105,56 @@ class StageIO:
 
 class PipelineStages:
     """Stage 0's side of the pipeline on rank 0: :meth:`split` makes a step's message to
-    the other ranks, :meth:`hidden` runs it through every stage."""
+    the other ranks, :meth:`hidden` runs it through every stage (or :meth:`start`, then
+    :meth:`finish`, with other steps started in between)."""
 
-    def __init__(self, size: int, io: StageIO) -> None:
+    def __init__(self, size: int, io: StageIO, tensor_parallel_size: int = 1) -> None:
+        if size > MAX_MICRO_BATCHES:
+            raise ValueError(f"at most {MAX_MICRO_BATCHES} pipeline stages, not {size}")
         # Micro-batches per step: one per stage keeps every stage busy once the pipeline
         # has filled, without cutting the batch into more small pieces than that.
         self.micro_batches = size
+        # Steps that may be in flight: one per stage. (With tensor-parallel ranks in
+        # stage 0, one: they follow rank 0's steps whole, the logits' collectives
+        # included, so rank 0 could not compute a step's layers between another step's
+        # layers and logits.)
+        self.steps_in_flight = size if tensor_parallel_size == 1 else 1
         self.io = io
-        # Steps and micro-batches sent through the stages (the tests read them).
+        self._tags = itertools.count()
+        # Steps and micro-batches sent through the stages, and the steps started while
+        # another was in flight (the tests read them).
         self.num_steps = 0
         self.num_micro_batches = 0
+        self.num_overlapped = 0
+        self._started = 0
 
-    def split(self, runner: ModelRunner, step: StepInput) -> PipelineStep:
-        return PipelineStep(step, split_micro_batches(step, self.micro_batches, runner))
+    def split(
+        self, runner: ModelRunner, step: StepInput, micro_batches: int | None = None
+    ) -> PipelineStep:
+        count = self.micro_batches if micro_batches is None else micro_batches
+        tag = next(self._tags) % TAG_STEPS * MAX_MICRO_BATCHES
+        return PipelineStep(step, split_micro_batches(step, count, runner), tag)
 
     def hidden(self, runner: ModelRunner, message: PipelineStep) -> torch.Tensor:
         """The step's final hidden states (each micro-batch through every stage), the
         step extensions' state set for the whole step again."""
+        return self.finish(runner, self.start(runner, message))
+
+    def start(self, runner: ModelRunner, message: PipelineStep) -> InFlight:
+        """Stage 0's layers on each micro-batch of the step, sent on to stage 1; the
+        receives of its final hidden states are posted."""
         self.num_steps += 1
         self.num_micro_batches += len(message.micro_batches)
-        hidden = first_stage(runner, self.io, message)
-        runner.after_micro_batches(message.step)
+        self.num_overlapped += int(self._started > 0)
+        self._started += 1
+        return start_first_stage(runner, self.io, message)
+
+    def finish(self, runner: ModelRunner, pending: InFlight) -> torch.Tensor:
+        """The final hidden states of a step :meth:`start` started (waiting for them),
+        the step extensions' state set for the whole step again."""
+        self._started -= 1
+        hidden = pending.wait()
+        runner.after_micro_batches(pending.message.step)
         return hidden
 
 
@@ -122,32 +166,49 @@ def follow(runner: ModelRunner, io: StageIO, message: PipelineStep) -> None:
         if pipeline_parallel().rank > 0:
             follow_stage(runner, io, message)
             return
-        hidden = first_stage(runner, io, message)
+        hidden = start_first_stage(runner, io, message).wait()
         runner.after_micro_batches(message.step)
         for rows in runner.row_blocks(message.step):
             if rows is not None:
                 runner.logits(hidden, rows)
 
 
-def first_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> torch.Tensor:
+@dataclasses.dataclass(slots=True)
+class InFlight:
+    """A step stage 0 computed and sent on: the transfers still under way (the final
+    hidden states' receives, the sends to stage 1) and their buffers."""
+
+    message: PipelineStep
+    outputs: list[torch.Tensor]
+    receives: list[Any]
+    sends: list[tuple[Any, torch.Tensor]]
+
+    def wait(self) -> torch.Tensor:
+        """The step's final hidden states, in step order, once every transfer is done."""
+        for work in self.receives:
+            work.wait()
+        for work, _ in self.sends:
+            work.wait()
+        outputs = self.outputs
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def start_first_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> InFlight:
     """A rank of stage 0 (rank 0, and its tensor-parallel ranks): each micro-batch
-    through this stage's layers and on to stage 1, then the final hidden states of every
-    micro-batch back from the last stage, in step order."""
+    through this stage's layers and on to stage 1; the receives of the final hidden
+    states of every micro-batch from the last stage are posted (:meth:`InFlight.wait`)."""
     batches = message.micro_batches
     outputs = [_stage_input(runner, io, batch, io.output_size) for batch in batches]
     # (Posted first: the last stage's sends never wait for this process.)
     last = stage_peer(pipeline_parallel().size - 1)
     back = return_group()
-    receives = [dist.irecv(out, src=last, tag=i, group=back) for i, out in enumerate(outputs)]
+    tag = message.tag
+    receives = [dist.irecv(out, src=last, tag=tag + i, group=back) for i, out in enumerate(outputs)]
     sends = []
     for i, batch in enumerate(batches):
         hidden = runner.hidden_states(batch, built_here=False).contiguous()
-        sends.append((dist.isend(hidden, dst=stage_peer(1), tag=i), hidden))
-    for work in receives:
-        work.wait()
-    for work, _ in sends:
-        work.wait()
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        sends.append((dist.isend(hidden, dst=stage_peer(1), tag=tag + i), hidden))
+    return InFlight(message, outputs, receives, sends)
 
 
 def _stage_input(runner: ModelRunner, io: StageIO, batch: StepInput, width: int) -> torch.Tensor:
@@ -166,10 +227,11 @@ def follow_stage(runner: ModelRunner, io: StageIO, message: PipelineStep) -> Non
     group = return_group() if stage.last else None
     sends = []
     for i, batch in enumerate(message.micro_batches):
+        tag = message.tag + i
         incoming = _stage_input(runner, io, batch, io.hidden_size)
-        dist.recv(incoming, src=source, tag=i)
+        dist.recv(incoming, src=source, tag=tag)
         hidden = runner.hidden_states(batch, incoming, built_here=False)
         hidden = hidden.contiguous()
-        sends.append((dist.isend(hidden, dst=target, tag=i, group=group), hidden))
+        sends.append((dist.isend(hidden, dst=target, tag=tag, group=group), hidden))
     for work, _ in sends:
         work.wait()

@@ -26,6 +26,10 @@ class GuidedExtension(StepExtension):
     compiled constraint (``SamplingParams.guided_decoding`` / ``structured_outputs``)."""
 
     name = "guided"
+    # (Its state is each request's: a virtual engine's scheduler meets only its own. A
+    # failure drained by another virtual engine's begin_step reaches the request at its
+    # admission: admit raises it.)
+    allows_steps_in_flight = True
 
     def __init__(self, manager: GuidedDecodingManager | None) -> None:
         super().__init__()

@@ -53,6 +53,7 @@ class KVEventsExtension(StepExtension):
     """On with ``--kv-events-config '{"enable_kv_cache_events": true, ...}'``."""
 
     name = "kv_events"
+    allows_steps_in_flight = True  # (it reads the one KV cache manager's events)
 
     def __init__(self, publisher_cls: type | None, config: Any, data_parallel_rank: int) -> None:
         super().__init__()

@@ -1,7 +1,8 @@
 """Pipeline parallelism on CPU (gloo): ``-pp N`` runs stages 1..N-1 in worker processes,
 each holding its share of the layers and of the KV cache; each step's requests go through
-the stages in micro-batches. Greedy tokens equal ``-pp 1`` and transformers, offline (with
-prefix caching, chunked prefill and preemption). The server, Ray stages and the other row
+the stages in micro-batches, or with several steps in flight (virtual engines). Greedy
+tokens equal ``-pp 1`` and transformers, offline (with prefix caching, chunked prefill and
+preemption). The server, Ray stages and the other row
 blocks (prompt logprobs, beams, an fp8 cache) are tested with tensor parallelism's, in
 test_tensor_parallel.py."""
 
@@ -16,16 +17,16 @@ from test_tensor_parallel import (
     _prompts,
     assert_parity_with_one_rank,
 )
-from tiny_models import make_checkpoint, reference_greedy
+from tiny_models import load_reference, make_checkpoint, reference_greedy
 from torch import nn
 
-from pagedllm import LLM, EngineArgs
+from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.core.attention import Attention
 from pagedllm.core.errors import ConfigError
 from pagedllm.core.layers.weights import HeldElsewhere
 from pagedllm.core.plugins import make_plugin_manager
 from pagedllm.core.runner import StepInput
-from pagedllm.distributed.parallel_state import stage_layers
+from pagedllm.distributed.parallel_state import layer_partition, stage_layers
 from pagedllm.executors.pipeline import split_micro_batches
 from pagedllm.plugins.models.common import DecoderStack
 
@@ -103,7 +104,14 @@ def test_stages_give_the_tokens_of_one(architecture, stages, ranks, overrides, t
     parallel = {"pipeline_parallel_size": stages, "tensor_parallel_size": ranks}
     engine = assert_parity_with_one_rank(directory, parallel, check)
     pipeline = engine.executor.pipeline
-    assert pipeline.num_micro_batches > pipeline.num_steps > 0
+    if ranks == 1:
+        # Steps in flight: stage 0 started steps while another was in the later stages.
+        assert engine.step_queue is not None and len(engine.scheduler.schedulers) == stages
+        assert pipeline.num_overlapped > 0 and engine.step_queue.num_overlapped > 0
+    else:
+        # (stage 0's tensor-parallel ranks follow whole steps: one in flight, split)
+        assert engine.step_queue is None
+        assert pipeline.num_micro_batches > pipeline.num_steps > 0
 
 
 @pytest.mark.parametrize(
@@ -185,3 +193,67 @@ def test_a_stage_killed_within_a_step_stops_the_engine(tmp_path):
         assert killed and time.monotonic() - killed[0] < 30
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_layer_partition_from_the_environment(tmp_path, monkeypatch):
+    """PAGEDLLM_PP_LAYER_PARTITION (or vLLM's VLLM_PP_LAYER_PARTITION) sets each stage's
+    layers: the stages hold them, with transformers' tokens; a list that does not fit
+    is refused before any process starts, naming the variable."""
+    env = {"VLLM_PP_LAYER_PARTITION": "1,3"}
+    assert layer_partition(4, 2, env) == [1, 3]
+    assert layer_partition(4, 2, {**env, "PAGEDLLM_PP_LAYER_PARTITION": "2,2"}) == [2, 2]
+    assert layer_partition(5, 2, {}) == [2, 3]
+    for bad in ("1,2", "0,4", "4", "1,x", "1,1,2"):
+        with pytest.raises(ValueError, match=f"PAGEDLLM_PP_LAYER_PARTITION='{bad}': give 2"):
+            layer_partition(4, 2, {"PAGEDLLM_PP_LAYER_PARTITION": bad})
+    directory = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=4)
+    monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", "1,2")
+    with pytest.raises(ConfigError, match="PAGEDLLM_PP_LAYER_PARTITION='1,2'"):
+        LLM(str(directory), dtype="float32", pipeline_parallel_size=2)
+    monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", "1,3")
+    reference = load_reference(directory)
+    prompts = _prompts()
+    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+    llm = LLM(str(directory), dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+        decoder = next(
+            m for m in llm.llm_engine.loaded.model.modules() if isinstance(m, DecoderStack)
+        )
+        built = next(m for m in decoder.children() if isinstance(m, nn.ModuleList))
+        assert [not isinstance(layer, HeldElsewhere) for layer in built] == [True] + [False] * 3
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_request_aborted_in_flight_frees_its_blocks(tmp_path):
+    """Two virtual engines, each a step in flight; aborting every request while one step
+    is still in the stages frees every block at once. The step comes back (nothing of it
+    is output) and the blocks serve the next requests, with transformers' tokens."""
+    directory = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=4)
+    reference = load_reference(directory)
+    prompts = _prompts()
+    expected = [reference_greedy(reference, p, NEW_TOKENS)[0] for p in prompts]
+    llm = LLM(str(directory), dtype="float32", pipeline_parallel_size=2, disable_log_stats=True)
+    engine = llm.llm_engine
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        # (a new request goes to the virtual engine with the fewest)
+        assert [len(s.requests) for s in engine.scheduler.schedulers] == [2, 1]
+        outputs = engine.step()  # both virtual engines started a step; the first is back
+        assert len(engine.step_queue) == 1 and engine.step_queue.num_overlapped == 1
+        assert {o.request_id for o in outputs} == {"r0", "r2"}
+        assert engine.kv_manager.usage > 0
+        aborted = engine.abort_request(["r0", "r1", "r2"])
+        assert sorted(o.request_id for o in aborted) == ["r0", "r1", "r2"]
+        assert engine.kv_manager.usage == 0 and engine.scheduler.num_running == 0
+        assert engine.has_unfinished_requests()  # (the step still in flight)
+        assert engine.step() == [] and not engine.has_unfinished_requests()
+        assert not engine.step_queue
+        assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected
+        assert engine.kv_manager.usage == 0
+    finally:
+        engine.shutdown()
+    assert all(not proc.is_alive() for proc in engine.executor.procs)

@@ -334,6 +334,22 @@ def test_the_server_serves_with_two_ranks_and_dies_with_a_worker(flag, worker, t
             ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
             assert ids == reference_greedy(reference, prompts[choice.index], NEW_TOKENS)[0]
             assert choice.finish_reason == "length"
+        # A stream cancelled midway (with -pp, its step may be in flight) frees its blocks.
+        stream = client.completions.create(
+            model=str(directory), prompt=prompts[2], max_tokens=60, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for _ in stream:
+            break
+        stream.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            server.metric("pagedllm:kv_cache_usage_perc") != 0
+            or server.metric("pagedllm:num_requests_running") != 0
+        ):
+            time.sleep(0.2)
+        assert server.metric("pagedllm:kv_cache_usage_perc") == 0
+        assert server.metric("pagedllm:num_requests_running") == 0
         (pid,) = _worker_pids(server)
         psutil.Process(pid).kill()
         with pytest.raises(Exception):  # noqa: B017 (whatever the client makes of it)

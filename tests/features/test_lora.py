@@ -216,6 +216,8 @@ def test_adapters_over_two_ranks(models, parallel):
         else:
             assert first in manager.layers and last not in manager.layers
             assert manager.sizes[last] == manager.sizes[first]
+            # (LoRA does not allow steps in flight: its slots serve one step at a time)
+            assert llm.llm_engine.step_queue is None
         manager.adapter(r0)  # (loaded again if the cache let it go)
         assert manager.remove(r0.lora_int_id)
         renamed = LoRARequest("renamed", r0.lora_int_id, r2.lora_path)

