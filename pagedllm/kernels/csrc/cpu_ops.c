@@ -306,8 +306,18 @@ static inline __attribute__((always_inline)) void store_scores(__m512 lanes[16],
  * m, and l gains their sum; returns the factor the sums so far are to be scaled by (1
  * where the maximum did not grow). */
 static inline float softmax_chunk(float *sc, int64_t n, float *m, float *l) {
-    float cmax = -INFINITY, corr = 1.0f;
-    for (int64_t c = 0; c < n; c++) cmax = sc[c] > cmax ? sc[c] : cmax;
+    /* The maximum and the sum sixteen lanes at a time (scalar loops were a third of a
+     * batched decode's attention, each a chain of dependent operations). A NaN score is
+     * passed over by the maximum, as the comparison did. The sum's order depends on n
+     * only: a sequence's chunks are the same in any batch. */
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) vmax = _mm512_max_ps(_mm512_loadu_ps(sc + c), vmax);
+    const __mmask16 tail = (__mmask16)((1u << (n - c)) - 1u);
+    if (tail)
+        vmax = _mm512_mask_max_ps(vmax, tail, _mm512_maskz_loadu_ps(tail, sc + c), vmax);
+    const float cmax = _mm512_reduce_max_ps(vmax);
+    float corr = 1.0f;
     if (cmax > *m) {
         corr = fast_expf(*m - cmax); /* m = -inf: exp -> 0 */
         *l *= corr;
@@ -315,10 +325,11 @@ static inline float softmax_chunk(float *sc, int64_t n, float *m, float *l) {
     }
     const float mg = *m;
 #pragma omp simd
-    for (int64_t c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
-    float sum = 0.0f;
-    for (int64_t c = 0; c < n; c++) sum += sc[c];
-    *l += sum;
+    for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+    __m512 vsum = _mm512_setzero_ps();
+    for (c = 0; c + 16 <= n; c += 16) vsum = _mm512_add_ps(vsum, _mm512_loadu_ps(sc + c));
+    if (tail) vsum = _mm512_add_ps(vsum, _mm512_maskz_loadu_ps(tail, sc + c));
+    *l += _mm512_reduce_add_ps(vsum);
     return corr;
 }
 

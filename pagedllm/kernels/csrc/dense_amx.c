@@ -145,9 +145,15 @@ static void amx_rows(const uint16_t *w, int64_t k, int halves, const uint16_t *x
                      int64_t next_rows) {
     const int64_t kb_count = k / 32, stride = k * 2;
     const uint16_t *w0 = w + n0 * k, *w1 = w0 + 16 * k;
-    /* The next group's weight rows, fetched while this one computes: as 32 short strided
-     * streams they would get little from the hardware prefetchers. */
+    /* The next group's weight rows, fetched into L2 while this one computes: as 32 short
+     * strided streams they would get little from the hardware prefetchers. Each pass over
+     * the activation block pairs fetches its share of the rows (every passes-th), so that
+     * the memory keeps busy through the passes that read the weight from cache: with 64
+     * rows, SmolLM2's products (2 threads, Sapphire Rapids) took 139 -> 111 us and 116 ->
+     * 104 us; fetching into L1, or only during the first pass, left the memory idle
+     * while the later passes computed. */
     const uint16_t *next = w + (n0 + 32) * k;
+    const int64_t passes = blocks / 2;
     float c[4][256] __attribute__((aligned(64)));
     for (int64_t b = 0; b < blocks; b += 2) {
         const uint16_t *x0 = xv + b * kb_count * AMX_TILE_ELEMS;
@@ -158,9 +164,8 @@ static void amx_rows(const uint16_t *w, int64_t k, int halves, const uint16_t *x
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < kb_count; kb++) {
-                if (b == 0)
-                    for (int64_t r = 0; r < next_rows; r++)
-                        _mm_prefetch((const char *)(next + r * k + kb * 32), _MM_HINT_T0);
+                for (int64_t r = (b / 2) % passes; r < next_rows; r += passes)
+                    _mm_prefetch((const char *)(next + r * k + kb * 32), _MM_HINT_T1);
                 _tile_loadd(4, w0 + kb * 32, stride);
                 _tile_loadd(5, w1 + kb * 32, stride);
                 _tile_loadd(6, x0 + kb * AMX_TILE_ELEMS, 64);
