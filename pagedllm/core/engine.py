@@ -274,11 +274,11 @@ class LLMEngine(SleepMode):
     def _finish_step(
         self, scheduler: Any, scheduler_output: SchedulerOutput, result: RunnerOutput
     ) -> list[RequestOutput]:
-        """A step's end on ``scheduler`` (its virtual engine's): requests advanced,
-        outputs made, requests stopped by text finished."""
+        """A step's end: ``scheduler`` (its virtual engine's) advances its requests,
+        outputs are made, and the requests stopped by text or aborted are finished."""
         updated = scheduler.update_from_output(scheduler_output, result)
         processed = self.output_processor.process(scheduler_output, updated, result)
-        scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
         for extension in self._hooks["step_done"]:
             extension.step_done()

@@ -169,13 +169,16 @@ class WorkerGroup:
 
 @dataclasses.dataclass(slots=True)
 class _StepInFlight:
-    """A pipeline step :meth:`MultiprocExecutor.submit` started: rank 0's plan of it, its
-    transfers, its token mask and when it started (timed steps)."""
+    """A step :meth:`MultiprocExecutor._begin` began: its input and rank 0's plan of it,
+    its hidden states (with pipeline stages, the transfers that bring them), its token
+    mask, and when it and its forward pass started (timed steps)."""
 
+    step: Any
     plan: Any
     pending: Any
     mask: Any
     started: float
+    forward_started: float
 
 
 def _kind(config: Any) -> str:
@@ -305,38 +308,12 @@ class MultiprocExecutor(UniProcExecutor):
         and samples. Otherwise the step is computed here."""
         if self.pipeline is None:
             return self.execute(output, token_mask)
-        runner = self.runner
-        started = time.perf_counter() if runner.time_steps else 0.0
-        with self._shared_step(), runner.step_mode():
-            step, plan = runner.build_step(output)
-            message = self.pipeline.split(runner, step, micro_batches=1)
-            self.group.step(message)
-            try:
-                pending = self.pipeline.start(runner, message)
-            except Exception as exc:
-                raise self._stopped(exc) from exc
-        return _StepInFlight(plan, pending, token_mask, started)
+        return self._begin(output, token_mask, micro_batches=1)
 
     def collect(self, handle: Any) -> Any:
         if not isinstance(handle, _StepInFlight):
             return handle  # (computed by submit)
-        runner = self.runner
-        step = handle.pending.message.step
-        with self._shared_step(), runner.step_mode():
-            try:
-                hidden = self.pipeline.finish(runner, handle.pending)
-                forwarded = time.perf_counter() if runner.time_steps else 0.0
-                computed = [
-                    None if rows is None else runner.logits(hidden, rows)
-                    for rows in runner.row_blocks(step)
-                ]
-            except Exception as exc:
-                raise self._stopped(exc) from exc
-            result = runner.finish(handle.plan, hidden, computed.__getitem__, handle.mask)
-        if runner.time_steps:
-            # (the forward time: from the start of stage 0's layers to the last stage's)
-            runner.record_times(result, handle.started, forwarded - handle.started)
-        return result
+        return self._end(handle)
 
     def execute(self, output: Any, token_mask: Any) -> Any:
         """Rank 0 builds the step and sends it to the other ranks first; every row block's
@@ -345,29 +322,53 @@ class MultiprocExecutor(UniProcExecutor):
         could not agree on the next step's collectives any more)."""
         if self.group is None:
             return super().execute(output, token_mask)
+        return self._end(self._begin(output, token_mask))
+
+    def _begin(
+        self, output: Any, token_mask: Any, micro_batches: int | None = None
+    ) -> _StepInFlight:
+        """A step built and sent to the other ranks, and this rank's part of its forward
+        pass done (with pipeline stages: stage 0's layers on its ``micro_batches``, the
+        final hidden states' receives posted)."""
         runner = self.runner
         timed = runner.time_steps
         started = time.perf_counter() if timed else 0.0
         with self._shared_step(), runner.step_mode():
             step, plan = runner.build_step(output)
-            message = step if self.pipeline is None else self.pipeline.split(runner, step)
+            message = step
+            if self.pipeline is not None:
+                message = self.pipeline.split(runner, step, micro_batches)
             self.group.step(message)
             try:
                 forward_started = runner.synced_clock() if timed else 0.0
                 if self.pipeline is None:
-                    hidden = runner.hidden_states(step)
+                    pending = runner.hidden_states(step)
                 else:
-                    hidden = self.pipeline.hidden(runner, message)
-                forwarded = runner.synced_clock() if timed else 0.0
+                    pending = self.pipeline.start(runner, message)
+            except Exception as exc:
+                raise self._stopped(exc) from exc
+        return _StepInFlight(step, plan, pending, token_mask, started, forward_started)
+
+    def _end(self, handle: _StepInFlight) -> Any:
+        """The results of a step :meth:`_begin` began: its final hidden states (waited
+        for, with pipeline stages), every row block's logits, then sampling."""
+        runner = self.runner
+        with self._shared_step(), runner.step_mode():
+            try:
+                hidden = handle.pending
+                if self.pipeline is not None:
+                    hidden = self.pipeline.finish(runner, handle.pending)
+                forwarded = runner.synced_clock() if runner.time_steps else 0.0
                 computed = [
                     None if rows is None else runner.logits(hidden, rows)
-                    for rows in runner.row_blocks(step)
+                    for rows in runner.row_blocks(handle.step)
                 ]
             except Exception as exc:
                 raise self._stopped(exc) from exc
-            result = runner.finish(plan, hidden, computed.__getitem__, token_mask)
-        if timed:
-            runner.record_times(result, started, forwarded - forward_started)
+            result = runner.finish(handle.plan, hidden, computed.__getitem__, handle.mask)
+        if runner.time_steps:
+            # (with steps in flight, the forward time runs to the last stage's return)
+            runner.record_times(result, handle.started, forwarded - handle.forward_started)
         return result
 
     @contextlib.contextmanager

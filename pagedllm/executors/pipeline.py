@@ -105,8 +105,8 @@ class StageIO:
 
 class PipelineStages:
     """Stage 0's side of the pipeline on rank 0: :meth:`split` makes a step's message to
-    the other ranks, :meth:`hidden` runs it through every stage (or :meth:`start`, then
-    :meth:`finish`, with other steps started in between)."""
+    the other ranks, :meth:`start` runs it through stage 0 and on, :meth:`finish` takes
+    its final hidden states back (other steps may start in between)."""
 
     def __init__(self, size: int, io: StageIO, tensor_parallel_size: int = 1) -> None:
         if size > MAX_MICRO_BATCHES:
@@ -134,11 +134,6 @@ class PipelineStages:
         count = self.micro_batches if micro_batches is None else micro_batches
         tag = next(self._tags) % TAG_STEPS * MAX_MICRO_BATCHES
         return PipelineStep(step, split_micro_batches(step, count, runner), tag)
-
-    def hidden(self, runner: ModelRunner, message: PipelineStep) -> torch.Tensor:
-        """The step's final hidden states (each micro-batch through every stage), the
-        step extensions' state set for the whole step again."""
-        return self.finish(runner, self.start(runner, message))
 
     def start(self, runner: ModelRunner, message: PipelineStep) -> InFlight:
         """Stage 0's layers on each micro-batch of the step, sent on to stage 1; the

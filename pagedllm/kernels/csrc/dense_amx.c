@@ -164,7 +164,7 @@ static void amx_rows(const uint16_t *w, int64_t k, int halves, const uint16_t *x
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < kb_count; kb++) {
-                for (int64_t r = (b / 2) % passes; r < next_rows; r += passes)
+                for (int64_t r = b / 2; r < next_rows; r += passes)
                     _mm_prefetch((const char *)(next + r * k + kb * 32), _MM_HINT_T1);
                 _tile_loadd(4, w0 + kb * 32, stride);
                 _tile_loadd(5, w1 + kb * 32, stride);
