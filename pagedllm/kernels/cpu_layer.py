@@ -8,7 +8,7 @@ but the Q/K/V group's (Qwen2's), no LoRA, no Q/K norms, SiLU, plain RMSNorms, Ne
 tables in float32; a float32 model, or a bfloat16 one where the CPU has the attention
 kernel's bfloat16 cache, and for packed weights the bfloat16 products), else None. Dense
 products are :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call
-for as many rows (:data:`~pagedllm.kernels.dense_cpu.SMALL_ROWS_MAX`), so a dense layer
+for as many rows (:func:`~pagedllm.kernels.dense_cpu.small_rows_max`), so a dense layer
 takes steps of at most that many tokens; a bfloat16 one whose products the AMX kernel takes
 (:mod:`pagedllm.kernels.dense_amx`, from four rows, as the modules do) up to its
 :data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
@@ -43,7 +43,7 @@ from pagedllm.kernels.cpu_ops import (
     cpu_ops,
 )
 from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels
-from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
+from pagedllm.kernels.dense_cpu import dense_kernels, small_rows_max
 from pagedllm.kernels.ggml_types import GGMLQuantizationType
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 from pagedllm.kernels.gguf_matmul import FUSED_TYPES, fused_max_rows, int8_min_rows
@@ -287,10 +287,12 @@ class NativeDecoderLayer:
     def max_tokens(self) -> int:
         """The most tokens of a step this layer takes natively."""
         if self._max_tokens is None:
-            limit = SMALL_ROWS_MAX[self.dtype] if self.dense else None
-            if self.amx:
-                limit = AMX_ROWS[-1]
-            limit = limit or fused_max_rows() or MAX_STEP_TOKENS
+            if self.dense:
+                limit = small_rows_max(self.dtype)
+                if self.amx:
+                    limit = AMX_ROWS[-1]
+            else:
+                limit = fused_max_rows() or MAX_STEP_TOKENS
             bf16 = self.dtype == torch.bfloat16
             self._max_tokens = limit if bf16 else min(limit, SILU_KERNEL_MAX_ROWS)
         return self._max_tokens

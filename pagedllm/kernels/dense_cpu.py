@@ -6,7 +6,10 @@ are bound by memory bandwidth; the kernel streams each weight row once and meets
 with it in registers (bfloat16 pairs with AVX512-BF16's dpbf16ps, float32 fused
 multiply-adds with AVX-512F or AVX2, plain C elsewhere), where the BLAS GEMM behind
 ``F.linear`` reaches about half the bandwidth at one row. :func:`small_linear` takes it for
-up to :data:`SMALL_ROWS_MAX` rows (by dtype); more rows (prefills, large batches) stay on the GEMM.
+up to :func:`small_rows_max` rows (by dtype); more rows (prefills, large batches) stay on the
+GEMM. On CPUs with AVX2 but not AVX-512 the kernel's tiles, blocked for the caches, take up
+to 64 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
+the float32 GEMM: torch's bfloat16 GEMM has no vector path there.
 
 Each output is one fixed chain of operations over the input features, whatever rows,
 tiles or threads share the call (see the C file): a row's result does not depend on the
@@ -20,10 +23,11 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.kernels.native import load_kernel_library
 
-__all__ = ["SMALL_ROWS_MAX", "DenseCpuKernels", "dense_kernels", "small_linear"]
+__all__ = ["SMALL_ROWS_MAX", "DenseCpuKernels", "dense_kernels", "small_linear", "small_rows_max"]
 
 # Up to how many activation rows the kernel takes a product, by dtype: past that the BLAS
 # GEMM, which reuses each weight tile over many rows (AMX tiles for bfloat16 where the CPU
@@ -31,6 +35,13 @@ __all__ = ["SMALL_ROWS_MAX", "DenseCpuKernels", "dense_kernels", "small_linear"]
 # from memory, ms: bfloat16 1 row 14.0 against torch's 20.5, 4 rows 17.4 / 23.7, 8 rows
 # 23.7 / 22.8; float32 1 row 20.6 / 20.6, 4 rows 27.0 / 37.0, 16 rows 40.4 / 48.2.
 SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 16}
+# The same with the AVX2 tiles (CPUs without AVX-512). Zen 3, 2 cores, SmolLM2-135M's
+# products (3072 x 576, 576 x 1536, 960 x 576, 576 x 576), GFLOPS of the tiles / MKL's
+# float32 GEMM: 32 rows 93-115 / 82-101, 64 rows 104-120 / 104-131, 128 rows 113-118 /
+# 130-150, 1024 rows 114-117 / 160-174; the logits (49152 x 576) 102 / 71 at 64 rows.
+# torch's bfloat16 GEMM stays under 10 GFLOPS there: more bfloat16 rows are widened for
+# the float32 one (widened_linear).
+TILES_ROWS_MAX = {torch.bfloat16: 128, torch.float32: 64}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -45,8 +56,13 @@ class DenseCpuKernels:
         lib.pagedllm_dense_features.argtypes = []
         lib.pagedllm_dense_features.restype = i32
         features = lib.pagedllm_dense_features()
-        # Vector float32 products (AVX-512F, or AVX2 with FMA); bfloat16 pairs (AVX512-BF16).
-        self.simd, self.bf16 = bool(features & 1), bool(features & 2)
+        # Vector float32 products (AVX-512F, or AVX2 with FMA); bfloat16 pairs (AVX512-BF16);
+        # the AVX2 tiles, blocked for any number of rows.
+        self.simd, self.bf16, self.tiles = (
+            bool(features & 1),
+            bool(features & 2),
+            bool(features & 4),
+        )
         self.lib = lib
 
     def matmul(
@@ -100,9 +116,39 @@ def dense_kernels() -> DenseCpuKernels | None:
     return None if lib is None else DenseCpuKernels(lib)
 
 
+@functools.cache
+def _row_limits() -> dict[torch.dtype, int]:
+    kernels = dense_kernels()
+    return TILES_ROWS_MAX if kernels is not None and kernels.tiles else SMALL_ROWS_MAX
+
+
+def small_rows_max(dtype: torch.dtype) -> int:
+    """The most activation rows of ``dtype`` (float32 or bfloat16) :func:`small_linear`
+    takes on this CPU."""
+    return _row_limits()[dtype]
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x, weight)`` for bfloat16 CPU rows and weight on CPUs with the AVX2 tiles
+    (no AVX-512), past :func:`small_rows_max`: both widened to float32 for the float32 GEMM,
+    the result rounded once to bfloat16; else None."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or weight.requires_grad
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    kernels = dense_kernels()
+    if kernels is None or not kernels.tiles:
+        return None
+    return F.linear(x.float(), weight.float()).to(torch.bfloat16)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, weight)`` by the kernel where it applies: CPU tensors, at most
-    :data:`SMALL_ROWS_MAX` rows, ``x`` and ``weight`` both float32 or both bfloat16, a
+    :func:`small_rows_max` rows, ``x`` and ``weight`` both float32 or both bfloat16, a
     contiguous weight; else None (the caller's GEMM)."""
     if (
         x.device.type != "cpu"
@@ -112,7 +158,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         or weight.dtype != x.dtype
         or weight.dim() != 2
         or not weight.is_contiguous()
-        or x.numel() > SMALL_ROWS_MAX[x.dtype] * weight.shape[1]
+        or x.numel() > _row_limits()[x.dtype] * weight.shape[1]
         or x.shape[-1] != weight.shape[1]
         or x.numel() == 0
         or weight.requires_grad

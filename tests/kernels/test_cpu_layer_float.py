@@ -15,7 +15,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.batch_invariant import unavailable_reason
 from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels
-from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels
+from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, dense_kernels, small_rows_max
+from pagedllm.kernels.gguf_cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     dense_kernels() is None or cpu_ops() is None, reason="no compiled CPU kernels"
@@ -56,6 +57,10 @@ def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
         pytest.skip(unavailable_reason())
     if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
         pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    if invariant and dtype == "bfloat16" and not cpu_kernels().bf16:
+        # (the panels then widen the rows to float32, which the native layer does not: it
+        # declines those steps, test_native_layer_declines_widened_panels)
+        pytest.skip("no bfloat16 panels (AVX512-BF16) on this CPU")
     llm = LLM(
         str(llama),
         dtype=dtype,
@@ -64,7 +69,7 @@ def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
         batch_invariant=invariant,
     )
     layers = llm.llm_engine.runner.model.model.layers
-    limit = SMALL_ROWS_MAX[layers[0].input_layernorm.weight.dtype]
+    limit = small_rows_max(layers[0].input_layernorm.weight.dtype)
     if dtype == "bfloat16" and _amx():
         # (the AMX kernel's rows too; its test below runs steps of those)
         limit = AMX_ROWS[-1]
@@ -140,3 +145,28 @@ def test_layers_with_biases_keep_the_module_path(tmp_path):
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     # (False: inspected at the first step, and declined)
     assert all(layer._native is False for layer in llm.llm_engine.runner.model.model.layers)
+
+
+def test_native_layer_declines_widened_panels(llama):
+    """Batch-invariant bfloat16 without AVX512-BF16: the modules' panels widen the rows to
+    float32, which the native layer does not, so it takes none of those steps, and the
+    tokens are the module path's."""
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    if cpu_kernels().bf16 or not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("bfloat16 panels on this CPU (or no bfloat16 attention cache kernel)")
+    llm = LLM(
+        str(llama),
+        dtype="bfloat16",
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+        batch_invariant=True,
+    )
+    layers = llm.llm_engine.runner.model.model.layers
+    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = _run(llm, prompts, params)
+    assert all(layer._native and layer._native.steps == 0 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    _same(native, _run(llm, prompts, params))

@@ -14,7 +14,7 @@ from kernel_checks import skip_unless_build_failed
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
-from pagedllm.kernels.native import CSRC, c_compiler
+from pagedllm.kernels.native import CSRC, c_compiler, load_kernel_library
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
 from pagedllm.plugins.devices import cpu_attention
@@ -238,11 +238,31 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
     """float32 queries over a float32 cache, or a bfloat16 one (``--dtype bfloat16``: keys
     and values stored rounded as ``.to()`` rounds them, read back exactly; with bfloat16
     products on AVX512-BF16, against a reference that rounds as they do)."""
+    _check_paged_attention(ops, window, shape, cache_dtype)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_avx2_build_reads_a_bfloat16_cache(window, shape):
+    """The AVX2 build (-march=haswell), run here: its loop reads a bfloat16 cache, keys
+    and values widened, and writes the new rows rounded, as the reference does."""
+    from pagedllm.kernels.cpu_ops import CpuOps
+
+    lib = load_kernel_library("cpu_ops", march="haswell")
+    if lib is None:
+        pytest.skip("no build for -march=haswell")
+    ops = CpuOps(lib)
+    assert ops.bf16_cache_ok(64) and not ops.bf16_products(64)
+    _check_paged_attention(ops, window, shape, torch.bfloat16)
+
+
+def _check_paged_attention(ops, window, shape, cache_dtype) -> None:
     heads, kv_heads, d = shape
     cache, q, k, v = _batch(SEQUENCES, heads=heads, kv_heads=kv_heads, d=d)
     if cache_dtype == torch.bfloat16:
         if not ops.bf16_cache_ok(64):
-            pytest.skip("the kernel reads bfloat16 caches on AVX-512 CPUs only")
+            pytest.skip("this build reads no bfloat16 cache")
         # What the kernel sees and stores: the cache and the new rows in bfloat16.
         cache = cache.bfloat16()
         expected, expected_cache = _reference_attention(

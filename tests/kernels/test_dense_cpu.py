@@ -13,7 +13,15 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.batch_invariant import linear
 from pagedllm.kernels.dense_amx import amx_linear
-from pagedllm.kernels.dense_cpu import SMALL_ROWS_MAX, DenseCpuKernels, dense_kernels, small_linear
+from pagedllm.kernels.dense_cpu import (
+    SMALL_ROWS_MAX,
+    TILES_ROWS_MAX,
+    DenseCpuKernels,
+    dense_kernels,
+    small_linear,
+    small_rows_max,
+    widened_linear,
+)
 from pagedllm.kernels.native import load_kernel_library
 
 pytestmark = pytest.mark.skipif(dense_kernels() is None, reason="no C compiler")
@@ -64,7 +72,45 @@ def test_builds_for_older_cpus_match_torch(march, dtype):
         pytest.skip(f"no build for -march={march}")
     kernels = DenseCpuKernels(lib)
     assert kernels.simd == (march == "haswell") and not kernels.bf16
+    assert kernels.tiles == (march == "haswell")
     _check(kernels, dtype)
+
+
+def _kernels(build: str) -> DenseCpuKernels:
+    if build == "native":
+        return dense_kernels()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    lib = load_kernel_library("dense_cpu", march=build)
+    if lib is None:
+        pytest.skip(f"no build for -march={build}")
+    return DenseCpuKernels(lib)
+
+
+@pytest.mark.parametrize("build", ["native", "haswell"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows(build, dtype):
+    """Rows past one block of the AVX2 tiles (192 KiB of float32 rows: 80 rows of 600
+    here) and a tail of rows and of k: against torch, and each row's bits as when alone."""
+    kernels = _kernels(build)
+    assert kernels.tiles == (build == "haswell" or (kernels.simd and not _avx512()))
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(37, 603, generator=g).to(dtype)
+    x = torch.randn(171, 603, generator=g).to(dtype)
+    out = kernels.matmul(x, w)
+    torch.testing.assert_close(
+        out.double(), F.linear(x.double(), w.double()), **_tolerance(dtype, 603)
+    )
+    for i in (0, 79, 80, 81, 160, 170):
+        assert torch.equal(kernels.matmul(x[i : i + 1], w)[0], out[i])
+
+
+def _avx512() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512f" in flags
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,7 +149,9 @@ def test_a_row_ignores_the_others_and_the_threads(dtype, portable):
 
 def test_linear_takes_the_kernel_for_few_rows_only():
     g = torch.Generator().manual_seed(3)
-    for dtype, limit in SMALL_ROWS_MAX.items():
+    for dtype in SMALL_ROWS_MAX:
+        limit = small_rows_max(dtype)
+        assert limit == (TILES_ROWS_MAX if dense_kernels().tiles else SMALL_ROWS_MAX)[dtype]
         w, bias = torch.randn(64, 96, generator=g).to(dtype), torch.randn(64).to(dtype)
         x = torch.randn(2, limit, 96, generator=g).to(dtype)
         few = x[:1]
@@ -112,9 +160,15 @@ def test_linear_takes_the_kernel_for_few_rows_only():
         assert torch.equal(out, dense_kernels().matmul(few[0], w)[None] + bias)
         torch.testing.assert_close(out, F.linear(few, w, bias), **_tolerance(dtype, 96))
         # more rows than the limit, mixed dtypes or a strided weight: the GEMM (or for
-        # bfloat16 rows the AMX kernel, where the CPU has it: test_dense_amx.py)
+        # bfloat16 rows the AMX kernel, where the CPU has it: test_dense_amx.py; or the
+        # float32 GEMM on the rows widened, with the AVX2 tiles)
         assert small_linear(x, w) is None
         many = amx_linear(x, w)
+        widened = widened_linear(x, w)
+        assert (widened is not None) == (dtype == torch.bfloat16 and dense_kernels().tiles)
+        if many is None and widened is not None:
+            many = widened
+            assert torch.equal(widened, F.linear(x.float(), w.float()).bfloat16())
         assert torch.equal(linear(x, w), F.linear(x, w) if many is None else many)
         assert small_linear(few.float() if dtype != torch.float32 else few.bfloat16(), w) is None
         assert small_linear(few, w.t().contiguous().t()) is None

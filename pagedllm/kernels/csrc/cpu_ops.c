@@ -220,6 +220,29 @@ static inline void dot4_f32(const float *q, const float *k0, const float *k1, co
 }
 #pragma GCC pop_options
 
+/* The same two over a bfloat16 cache (keys and values widened exactly): the loop the
+ * AVX2 build reads a bfloat16 cache with. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline void axpy_bf16(float *y, float a, const uint16_t *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += a * from_bf16(x[i]);
+}
+
+static inline void dot4_bf16(const float *q, const uint16_t *k0, const uint16_t *k1,
+                             const uint16_t *k2, const uint16_t *k3, int64_t n, float *out) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < n; i++) {
+        s0 += q[i] * from_bf16(k0[i]);
+        s1 += q[i] * from_bf16(k1[i]);
+        s2 += q[i] * from_bf16(k2[i]);
+        s3 += q[i] * from_bf16(k3[i]);
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+#pragma GCC pop_options
+
 /* Where keys [j0, j0 + n) of a sequence start in the cache, walking its block table (no
  * division per key): rows[c] = slot * row + off, in elements (row: a slot's nk * head_dim
  * values; off: a KV head's place in it). */
@@ -234,6 +257,87 @@ static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t 
         }
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_VALUES_AVX2 1
+#define VALUES_AHEAD 8
+/* The value pass of one chunk for the generic loop (AVX2): acc[g] += sum over keys c of
+ * sc[g][c] * v_c, for GT heads x DV vectors of 8 dimensions at a time held in registers
+ * across the chunk's keys (each value row loaded once for the GT heads), the keys added in
+ * order with fused multiply-adds: the very sums of axpy_f32 / axpy_bf16 key by key. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline __attribute__((always_inline)) __m256 value8(const void *base, int64_t index,
+                                                           const int BF) {
+    if (BF) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* Rows at slots[0..count) (offsets in elements of elem bytes), row_bytes each, requested
+ * into L1. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, int64_t elem,
+                                                                const int64_t *slots,
+                                                                int64_t count, int64_t row_bytes) {
+    for (int64_t c = 0; c < count; c++)
+        for (int64_t o = 0; o < row_bytes; o += 64)
+            _mm_prefetch((const char *)cache + slots[c] * elem + o, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void values_tile(
+    const int GT, const int DV, const int BF, float *acc, int64_t acc_stride, const float *sc,
+    int64_t sc_stride, const void *v_cache, const int64_t *slots, int64_t n, int64_t d0,
+    int64_t row_bytes) {
+    __m256 a[3][4];
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < DV; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * j);
+    for (int64_t c = 0; c < n; c++) {
+        /* (the rows lie in blocks anywhere in the cache: one row asked for ahead, on the
+         * first pass over them) */
+        if (d0 == 0 && c + VALUES_AHEAD < n)
+            prefetch_rows(v_cache, BF ? 2 : 4, slots + c + VALUES_AHEAD, 1, row_bytes);
+        __m256 v[4];
+        for (int j = 0; j < DV; j++) v[j] = value8(v_cache, slots[c] + d0 + 8 * j, BF);
+        for (int g = 0; g < GT; g++) {
+            const __m256 pw = _mm256_broadcast_ss(sc + g * sc_stride + c);
+            for (int j = 0; j < DV; j++) a[g][j] = _mm256_fmadd_ps(pw, v[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < DV; j++) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * j, a[g][j]);
+}
+#pragma GCC pop_options
+
+/* Heads [0, group) x head_dim (a multiple of 8) of the chunk's value pass. */
+static inline __attribute__((always_inline)) void values_chunk(
+    const int BF, int64_t group, int64_t head_dim, float *acc, int64_t acc_stride,
+    const float *sc, int64_t sc_stride, const void *v_cache, const int64_t *slots, int64_t n) {
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t gt = group - g0 < 3 ? group - g0 : 3;
+        float *ag = acc + g0 * acc_stride;
+        const float *sg = sc + g0 * sc_stride;
+        /* (GT x DV accumulators, DV value vectors and the weight: 3 x 3 or 2 x 4 in the
+         * sixteen registers) */
+        const int64_t width = gt == 3 ? 3 : 4;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * width) {
+            const int64_t dv = (head_dim - d0) / 8 < width ? (head_dim - d0) / 8 : width;
+#define VALUES(GT, DV)                                                                     \
+    if (gt == GT && dv == DV) {                                                            \
+        values_tile(GT, DV, BF, ag, acc_stride, sg, sc_stride, v_cache, slots, n, d0,      \
+                    head_dim * (BF ? 2 : 4));                                             \
+        continue;                                                                          \
+    }
+            VALUES(3, 3) VALUES(3, 2) VALUES(3, 1)
+            VALUES(2, 4) VALUES(2, 3) VALUES(2, 2) VALUES(2, 1)
+            VALUES(1, 4) VALUES(1, 3) VALUES(1, 2) VALUES(1, 1)
+#undef VALUES
+        }
+    }
+}
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -647,18 +751,14 @@ static inline query_item locate_item(int64_t item, int64_t seq, const int64_t *f
         float *out, int64_t o_ts, int nthreads
 
 /* BF: the cache holds bfloat16 (written rounded to nearest even, read widened to float32;
- * queries, scores and outputs stay float32), AVX-512 and head sizes 16..256 only. */
+ * queries, scores and outputs stay float32), head sizes 16, 32, 64, 128 and 256 only. */
 static inline __attribute__((always_inline)) int paged_attention(const int BF,
                                                                  PAGED_ATTENTION_ARGS) {
     const int64_t group = nq / nk;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return -1;
-#ifdef __AVX512F__
     if (BF && head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 &&
         head_dim != 256)
         return -1;
-#else
-    if (BF) return -1;
-#endif
     const int64_t row = nk * head_dim;
     const size_t elem = BF ? 2 : 4;
     void *k_cache = cache, *v_cache = (char *)cache + (size_t)(num_slots * row) * elem;
@@ -750,8 +850,8 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                             kh * head_dim, lo, p, scale, out + t * o_ts + kh * group * head_dim))
                 continue;
 #endif
-            if (BF) continue; /* (excluded above) */
             const float *fk = (const float *)k_cache, *fv = (const float *)v_cache;
+            const uint16_t *hk = (const uint16_t *)k_cache, *hv = (const uint16_t *)v_cache;
             for (int64_t g = 0; g < group; g++) {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;
@@ -764,13 +864,28 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                     const float *qh = qt + g * head_dim;
                     float *sc = scores[g];
                     int64_t c = 0;
-                    for (; c + 4 <= n; c += 4)
-                        dot4_f32(qh, fk + slots[c], fk + slots[c + 1],
-                                 fk + slots[c + 2], fk + slots[c + 3], head_dim, sc + c);
+                    for (; c + 4 <= n; c += 4) {
+#ifdef HAVE_VALUES_AVX2
+                        if (g == 0 && c + 4 + VALUES_AHEAD <= n)
+                            prefetch_rows(k_cache, (int64_t)elem, slots + c + VALUES_AHEAD, 4,
+                                          head_dim * (int64_t)elem);
+#endif
+                        if (BF)
+                            dot4_bf16(qh, hk + slots[c], hk + slots[c + 1], hk + slots[c + 2],
+                                      hk + slots[c + 3], head_dim, sc + c);
+                        else
+                            dot4_f32(qh, fk + slots[c], fk + slots[c + 1], fk + slots[c + 2],
+                                     fk + slots[c + 3], head_dim, sc + c);
+                    }
                     for (; c < n; c++) {
                         float four[4];
-                        const float *kc = fk + slots[c];
-                        dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
+                        if (BF) {
+                            const uint16_t *kc = hk + slots[c];
+                            dot4_bf16(qh, kc, kc, kc, kc, head_dim, four);
+                        } else {
+                            const float *kc = fk + slots[c];
+                            dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
+                        }
                         sc[c] = four[0];
                     }
                     float cmax = -INFINITY;
@@ -789,9 +904,20 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                     for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
                     for (c = 0; c < n; c++) l[g] += sc[c];
                 }
+#ifdef HAVE_VALUES_AVX2
+                if (head_dim % 8 == 0) {
+                    values_chunk(BF, group, head_dim, &acc[0][0], MAX_HEAD_DIM, &scores[0][0],
+                                 CHUNK, BF ? (const void *)hv : (const void *)fv, slots, n);
+                    continue;
+                }
+#endif
                 for (int64_t c = 0; c < n; c++) {
-                    const float *vc = fv + slots[c];
-                    for (int64_t g = 0; g < group; g++) axpy_f32(acc[g], scores[g][c], vc, head_dim);
+                    for (int64_t g = 0; g < group; g++) {
+                        if (BF)
+                            axpy_bf16(acc[g], scores[g][c], hv + slots[c], head_dim);
+                        else
+                            axpy_f32(acc[g], scores[g][c], fv + slots[c], head_dim);
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
@@ -806,14 +932,9 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
     return failed ? -2 : 0;
 }
 
-/* Whether this build's paged attention reads a bfloat16 cache (its AVX-512 tiles). */
-int pagedllm_attention_bf16_cache(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* Whether this build's paged attention reads a bfloat16 cache (AVX-512: its tiles; else the
+ * loop, keys and values widened). */
+int pagedllm_attention_bf16_cache(void) { return 1; }
 
 /* Whether its bfloat16 cache is read with bfloat16 products (AVX512-BF16) for head sizes
  * 32, 64, 128 and 256 (attend_chunk_dp: queries and probabilities rounded to bfloat16). */

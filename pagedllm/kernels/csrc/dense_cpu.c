@@ -188,10 +188,36 @@ static inline __attribute__((always_inline)) void dense_tile_bf16(
 #define DENSE_HAVE_BF16 1
 #endif
 
-/* ---- AVX2 with FMA (no AVX-512) ------------------------------------------------------ */
+/* ---- AVX2 with FMA (no AVX-512) ------------------------------------------------------
+ *
+ * Sixteen vector registers: a tile of DENSE2_NR weight rows x DENSE2_MR activation rows
+ * (12 accumulators, the 3 weight vectors of a step and one activation vector), so nothing
+ * spills, for any number of rows. The activations are first made float32 rows of k
+ * rounded up to 8, zeros past k (bfloat16 widened exactly), DENSE2_BLOCK bytes of them at
+ * a time, which the tiles then read from the cache: a block's rows meet every weight tile
+ * before the next block, DENSE2_MR rows (from L1) at a time against a group of tiles
+ * (from L2). Each output is still
+ * lane l's fused multiply-adds of elements l, l + 8, ... in order, then dense_hsum8. */
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-static inline __m256 dense_load8(const void *p, int bf16, int64_t c, int64_t k) {
+#define DENSE_AVX2 1
+#define DENSE2_NR 3
+#define DENSE2_MR 4
+#define DENSE2_AHEAD 4 /* tiles prefetched ahead */
+#define DENSE2_BLOCK (192 * 1024)
+#ifndef DENSE2_GROUP
+#define DENSE2_GROUP (96 * 1024)
+#endif
+
+static inline float dense_hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* 8 elements of a weight row from c as float32 (bfloat16 widened exactly), zeros past k. */
+static inline __attribute__((always_inline)) __m256 dense2_w8(const void *p, const int bf16,
+                                                              int64_t c, int64_t k) {
     if (k - c >= 8) {
         if (bf16) {
             const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + c));
@@ -204,23 +230,142 @@ static inline __m256 dense_load8(const void *p, int bf16, int64_t c, int64_t k) 
     return _mm256_loadu_ps(tmp);
 }
 
-static inline float dense_hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+#define DENSE2_ROW(i)                                                                      \
+    if (MR > i) {                                                                          \
+        const __m256 xv = _mm256_loadu_ps(x + (i) * xs + c);                               \
+        a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                                        \
+        a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                                        \
+        a##i##2 = _mm256_fmadd_ps(xv, w2, a##i##2);                                        \
+    }
+#define DENSE2_STEP(END)                                                                   \
+    do {                                                                                   \
+        const __m256 w0 = dense2_w8(w[0], BF, c, END), w1 = dense2_w8(w[1], BF, c, END);  \
+        const __m256 w2 = dense2_w8(w[2], BF, c, END);                                     \
+        DENSE2_ROW(0) DENSE2_ROW(1) DENSE2_ROW(2) DENSE2_ROW(3)                            \
+    } while (0)
+#define DENSE2_OUT(i)                                                                      \
+    if (MR > i) {                                                                          \
+        out[i][0] = dense_hsum8(a##i##0);                                                  \
+        out[i][1] = dense_hsum8(a##i##1);                                                  \
+        out[i][2] = dense_hsum8(a##i##2);                                                  \
+    }
+
+/* Weight rows w[0..2] (bfloat16 where BF) against MR float32 rows of x (stride xs, k
+ * rounded up to 8 with zeros). */
+static inline __attribute__((always_inline)) void dense2_tile(const int MR, const int BF,
+                                                              const void *const w[DENSE2_NR],
+                                                              int64_t k, const float *x,
+                                                              int64_t xs,
+                                                              float out[DENSE2_MR][DENSE2_NR]) {
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z;
+    __m256 a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
+    const int64_t full = k - k % 8;
+    int64_t c = 0;
+    for (; c < full; c += 8) DENSE2_STEP(c + 8);
+    if (c < k) DENSE2_STEP(k);
+    DENSE2_OUT(0) DENSE2_OUT(1) DENSE2_OUT(2) DENSE2_OUT(3)
+}
+#undef DENSE2_ROW
+#undef DENSE2_STEP
+#undef DENSE2_OUT
+
+static void dense2_tile_any(int mr, int bf, const void *const w[DENSE2_NR], int64_t k,
+                            const float *x, int64_t xs, float out[DENSE2_MR][DENSE2_NR]) {
+    if (bf) {
+        switch (mr) {
+        case 1: dense2_tile(1, 1, w, k, x, xs, out); return;
+        case 2: dense2_tile(2, 1, w, k, x, xs, out); return;
+        case 3: dense2_tile(3, 1, w, k, x, xs, out); return;
+        default: dense2_tile(4, 1, w, k, x, xs, out); return;
+        }
+    }
+    switch (mr) {
+    case 1: dense2_tile(1, 0, w, k, x, xs, out); return;
+    case 2: dense2_tile(2, 0, w, k, x, xs, out); return;
+    case 3: dense2_tile(3, 0, w, k, x, xs, out); return;
+    default: dense2_tile(4, 0, w, k, x, xs, out); return;
+    }
 }
 
-static inline __attribute__((always_inline)) void dense_tile_f32(
-    const int MR, const void *const w[DENSE_NR], int w_bf16, int64_t k, const void *x,
-    int x_bf16, int64_t xs, float out[DENSE_MR][DENSE_NR]) {
-    const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
-#define DENSE_W(r, END) dense_load8(w[r], w_bf16, c, END)
-#define DENSE_X(i, END) dense_load8((const char *)x + (i) * xs * xe, x_bf16, c, END)
-#define DENSE_OP(a, xv, wv) a = _mm256_fmadd_ps(xv, wv, a)
-    DENSE_TILE(__m256, __m256, _mm256_setzero_ps(), 8, dense_hsum8);
-#undef DENSE_W
-#undef DENSE_X
-#undef DENSE_OP
+/* Rows [i0, i0 + rows) of x as float32 rows of stride kp (zeros from k to kp). */
+static inline void dense2_rows_f32(const void *x, int x_bf16, int64_t xs, int64_t k, int64_t kp,
+                                   int64_t i0, int64_t rows, float *xb) {
+    for (int64_t i = 0; i < rows; i++) {
+        float *d = xb + i * kp;
+        if (x_bf16) {
+            const uint16_t *s = (const uint16_t *)x + (i0 + i) * xs;
+            int64_t c = 0;
+            for (; c + 8 <= k; c += 8) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(s + c));
+                _mm256_storeu_ps(d + c, _mm256_castsi256_ps(
+                                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+            }
+            for (; c < k; c++) d[c] = dense_from_bf16(s[c]);
+        } else {
+            memcpy(d, (const float *)x + (i0 + i) * xs, sizeof(float) * (size_t)k);
+        }
+        for (int64_t c = k; c < kp; c++) d[c] = 0.0f;
+    }
+}
+
+static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
+                         int x_bf16, int64_t m, int64_t xs, void *y, int y_bf16, int64_t ys,
+                         int nthreads) {
+    const int64_t kp = (k + 7) / 8 * 8;
+    /* Rows of a block: DENSE2_BLOCK bytes of float32 rows, whole tiles of rows. */
+    int64_t block = DENSE2_BLOCK / (int64_t)(sizeof(float) * (size_t)kp);
+    block = block < DENSE2_MR ? DENSE2_MR : block / DENSE2_MR * DENSE2_MR;
+    if (block > m) block = m;
+    /* float32 rows of k a multiple of 8 are read where they are. */
+    const int direct = !x_bf16 && kp == k;
+    float *xb = direct ? NULL : (float *)malloc(sizeof(float) * (size_t)(block * kp));
+    if (!direct && xb == NULL) return -2;
+    const int64_t tiles = (n + DENSE2_NR - 1) / DENSE2_NR;
+    const size_t we = w_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int threads = n * k >= DENSE_MIN_PARALLEL ? nthreads : 1;
+    /* Weight tiles of DENSE2_GROUP bytes meet each DENSE2_MR rows of the block (from L1)
+     * in turn, from L2, before the next tiles. */
+    int64_t group = DENSE2_GROUP / (int64_t)((size_t)(DENSE2_NR * k) * we);
+    group = group < 1 ? 1 : group;
+    for (int64_t i0 = 0; i0 < m; i0 += block) {
+        const int64_t rows = m - i0 < block ? m - i0 : block;
+        const float *xr = direct ? (const float *)x + i0 * xs : xb;
+        const int64_t xrs = direct ? xs : kp;
+        if (!direct) dense2_rows_f32(x, x_bf16, xs, k, kp, i0, rows, xb);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t0 = 0; t0 < tiles; t0 += group) {
+            const int64_t t1 = t0 + group < tiles ? t0 + group : tiles;
+            for (int64_t i = 0; i < rows; i += DENSE2_MR) {
+                const int mr = (int)(rows - i < DENSE2_MR ? rows - i : DENSE2_MR);
+                for (int64_t t = t0; t < t1; t++) {
+                    const int64_t j = t * DENSE2_NR;
+                    /* The tile DENSE2_AHEAD tiles on (one contiguous run of the weight)
+                     * fetched while this one is multiplied, on the weight's first pass. */
+                    if (i0 == 0 && i == 0 && t + DENSE2_AHEAD < tiles) {
+                        const int64_t a = j + DENSE2_AHEAD * DENSE2_NR;
+                        const char *ahead = (const char *)w + (size_t)(a * k) * we;
+                        const int64_t left = n - a;
+                        const size_t bytes =
+                            (size_t)((left < DENSE2_NR ? left : DENSE2_NR) * k) * we;
+                        for (size_t o = 0; o < bytes; o += 64)
+                            _mm_prefetch(ahead + o, _MM_HINT_T0);
+                    }
+                    const void *wr[DENSE2_NR];
+                    for (int r = 0; r < DENSE2_NR; r++)
+                        wr[r] = (const char *)w + (size_t)(j + r < n ? j + r : n - 1) *
+                                                      (size_t)k * we;
+                    float out[DENSE2_MR][DENSE2_NR];
+                    dense2_tile_any(mr, w_bf16, wr, k, xr + i * xrs, xrs, out);
+                    for (int a = 0; a < mr; a++)
+                        for (int r = 0; r < DENSE2_NR && j + r < n; r++)
+                            dense_store(y, y_bf16, (i0 + i + a) * ys + j + r, out[a][r]);
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
 }
 #define DENSE_HAVE_SIMD 1
 #endif
@@ -229,7 +374,7 @@ static inline __attribute__((always_inline)) void dense_tile_f32(
 #endif
 
 /* What this build takes: bit 0 vector float32 products (AVX-512F, or AVX2 with FMA), bit
- * 1 bfloat16 pairs (AVX512-BF16). */
+ * 1 bfloat16 pairs (AVX512-BF16), bit 2 the AVX2 tiles (blocked for any number of rows). */
 int pagedllm_dense_features(void) {
     int features = 0;
 #ifdef DENSE_HAVE_SIMD
@@ -237,6 +382,9 @@ int pagedllm_dense_features(void) {
 #endif
 #ifdef DENSE_HAVE_BF16
     features |= 2;
+#endif
+#ifdef DENSE_AVX2
+    features |= 4;
 #endif
     return features;
 }
@@ -258,7 +406,7 @@ static inline void dense_tile(int path, const void *w, int w_bf16, int64_t n, in
         default: dense_tile_bf16(2, rows, k, (const uint16_t *)x, xs, out); return;
         }
 #endif
-#ifdef DENSE_HAVE_SIMD
+#if defined(DENSE_HAVE_SIMD) && !defined(DENSE_AVX2) /* (AVX2: dense2_matmul) */
     case 1:
         switch (mr) {
         case 1: dense_tile_f32(1, rows, w_bf16, k, x, x_bf16, xs, out); return;
@@ -286,6 +434,11 @@ int pagedllm_dense_matmul_small(const void *w, int w_bf16, int64_t n, int64_t k,
 #endif
     if (portable) path = 0;
     if (n <= 0 || m <= 0) return 0;
+#ifdef DENSE_AVX2
+    if (path == 1)
+        return dense2_matmul(w, w_bf16, n, k, x, x_bf16, m, x_stride, y, y_bf16, y_stride,
+                             nthreads);
+#endif
     const int64_t tiles = (n + DENSE_NR - 1) / DENSE_NR;
     const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int threads = n * k >= DENSE_MIN_PARALLEL ? nthreads : 1;
