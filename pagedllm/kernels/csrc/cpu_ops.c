@@ -261,7 +261,9 @@ static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_VALUES_AVX2 1
+#ifndef VALUES_AHEAD
 #define VALUES_AHEAD 8
+#endif
 /* The value pass of one chunk for the generic loop (AVX2): acc[g] += sum over keys c of
  * sc[g][c] * v_c, for GT heads x DV vectors of 8 dimensions at a time held in registers
  * across the chunk's keys (each value row loaded once for the GT heads), the keys added in

@@ -203,7 +203,9 @@ static inline __attribute__((always_inline)) void dense_tile_bf16(
 #define DENSE_AVX2 1
 #define DENSE2_NR 3
 #define DENSE2_MR 4
-#define DENSE2_AHEAD 4 /* tiles prefetched ahead */
+#ifndef DENSE2_AHEAD
+#define DENSE2_AHEAD 2 /* tiles prefetched ahead */
+#endif
 #define DENSE2_BLOCK (192 * 1024)
 #ifndef DENSE2_GROUP
 #define DENSE2_GROUP (96 * 1024)
@@ -342,7 +344,7 @@ static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const 
                     const int64_t j = t * DENSE2_NR;
                     /* The tile DENSE2_AHEAD tiles on (one contiguous run of the weight)
                      * fetched while this one is multiplied, on the weight's first pass. */
-                    if (i0 == 0 && i == 0 && t + DENSE2_AHEAD < tiles) {
+                    if (DENSE2_AHEAD > 0 && i0 == 0 && i == 0 && t + DENSE2_AHEAD < tiles) {
                         const int64_t a = j + DENSE2_AHEAD * DENSE2_NR;
                         const char *ahead = (const char *)w + (size_t)(a * k) * we;
                         const int64_t left = n - a;
