@@ -8,7 +8,7 @@ multiply-adds with AVX-512F or AVX2, plain C elsewhere), where the BLAS GEMM beh
 ``F.linear`` reaches about half the bandwidth at one row. :func:`small_linear` takes it for
 up to :func:`small_rows_max` rows (by dtype); more rows (prefills, large batches) stay on the
 GEMM. On CPUs with AVX2 but not AVX-512 the kernel's tiles, blocked for the caches, take up
-to 64 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
+to 16 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
 the float32 GEMM: torch's bfloat16 GEMM has no vector path there.
 
 Each output is one fixed chain of operations over the input features, whatever rows,
@@ -41,7 +41,9 @@ SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 16}
 # 130-150, 1024 rows 114-117 / 160-174; the logits (49152 x 576) 102 / 71 at 64 rows.
 # torch's bfloat16 GEMM stays under 10 GFLOPS there: more bfloat16 rows are widened for
 # the float32 one (widened_linear).
-TILES_ROWS_MAX = {torch.bfloat16: 128, torch.float32: 64}
+# (float32 keeps 16: past that MKL's GEMM is as fast, and the whole-prompt and chunked
+# paths keep the products they had: tests/plugins/quantization/test_fp8_kv_cache.py)
+TILES_ROWS_MAX = {torch.bfloat16: 128, torch.float32: 16}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
