@@ -27,7 +27,15 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.native import load_kernel_library
 
-__all__ = ["SMALL_ROWS_MAX", "DenseCpuKernels", "dense_kernels", "small_linear", "small_rows_max"]
+__all__ = [
+    "SMALL_ROWS_MAX",
+    "TILES_ROWS_MAX",
+    "DenseCpuKernels",
+    "dense_kernels",
+    "small_linear",
+    "small_rows_max",
+    "widened_linear",
+]
 
 # Up to how many activation rows the kernel takes a product, by dtype: past that the BLAS
 # GEMM, which reuses each weight tile over many rows (AMX tiles for bfloat16 where the CPU
@@ -59,7 +67,7 @@ class DenseCpuKernels:
         lib.pagedllm_dense_features.restype = i32
         features = lib.pagedllm_dense_features()
         # Vector float32 products (AVX-512F, or AVX2 with FMA); bfloat16 pairs (AVX512-BF16);
-        # the AVX2 tiles, blocked for any number of rows.
+        # the AVX2 tiles, blocked for the caches (TILES_ROWS_MAX).
         self.simd, self.bf16, self.tiles = (
             bool(features & 1),
             bool(features & 2),
