@@ -279,6 +279,80 @@ static inline __attribute__((always_inline)) __m256 value8(const void *base, int
     return _mm256_loadu_ps((const float *)base + index);
 }
 
+/* fast_expf on 8 lanes, operation for operation (the same bits; a NaN stays NaN). */
+static inline __m256 fast_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
+    const __m256 big = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(
+        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(1.3981999507e-3f));
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(8.3334519073e-3f));
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(4.1665795894e-2f));
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(1.6666665459e-1f));
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(5.0000001201e-1f));
+    q = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(q, r), r), r),
+                      _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The generic loop's online softmax over one head's chunk (n <= CHUNK scores), eight
+ * lanes at a time: the scores scaled, their maximum (a NaN passed over, as the
+ * comparison does), the running maximum m and sum l updated (returning the factor the
+ * sums so far are to be scaled by, 1 where m did not grow), sc[c] = exp(sc[c] - m). The
+ * sum's order depends on n only, so a sequence's result is the same in any batch. */
+static inline float softmax_chunk8(float *sc, int64_t n, float scale, float *m, float *l) {
+    const int64_t full = n - n % 8;
+    const __m256 vs = _mm256_set1_ps(scale);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < full; c += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + c), vs);
+        _mm256_storeu_ps(sc + c, v);
+        vmax = _mm256_max_ps(v, vmax);
+    }
+    float cmax = hmax8(vmax);
+    for (int64_t c = full; c < n; c++) {
+        sc[c] *= scale;
+        cmax = sc[c] > cmax ? sc[c] : cmax;
+    }
+    float corr = 1.0f;
+    if (cmax > *m) {
+        corr = fast_expf(*m - cmax); /* m = -inf: exp -> 0 */
+        *l *= corr;
+        *m = cmax;
+    }
+    const __m256 vm = _mm256_set1_ps(*m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < full; c += 8) {
+        const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + c), vm));
+        _mm256_storeu_ps(sc + c, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (int64_t c = full; c < n; c++) {
+        sc[c] = fast_expf(sc[c] - *m);
+        sum += sc[c];
+    }
+    *l += sum;
+    return corr;
+}
+
 /* Rows at slots[0..count) (offsets in elements of elem bytes), row_bytes each, requested
  * into L1. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, int64_t elem,
@@ -890,6 +964,14 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                         }
                         sc[c] = four[0];
                     }
+#ifdef HAVE_VALUES_AVX2
+                    {
+                        const float corr = softmax_chunk8(sc, n, scale, &m[g], &l[g]);
+                        if (corr != 1.0f)
+                            for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
+                        continue;
+                    }
+#endif
                     float cmax = -INFINITY;
                     for (c = 0; c < n; c++) {
                         sc[c] *= scale;
