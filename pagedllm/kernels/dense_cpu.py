@@ -49,9 +49,9 @@ SMALL_ROWS_MAX = {torch.bfloat16: 8, torch.float32: 16}
 # 130-150, 1024 rows 114-117 / 160-174; the logits (49152 x 576) 102 / 71 at 64 rows.
 # torch's bfloat16 GEMM stays under 10 GFLOPS there: more bfloat16 rows are widened for
 # the float32 one (widened_linear).
-# (float32 keeps 16: past that MKL's GEMM is as fast, and the whole-prompt and chunked
-# paths keep the products they had: tests/plugins/quantization/test_fp8_kv_cache.py)
-TILES_ROWS_MAX = {torch.bfloat16: 128, torch.float32: 16}
+# Float32 takes 64 rows: MKL's GEMM is only as fast there, re-lays the weight at every
+# call, and a decode step of up to 64 rows then runs in the native decoder layer.
+TILES_ROWS_MAX = {torch.bfloat16: 128, torch.float32: 64}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 

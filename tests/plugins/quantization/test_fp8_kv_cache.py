@@ -124,7 +124,10 @@ def test_memory(checkpoint, monkeypatch):
 
 def test_chunked_prefill_and_prefix_caching_agree(checkpoint):
     """Prefills read their keys back from the fp8 cache: one step, chunks of 4 tokens and
-    a prompt whose first blocks are cached all give the same tokens and logprobs."""
+    a prompt whose first blocks are cached all give the same tokens, and logprobs within
+    float32 rounding. (fp8 attention is torch's SDPA, whose sums are blocked by the
+    number of queries: a 37-query prefill and a 1-query last chunk may round 1 ulp apart;
+    unquantized keys in the prefill would differ by about 1e-2, fp8's error.)"""
     prompt = list(range(3, 3 + 37))
     whole = LLM(
         str(checkpoint),
@@ -142,9 +145,11 @@ def test_chunked_prefill_and_prefix_caching_agree(checkpoint):
         enable_prefix_caching=True,
         disable_log_stats=True,
     )
-    expected = _run(whole, [prompt])
-    assert _run(chunked, [prompt]) == expected
-    assert _run(chunked, [prompt]) == expected  # the second time from cached blocks
+    [(tokens, logprobs)] = _run(whole, [prompt])
+    for _ in range(2):  # the second time from cached blocks
+        [(chunked_tokens, chunked_logprobs)] = _run(chunked, [prompt])
+        assert chunked_tokens == tokens
+        assert chunked_logprobs == pytest.approx(logprobs, rel=0, abs=1e-5)
     assert chunked.llm_engine.kv_manager.block_pool.cached_block_hash_to_block
 
 
