@@ -247,12 +247,7 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
 def test_avx2_build_reads_a_bfloat16_cache(window, shape):
     """The AVX2 build (-march=haswell), run here: its loop reads a bfloat16 cache, keys
     and values widened, and writes the new rows rounded, as the reference does."""
-    from pagedllm.kernels.cpu_ops import CpuOps
-
-    lib = load_kernel_library("cpu_ops", march="haswell")
-    if lib is None:
-        pytest.skip("no build for -march=haswell")
-    ops = CpuOps(lib)
+    ops = _haswell_ops()
     assert ops.bf16_cache_ok(64) and not ops.bf16_products(64)
     _check_paged_attention(ops, window, shape, torch.bfloat16)
 
@@ -323,16 +318,31 @@ def _kernel_inputs(sequences):
     return torch.tensor(slots), torch.tensor(ranges), tables
 
 
+def _haswell_ops():
+    from pagedllm.kernels.cpu_ops import CpuOps
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    lib = load_kernel_library("cpu_ops", march="haswell")
+    if lib is None:
+        pytest.skip("no build for -march=haswell")
+    return CpuOps(lib)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bfloat16_attention_is_the_same_however_the_work_is_split(ops, threads):
-    """A bfloat16 cache's work items are whole query tokens (all KV heads, a thread
-    fetching its next item's first keys) where there are tokens enough, else one KV head
-    of a token: each sequence alone (a single decode token goes by heads) gives the very
-    values of the whole batch."""
-    if not ops.bf16_products(D):
-        pytest.skip("the bfloat16-product attention path needs AVX512-BF16")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", ["native", "haswell"])
+def test_attention_is_the_same_however_the_work_is_split(ops, threads, cache_dtype, build):
+    """The work items are whole query tokens (all KV heads; on AVX512-BF16 with a bfloat16
+    cache, a thread fetching its next item's first keys) where there are tokens enough,
+    else one KV head of a token: each sequence alone (a single decode token goes by heads)
+    gives the very values of the whole batch, in this CPU's build and the AVX2 one."""
+    if build == "haswell":
+        ops = _haswell_ops()
+    if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(D):
+        pytest.skip("this build reads no bfloat16 cache")
     cache, q, k, v = _batch(SEQUENCES, seed=6)
-    cache = cache.bfloat16()
+    cache = cache.to(cache_dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -387,6 +387,63 @@ static inline __attribute__((always_inline)) void values_tile(
 }
 #pragma GCC pop_options
 
+/* The score pass of four keys (rows at slots[0..3]) for GT query heads (q, stride
+ * head_dim) sharing their KV head, head_dim a multiple of 8: GT x 4 accumulators across
+ * the dimensions (each key row loaded once for the GT heads), lane l the fused
+ * multiply-adds of dimensions l, l + 8, ... in order, then the four sums of a head at once
+ * (pairs, then halves). sc[g * sc_stride + 0..3] = the raw scores. */
+static inline __attribute__((always_inline)) void scores_tile(
+    const int GT, const int BF, const float *q, int64_t head_dim, const void *k_cache,
+    const int64_t *slots, float *sc, int64_t sc_stride) {
+    __m256 a[3][4], qv[3];
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        for (int g = 0; g < GT; g++) qv[g] = _mm256_loadu_ps(q + g * head_dim + d);
+        for (int j = 0; j < 4; j++) {
+            const __m256 k = value8(k_cache, slots[j] + d, BF);
+            for (int g = 0; g < GT; g++) a[g][j] = _mm256_fmadd_ps(qv[g], k, a[g][j]);
+        }
+    }
+    for (int g = 0; g < GT; g++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                        _mm256_hadd_ps(a[g][2], a[g][3]));
+        _mm_storeu_ps(sc + g * sc_stride,
+                      _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+/* The raw scores of a chunk's n keys for query heads [0, group) (qt, stride head_dim, a
+ * multiple of 8) into sc[g * sc_stride + c]: four keys at a time (a last partial four
+ * repeats its last key), heads three at a time. A score's sums depend on the key and the
+ * head only. */
+static inline __attribute__((always_inline)) void scores_chunk(
+    const int BF, int64_t group, int64_t head_dim, const float *qt, const void *k_cache,
+    const int64_t *slots, int64_t n, float *sc, int64_t sc_stride) {
+    const int64_t elem = BF ? 2 : 4;
+    for (int64_t c = 0; c < n; c += 4) {
+        if (c + 4 + VALUES_AHEAD <= n)
+            prefetch_rows(k_cache, elem, slots + c + VALUES_AHEAD, 4, head_dim * elem);
+        int64_t four[4];
+        float part[3 * 4];
+        const int whole = c + 4 <= n;
+        for (int j = 0; j < 4; j++) four[j] = slots[c + j < n ? c + j : n - 1];
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const int64_t gt = group - g0 < 3 ? group - g0 : 3;
+            const float *qg = qt + g0 * head_dim;
+            float *dst = whole ? sc + g0 * sc_stride + c : part;
+            const int64_t ds = whole ? sc_stride : 4;
+            if (gt == 3) scores_tile(3, BF, qg, head_dim, k_cache, four, dst, ds);
+            else if (gt == 2) scores_tile(2, BF, qg, head_dim, k_cache, four, dst, ds);
+            else scores_tile(1, BF, qg, head_dim, k_cache, four, dst, ds);
+            if (!whole)
+                for (int64_t g = 0; g < gt; g++)
+                    for (int64_t j = 0; c + j < n; j++)
+                        sc[(g0 + g) * sc_stride + c + j] = part[g * 4 + j];
+        }
+    }
+}
+
 /* Heads [0, group) x head_dim (a multiple of 8) of the chunk's value pass. */
 static inline __attribute__((always_inline)) void values_chunk(
     const int BF, int64_t group, int64_t head_dim, float *acc, int64_t acc_stride,
@@ -809,7 +866,7 @@ static inline query_item locate_item(int64_t item, int64_t seq, const int64_t *f
 /* The step's keys and values go into the cache [2, num_slots, nk, head_dim] at their
  * slots; then every query token of the listed sequences attends to its sequence's context
  * read through the block table, with an online softmax over chunks of keys. The query
- * heads sharing a KV head are one work item, so each key and value row is read once for
+ * heads sharing a KV head are read together, so each key and value row is read once for
  * all of them.
  *
  * Sequence i owns flat-batch tokens [q_start[i], q_end[i]) and has ctx_len[i] tokens of
@@ -861,7 +918,11 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
 #else
     const int dp = 0;
 #endif
-    const int64_t per_token = dp && queries >= 4 * (int64_t)nthreads ? 1 : nk;
+    /* Whole query tokens (all KV heads) are the work items where there are tokens enough:
+     * a token's KV heads lie side by side in the cache rows, so one thread reads its
+     * context's lines once (with one item per head, two threads would stream the same rows,
+     * each fetching the lines next to its own). */
+    const int64_t per_token = queries >= 4 * (int64_t)nthreads ? 1 : nk;
     int64_t total = 0;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (first == NULL) return -2;
@@ -918,96 +979,107 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
             const query_item w = locate_item(item, seq, first, per_token, q_start, q_end,
                                              ctx_len, window);
             seq = w.seq;
-            const int64_t t = w.t, kh = w.kh, p = w.p, lo = w.lo;
-            const float *qt = q + t * q_ts + kh * group * head_dim;
-            const int32_t *table = block_tables + seq * bt_stride;
+            const int64_t t = w.t, p = w.p, lo = w.lo;
+            const int64_t kh_end = per_token == 1 ? nk : w.kh + 1;
+            for (int64_t kh = per_token == 1 ? 0 : w.kh; kh < kh_end; kh++) {
+                const float *qt = q + t * q_ts + kh * group * head_dim;
+                const int32_t *table = block_tables + seq * bt_stride;
 #ifdef __AVX512F__
-            if (attend_item(BF, group, head_dim, qt, k_cache, v_cache, table, block_size, row,
-                            kh * head_dim, lo, p, scale, out + t * o_ts + kh * group * head_dim))
-                continue;
+                float *ot = out + t * o_ts + kh * group * head_dim;
+                if (attend_item(BF, group, head_dim, qt, k_cache, v_cache, table, block_size,
+                                row, kh * head_dim, lo, p, scale, ot))
+                    continue;
 #endif
-            const float *fk = (const float *)k_cache, *fv = (const float *)v_cache;
-            const uint16_t *hk = (const uint16_t *)k_cache, *hv = (const uint16_t *)v_cache;
-            for (int64_t g = 0; g < group; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
-            }
-            for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
-                const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
-                chunk_rows(table, block_size, row, kh * head_dim, j0, n, slots);
+                const float *fk = (const float *)k_cache, *fv = (const float *)v_cache;
+                const uint16_t *hk = (const uint16_t *)k_cache, *hv = (const uint16_t *)v_cache;
                 for (int64_t g = 0; g < group; g++) {
-                    const float *qh = qt + g * head_dim;
-                    float *sc = scores[g];
-                    int64_t c = 0;
-                    for (; c + 4 <= n; c += 4) {
+                    m[g] = -INFINITY;
+                    l[g] = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+                }
+                for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
+                    const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
+                    chunk_rows(table, block_size, row, kh * head_dim, j0, n, slots);
 #ifdef HAVE_VALUES_AVX2
-                        if (g == 0 && c + 4 + VALUES_AHEAD <= n)
-                            prefetch_rows(k_cache, (int64_t)elem, slots + c + VALUES_AHEAD, 4,
-                                          head_dim * (int64_t)elem);
-#endif
-                        if (BF)
-                            dot4_bf16(qh, hk + slots[c], hk + slots[c + 1], hk + slots[c + 2],
-                                      hk + slots[c + 3], head_dim, sc + c);
-                        else
-                            dot4_f32(qh, fk + slots[c], fk + slots[c + 1], fk + slots[c + 2],
-                                     fk + slots[c + 3], head_dim, sc + c);
-                    }
-                    for (; c < n; c++) {
-                        float four[4];
-                        if (BF) {
-                            const uint16_t *kc = hk + slots[c];
-                            dot4_bf16(qh, kc, kc, kc, kc, head_dim, four);
-                        } else {
-                            const float *kc = fk + slots[c];
-                            dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
+                    if (head_dim % 8 == 0) {
+                        scores_chunk(BF, group, head_dim, qt, k_cache, slots, n, &scores[0][0],
+                                     CHUNK);
+                        for (int64_t g = 0; g < group; g++) {
+                            const float corr = softmax_chunk8(scores[g], n, scale, &m[g], &l[g]);
+                            if (corr != 1.0f)
+                                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
                         }
-                        sc[c] = four[0];
-                    }
-#ifdef HAVE_VALUES_AVX2
-                    {
-                        const float corr = softmax_chunk8(sc, n, scale, &m[g], &l[g]);
-                        if (corr != 1.0f)
-                            for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
+                        values_chunk(BF, group, head_dim, &acc[0][0], MAX_HEAD_DIM, &scores[0][0],
+                                     CHUNK, BF ? (const void *)hv : (const void *)fv, slots, n);
                         continue;
                     }
 #endif
-                    float cmax = -INFINITY;
-                    for (c = 0; c < n; c++) {
-                        sc[c] *= scale;
-                        cmax = sc[c] > cmax ? sc[c] : cmax;
-                    }
-                    if (cmax > m[g]) {
-                        const float corr = fast_expf(m[g] - cmax); /* m = -inf: exp -> 0 */
-                        l[g] *= corr;
-                        for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
-                        m[g] = cmax;
-                    }
-                    const float mg = m[g];
-#pragma omp simd
-                    for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
-                    for (c = 0; c < n; c++) l[g] += sc[c];
-                }
-#ifdef HAVE_VALUES_AVX2
-                if (head_dim % 8 == 0) {
-                    values_chunk(BF, group, head_dim, &acc[0][0], MAX_HEAD_DIM, &scores[0][0],
-                                 CHUNK, BF ? (const void *)hv : (const void *)fv, slots, n);
-                    continue;
-                }
-#endif
-                for (int64_t c = 0; c < n; c++) {
                     for (int64_t g = 0; g < group; g++) {
-                        if (BF)
-                            axpy_bf16(acc[g], scores[g][c], hv + slots[c], head_dim);
-                        else
-                            axpy_f32(acc[g], scores[g][c], fv + slots[c], head_dim);
+                        const float *qh = qt + g * head_dim;
+                        float *sc = scores[g];
+                        int64_t c = 0;
+                        for (; c + 4 <= n; c += 4) {
+#ifdef HAVE_VALUES_AVX2
+                            if (g == 0 && c + 4 + VALUES_AHEAD <= n)
+                                prefetch_rows(k_cache, (int64_t)elem, slots + c + VALUES_AHEAD, 4,
+                                              head_dim * (int64_t)elem);
+#endif
+                            if (BF)
+                                dot4_bf16(qh, hk + slots[c], hk + slots[c + 1], hk + slots[c + 2],
+                                          hk + slots[c + 3], head_dim, sc + c);
+                            else
+                                dot4_f32(qh, fk + slots[c], fk + slots[c + 1], fk + slots[c + 2],
+                                         fk + slots[c + 3], head_dim, sc + c);
+                        }
+                        for (; c < n; c++) {
+                            float four[4];
+                            if (BF) {
+                                const uint16_t *kc = hk + slots[c];
+                                dot4_bf16(qh, kc, kc, kc, kc, head_dim, four);
+                            } else {
+                                const float *kc = fk + slots[c];
+                                dot4_f32(qh, kc, kc, kc, kc, head_dim, four);
+                            }
+                            sc[c] = four[0];
+                        }
+#ifdef HAVE_VALUES_AVX2
+                        {
+                            const float corr = softmax_chunk8(sc, n, scale, &m[g], &l[g]);
+                            if (corr != 1.0f)
+                                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
+                            continue;
+                        }
+#endif
+                        float cmax = -INFINITY;
+                        for (c = 0; c < n; c++) {
+                            sc[c] *= scale;
+                            cmax = sc[c] > cmax ? sc[c] : cmax;
+                        }
+                        if (cmax > m[g]) {
+                            const float corr = fast_expf(m[g] - cmax); /* m = -inf: exp -> 0 */
+                            l[g] *= corr;
+                            for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
+                            m[g] = cmax;
+                        }
+                        const float mg = m[g];
+    #pragma omp simd
+                        for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
+                        for (c = 0; c < n; c++) l[g] += sc[c];
+                    }
+                    for (int64_t c = 0; c < n; c++) {
+                        for (int64_t g = 0; g < group; g++) {
+                            if (BF)
+                                axpy_bf16(acc[g], scores[g][c], hv + slots[c], head_dim);
+                            else
+                                axpy_f32(acc[g], scores[g][c], fv + slots[c], head_dim);
+                        }
                     }
                 }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *o = out + t * o_ts + (kh * group + g) * head_dim;
-                const float inv = 1.0f / l[g];
-                for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+                for (int64_t g = 0; g < group; g++) {
+                    float *o = out + t * o_ts + (kh * group + g) * head_dim;
+                    const float inv = 1.0f / l[g];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+                }
             }
         }
         free(dp_state);
