@@ -8,7 +8,7 @@ multiply-adds with AVX-512F or AVX2, plain C elsewhere), where the BLAS GEMM beh
 ``F.linear`` reaches about half the bandwidth at one row. :func:`small_linear` takes it for
 up to :func:`small_rows_max` rows (by dtype); more rows (prefills, large batches) stay on the
 GEMM. On CPUs with AVX2 but not AVX-512 the kernel's tiles, blocked for the caches, take up
-to 16 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
+to 64 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
 the float32 GEMM: torch's bfloat16 GEMM has no vector path there.
 
 Each output is one fixed chain of operations over the input features, whatever rows,

@@ -314,10 +314,11 @@ static inline float hsum8(__m256 v) {
 
 /* The generic loop's online softmax over one head's chunk (n <= CHUNK scores), eight
  * lanes at a time: the scores scaled, their maximum (a NaN passed over, as the
- * comparison does), the running maximum m and sum l updated (returning the factor the
- * sums so far are to be scaled by, 1 where m did not grow), sc[c] = exp(sc[c] - m). The
+ * comparison does), the running maximum m and sum l updated (the head's accumulators
+ * acc[0..head_dim) scaled to the new maximum where it grew), sc[c] = exp(sc[c] - m). The
  * sum's order depends on n only, so a sequence's result is the same in any batch. */
-static inline float softmax_chunk8(float *sc, int64_t n, float scale, float *m, float *l) {
+static inline void softmax_chunk8(float *sc, int64_t n, float scale, float *m, float *l,
+                                  float *acc, int64_t head_dim) {
     const int64_t full = n - n % 8;
     const __m256 vs = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -331,10 +332,10 @@ static inline float softmax_chunk8(float *sc, int64_t n, float scale, float *m, 
         sc[c] *= scale;
         cmax = sc[c] > cmax ? sc[c] : cmax;
     }
-    float corr = 1.0f;
     if (cmax > *m) {
-        corr = fast_expf(*m - cmax); /* m = -inf: exp -> 0 */
+        const float corr = fast_expf(*m - cmax); /* m = -inf: exp -> 0 */
         *l *= corr;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
         *m = cmax;
     }
     const __m256 vm = _mm256_set1_ps(*m);
@@ -350,7 +351,6 @@ static inline float softmax_chunk8(float *sc, int64_t n, float scale, float *m, 
         sum += sc[c];
     }
     *l += sum;
-    return corr;
 }
 
 /* Rows at slots[0..count) (offsets in elements of elem bytes), row_bytes each, requested
@@ -1004,11 +1004,8 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                     if (head_dim % 8 == 0) {
                         scores_chunk(BF, group, head_dim, qt, k_cache, slots, n, &scores[0][0],
                                      CHUNK);
-                        for (int64_t g = 0; g < group; g++) {
-                            const float corr = softmax_chunk8(scores[g], n, scale, &m[g], &l[g]);
-                            if (corr != 1.0f)
-                                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
-                        }
+                        for (int64_t g = 0; g < group; g++)
+                            softmax_chunk8(scores[g], n, scale, &m[g], &l[g], acc[g], head_dim);
                         values_chunk(BF, group, head_dim, &acc[0][0], MAX_HEAD_DIM, &scores[0][0],
                                      CHUNK, BF ? (const void *)hv : (const void *)fv, slots, n);
                         continue;
@@ -1043,12 +1040,8 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                             sc[c] = four[0];
                         }
 #ifdef HAVE_VALUES_AVX2
-                        {
-                            const float corr = softmax_chunk8(sc, n, scale, &m[g], &l[g]);
-                            if (corr != 1.0f)
-                                for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= corr;
-                            continue;
-                        }
+                        softmax_chunk8(sc, n, scale, &m[g], &l[g], acc[g], head_dim);
+                        continue;
 #endif
                         float cmax = -INFINITY;
                         for (c = 0; c < n; c++) {
@@ -1062,7 +1055,7 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                             m[g] = cmax;
                         }
                         const float mg = m[g];
-    #pragma omp simd
+#pragma omp simd
                         for (c = 0; c < n; c++) sc[c] = fast_expf(sc[c] - mg);
                         for (c = 0; c < n; c++) l[g] += sc[c];
                     }
