@@ -387,6 +387,12 @@ static inline __attribute__((always_inline)) void values_tile(
 }
 #pragma GCC pop_options
 
+/* A vector loaded once and kept in a register for the multiply-adds that use it: with all
+ * sixteen registers taken (12 accumulators, the 3 query vectors, the key's), GCC otherwise
+ * folds the loads into the multiply-adds, each float32 key vector read from the cache once
+ * per head. The empty asm "changes" the value, so it must stay in a register. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* The score pass of four keys (rows at slots[0..3]) for GT query heads (q, stride
  * head_dim) sharing their KV head, head_dim a multiple of 8: GT x 4 accumulators across
  * the dimensions (each key row loaded once for the GT heads), lane l the fused
@@ -399,9 +405,13 @@ static inline __attribute__((always_inline)) void scores_tile(
     for (int g = 0; g < GT; g++)
         for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 8) {
-        for (int g = 0; g < GT; g++) qv[g] = _mm256_loadu_ps(q + g * head_dim + d);
+        for (int g = 0; g < GT; g++) {
+            qv[g] = _mm256_loadu_ps(q + g * head_dim + d);
+            KEEP_IN_REGISTER(qv[g]);
+        }
         for (int j = 0; j < 4; j++) {
-            const __m256 k = value8(k_cache, slots[j] + d, BF);
+            __m256 k = value8(k_cache, slots[j] + d, BF);
+            KEEP_IN_REGISTER(k);
             for (int g = 0; g < GT; g++) a[g][j] = _mm256_fmadd_ps(qv[g], k, a[g][j]);
         }
     }
