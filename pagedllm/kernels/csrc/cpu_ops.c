@@ -387,11 +387,9 @@ static inline __attribute__((always_inline)) void values_tile(
 }
 #pragma GCC pop_options
 
-/* A vector loaded once and kept in a register for the multiply-adds that use it: with all
- * sixteen registers taken (12 accumulators, the 3 query vectors, the key's), GCC otherwise
- * folds the loads into the multiply-adds, each float32 key vector read from the cache once
- * per head. The empty asm "changes" the value, so it must stay in a register. */
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+/* (12 accumulators, the 3 query vectors and the key's take the sixteen registers: without
+ * KEEP_IN_REGISTER each float32 key vector was read from the cache once per head) */
+#include "keep_in_register.h"
 
 /* The score pass of four keys (rows at slots[0..3]) for GT query heads (q, stride
  * head_dim) sharing their KV head, head_dim a multiple of 8: GT x 4 accumulators across

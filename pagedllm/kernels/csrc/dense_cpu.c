@@ -200,6 +200,7 @@ static inline __attribute__((always_inline)) void dense_tile_bf16(
  * lane l's fused multiply-adds of elements l, l + 8, ... in order, then dense_hsum8. */
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "keep_in_register.h"
 #define DENSE_AVX2 1
 #define DENSE2_NR 3
 #define DENSE2_MR 4
@@ -232,18 +233,10 @@ static inline __attribute__((always_inline)) __m256 dense2_w8(const void *p, con
     return _mm256_loadu_ps(tmp);
 }
 
-/* A vector loaded once into a register and kept there for the step's multiply-adds. The
- * tile needs all sixteen registers (12 accumulators, 3 weight vectors, the activation
- * vector), and GCC otherwise folds the loads into the multiply-adds instead: every weight
- * (float32) or activation (bfloat16 weight) vector read from the cache once per use, 16
- * loads for 12 multiply-adds, more than the two load ports keep up with (Zen 3, SmolLM2's
- * products at 64 rows: 54 -> 67 GFLOPS on one core). An empty asm that "changes" the
- * value makes the compiler keep it in a register; the arithmetic is the same. */
-#define DENSE2_IN_REGISTER(v) __asm__("" : "+x"(v))
 #define DENSE2_ROW(i)                                                                      \
     if (MR > i) {                                                                          \
         __m256 xv = _mm256_loadu_ps(x + (i) * xs + c);                                     \
-        DENSE2_IN_REGISTER(xv);                                                            \
+        KEEP_IN_REGISTER(xv);                                                              \
         a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                                        \
         a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                                        \
         a##i##2 = _mm256_fmadd_ps(xv, w2, a##i##2);                                        \
@@ -252,9 +245,9 @@ static inline __attribute__((always_inline)) __m256 dense2_w8(const void *p, con
     do {                                                                                   \
         __m256 w0 = dense2_w8(w[0], BF, c, END), w1 = dense2_w8(w[1], BF, c, END);        \
         __m256 w2 = dense2_w8(w[2], BF, c, END);                                           \
-        DENSE2_IN_REGISTER(w0);                                                            \
-        DENSE2_IN_REGISTER(w1);                                                            \
-        DENSE2_IN_REGISTER(w2);                                                            \
+        KEEP_IN_REGISTER(w0);                                                              \
+        KEEP_IN_REGISTER(w1);                                                              \
+        KEEP_IN_REGISTER(w2);                                                              \
         DENSE2_ROW(0) DENSE2_ROW(1) DENSE2_ROW(2) DENSE2_ROW(3)                            \
     } while (0)
 #define DENSE2_OUT(i)                                                                      \
