@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.dense_amx import amx_linear
-from pagedllm.kernels.dense_cpu import small_linear, widened_linear
+from pagedllm.kernels.dense_cpu import gemm_linear, small_linear, widened_linear
 from pagedllm.kernels.gguf_cpu import cpu_kernels
 
 __all__ = ["batch_invariant", "batch_invariant_mode", "linear", "unavailable_reason"]
@@ -65,7 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     steps) the small-row kernel of :mod:`pagedllm.kernels.dense_cpu`, but bfloat16 rows from
     four up (batched decodes) :mod:`pagedllm.kernels.dense_amx`'s on CPUs with AMX, and more
     bfloat16 rows than the small-row kernel takes widened for the float32 GEMM on CPUs with
-    its AVX2 tiles (no AVX-512: torch's bfloat16 GEMM has no vector path there), the bias added
+    its AVX2 tiles (no AVX-512: torch's bfloat16 GEMM has no vector path there), more float32
+    rows by oneDNN's GEMM (:func:`pagedllm.kernels.dense_cpu.gemm_linear`), the bias added
     after (the native decoder layer calls the same kernels); in batch-invariant mode, for CPU
     tensors, the panel product (bfloat16 activations with a bfloat16 weight in bfloat16
     pairs on CPUs with AVX512-BF16, else in float32 on the exact widening, rounded once to
@@ -79,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if out is None:
                 out = widened_linear(x, weight)
         if out is None:
-            return F.linear(x, weight, bias)
+            return gemm_linear(x, weight, bias)
         if bias is not None:
             out += bias.to(out.dtype)
         return out

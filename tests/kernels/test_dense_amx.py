@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.batch_invariant import batch_invariant_mode, linear, unavailable_reason
 from pagedllm.kernels.dense_amx import AMX_ROWS, amx_kernels, amx_linear
-from pagedllm.kernels.dense_cpu import small_linear, widened_linear
+from pagedllm.kernels.dense_cpu import gemm_linear, small_linear, widened_linear
 
 needs_amx = pytest.mark.skipif(
     amx_kernels() is None or not amx_kernels().available, reason="no AMX on this CPU"
@@ -106,11 +106,11 @@ def test_falls_back_where_it_does_not_apply():
     for xs, ws in cases:
         assert amx_linear(xs, ws) is None
     for xs, ws in cases[:4] + cases[5:]:
-        # (the GEMM, the small-row kernel where it takes the rows, or on CPUs with its AVX2
-        # tiles the float32 GEMM on widened bfloat16 rows)
+        # (the GEMM (oneDNN's for float32), the small-row kernel where it takes the rows,
+        # or on CPUs with its AVX2 tiles the float32 GEMM on widened bfloat16 rows)
         other = small_linear(xs, ws)
         other = widened_linear(xs, ws) if other is None else other
-        assert torch.equal(linear(xs, ws), F.linear(xs, ws) if other is None else other)
+        assert torch.equal(linear(xs, ws), gemm_linear(xs, ws) if other is None else other)
     if amx_kernels() is None or not amx_kernels().available:
         assert amx_linear(x, w) is None
 

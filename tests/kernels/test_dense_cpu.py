@@ -18,6 +18,7 @@ from pagedllm.kernels.dense_cpu import (
     TILES_ROWS_MAX,
     DenseCpuKernels,
     dense_kernels,
+    gemm_linear,
     small_linear,
     small_rows_max,
     widened_linear,
@@ -168,10 +169,45 @@ def test_linear_takes_the_kernel_for_few_rows_only():
         assert (widened is not None) == (dtype == torch.bfloat16 and dense_kernels().tiles)
         if many is None and widened is not None:
             many = widened
-            assert torch.equal(widened, F.linear(x.float(), w.float()).bfloat16())
-        assert torch.equal(linear(x, w), F.linear(x, w) if many is None else many)
+            assert torch.equal(widened, gemm_linear(x.float(), w.float()).bfloat16())
+        assert torch.equal(linear(x, w), gemm_linear(x, w) if many is None else many)
         assert small_linear(few.float() if dtype != torch.float32 else few.bfloat16(), w) is None
         assert small_linear(few, w.t().contiguous().t()) is None
+
+
+def _onednn(x, w, bias=None):
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_gemm_linear_is_onednn_for_float32():
+    """Float32 products past the small-row kernel: oneDNN's inner product, whatever the
+    rows' layout, with or without a bias; equal to ``F.linear`` within float32 rounding."""
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    wide = torch.randn(300, 128, generator=g)
+    for x in (wide[:, :96], wide[:, :96].contiguous(), wide[:150, :96].reshape(3, 50, 96)):
+        for b in (None, bias):
+            out = gemm_linear(x, w, b)
+            assert out.shape == (*x.shape[:-1], 200)
+            assert torch.equal(out, _onednn(x, w, b))
+            torch.testing.assert_close(out, F.linear(x, w, b), **_tolerance(torch.float32, 96))
+            assert torch.equal(linear(x, w, b), out)
+    assert gemm_linear(torch.ones(0, 96), w).shape == (0, 200)
+
+
+def test_gemm_linear_leaves_the_rest_to_torch():
+    """Other dtypes, a weight that wants gradients and a single vector go to ``F.linear``."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(100, 64, generator=g), torch.randn(32, 64, generator=g)
+    for dtype in (torch.bfloat16, torch.float64):
+        xd, wd = x.to(dtype), w.to(dtype)
+        assert torch.equal(gemm_linear(xd, wd), F.linear(xd, wd))
+    trained = w.clone().requires_grad_()
+    out = gemm_linear(x, trained)
+    out.sum().backward()
+    torch.testing.assert_close(trained.grad, x.sum(0).expand(32, 64))
+    assert torch.equal(gemm_linear(x[0], w), F.linear(x[0], w))
 
 
 def test_refuses_what_it_cannot_take():
