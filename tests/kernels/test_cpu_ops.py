@@ -89,6 +89,25 @@ def test_silu_mul_matches_reference(ops):
     assert torch.allclose(ops.silu_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_silu_mul_lanes_equal_the_plain_loop(ops):
+    """The float32 SiLU's vector lanes (where the build has them) compute what its plain
+    loop computes, bit for bit: each column once among 1536 (eight lanes at a time) and
+    once as the first of 7 columns (fewer than eight: the loop)."""
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(3, 2 * 1536, generator=g) * 8
+    special = [-100.0, 100.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 88.0, -87.0]
+    gate_up[0, : len(special)] = torch.tensor(special)
+    gate, up = gate_up.split([1536, 1536], dim=-1)
+    lanes = ops.silu_mul(gate, up)
+    loop = torch.stack(
+        [ops.silu_mul(gate[:, j : j + 7], up[:, j : j + 7])[:, 0] for j in range(1536 - 7)], 1
+    )
+    assert torch.equal(lanes[:, : 1536 - 7].isnan(), loop.isnan())
+    assert torch.equal(lanes[:, : 1536 - 7].nan_to_num(0.5), loop.nan_to_num(0.5))
+    finite = gate.isfinite()
+    torch.testing.assert_close(lanes[finite], (F.silu(gate) * up)[finite], rtol=1e-6, atol=1e-6)
+
+
 def _bf16_mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:
     """Share of elements that differ, each by at most one bfloat16 step."""
     assert got.dtype == expected.dtype == torch.bfloat16

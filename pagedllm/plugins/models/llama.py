@@ -157,15 +157,18 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
+        ops = cpu_ops_for(gate) if gate.dim() == 2 and self.silu else None
         # The kernel saves two torch calls on the few rows of a decode step; over many
-        # float32 rows (prefill) torch's own vectorised SiLU is faster, over bfloat16 ones
-        # (which torch widens and narrows op by op) the kernel.
-        fits = gate.shape[0] <= SILU_KERNEL_MAX_ROWS or gate.dtype == torch.bfloat16
-        # (batch-invariant mode: one SiLU whatever the row count; torch's rounds otherwise)
-        fits = fits or batch_invariant()
-        use = gate.dim() == 2 and fits and self.silu
-        ops = cpu_ops_for(gate) if use else None
-        if ops is not None and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
+        # float32 rows (prefill) torch's own vectorised SiLU is faster unless the kernel's
+        # is vectorised too, over bfloat16 ones (which torch widens and narrows op by op)
+        # the kernel. (Batch-invariant mode: one SiLU whatever the row count.)
+        fits = ops is not None and (
+            gate.shape[0] <= SILU_KERNEL_MAX_ROWS
+            or gate.dtype == torch.bfloat16
+            or ops.silu_vector
+            or batch_invariant()
+        )
+        if fits and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
             return self.down_proj(ops.silu_mul(gate, up))
         if self.silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
             from pagedllm.kernels.triton_attention import triton_silu_mul  # (GPUs only)
