@@ -54,8 +54,10 @@ __all__ = ["NativeDecoderLayer", "native_decoder_layer"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # The most tokens a native bfloat16 step takes where the products have no row limit: its
 # buffers are about 15 rows of the hidden size per token. A float32 step takes at most as
-# many as the module path gives the SiLU kernel (past that it uses torch's SiLU, and the
-# two paths would no longer agree bit for bit).
+# many as the module path gives the SiLU kernel where it is not vectorised (past that the
+# modules use torch's SiLU, and the two paths would no longer agree bit for bit). Where it
+# is vectorised (AVX2 builds) the modules take it at any row count, so the paths would
+# agree past that too; the limit is kept there as it was.
 MAX_STEP_TOKENS = 1024
 # The "GGML types" csrc/cpu_layer.c gives dense weights.
 DENSE_TYPES = {torch.float32: -1, torch.bfloat16: -2}

@@ -179,10 +179,11 @@ def _onednn(x, w, bias=None):
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_gemm_linear_is_onednn_for_float32():
-    """Float32 products past the small-row kernel: oneDNN's inner product, whatever the
-    rows' layout, with or without a bias; equal to ``F.linear`` within float32 rounding."""
+    """Float32 products past the small-row kernel: oneDNN's inner product (``F.linear``
+    where torch is built without oneDNN), whatever the rows' layout, with or without a
+    bias; equal to ``F.linear`` within float32 rounding."""
+    exact = _onednn if torch.backends.mkldnn.is_available() else F.linear
     g = torch.Generator().manual_seed(4)
     w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
     wide = torch.randn(300, 128, generator=g)
@@ -190,7 +191,7 @@ def test_gemm_linear_is_onednn_for_float32():
         for b in (None, bias):
             out = gemm_linear(x, w, b)
             assert out.shape == (*x.shape[:-1], 200)
-            assert torch.equal(out, _onednn(x, w, b))
+            assert torch.equal(out, exact(x, w, b))
             torch.testing.assert_close(out, F.linear(x, w, b), **_tolerance(torch.float32, 96))
             assert torch.equal(linear(x, w, b), out)
     assert gemm_linear(torch.ones(0, 96), w).shape == (0, 200)

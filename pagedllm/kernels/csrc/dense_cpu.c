@@ -358,9 +358,9 @@ static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const 
      * contiguous run of the weight) is fetched meanwhile on the weight's first pass, a share
      * of it by each row tile: memory stays busy while the later rows compute (8 rows from
      * memory: 44 -> 35 ms against all the rows' first tiles, then the others, from L2). */
-    int64_t group = DENSE2_GROUP / (int64_t)((size_t)(DENSE2_NR * k) * we);
-    group = group < 1 ? 1 : group;
     const size_t tile_bytes = (size_t)(DENSE2_NR * k) * we;
+    int64_t group = DENSE2_GROUP / (int64_t)tile_bytes;
+    group = group < 1 ? 1 : group;
     for (int64_t i0 = 0; i0 < m; i0 += block) {
         const int64_t rows = m - i0 < block ? m - i0 : block;
         const float *xr = direct ? (const float *)x + i0 * xs : xb;
