@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 HELP_PREFIX = "--help="
 
 # The section of a deployment file (the template of vLLM's deployment guide) that holds
@@ -116,6 +114,8 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         return self.config_file_args(config_path) + rest
 
     def config_file_args(self, path: str) -> list[str]:
+        import yaml  # (30 ms of every start otherwise; only --config needs it)
+
         file = Path(path)
         try:
             data = yaml.safe_load(file.read_text(encoding="utf-8"))

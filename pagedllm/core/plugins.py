@@ -203,9 +203,19 @@ class PluginManager:
             importlib.metadata.EntryPoint(name, BUILTIN_ENTRY_POINTS[name], ENTRY_POINT_GROUP)
             for name in sorted(missing)
         ]
+        identities: dict[int, tuple[str | None, str | None]] = {}
+
+        def identity(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str | None]:
+            """(distribution name, version) of ``ep``'s package, read once per package."""
+            if ep.dist is None:
+                return (BUILTIN_DISTRIBUTION, None) if ep.name in missing else (None, None)
+            key = id(ep.dist)
+            if key not in identities:
+                identities[key] = _dist_identity(ep.dist)
+            return identities[key]
+
         eps = sorted(
-            installed,
-            key=lambda ep: (_dist_name(ep, missing) != BUILTIN_DISTRIBUTION, ep.name),
+            installed, key=lambda ep: (identity(ep)[0] != BUILTIN_DISTRIBUTION, ep.name)
         )
         seen: set[str] = set()
         for ep in eps:
@@ -214,8 +224,7 @@ class PluginManager:
                 # and a build directory); the first one wins, like Python imports.
                 continue
             seen.add(ep.name)
-            dist = _dist_name(ep, missing)
-            version = ep.dist.version if ep.dist is not None else None
+            dist, version = identity(ep)
             if ep.name in missing:
                 version = _own_version()
             info = PluginInfo(ep.name, ep.value, dist, version, PluginStatus.LOADED)
@@ -362,10 +371,22 @@ def _own_version() -> str | None:
         return None
 
 
-def _dist_name(ep: importlib.metadata.EntryPoint, builtin: Iterable[str] = ()) -> str | None:
-    if ep.dist is None:
-        return BUILTIN_DISTRIBUTION if ep.name in builtin else None
-    return ep.dist.name
+def _dist_identity(dist: importlib.metadata.Distribution) -> tuple[str | None, str | None]:
+    """The ``Name`` and ``Version`` of an installed distribution from its metadata's header
+    lines alone: ``dist.name`` and ``dist.version`` parse the whole file as an e-mail
+    message, long description included, at each access (a few ms a package, paid at every
+    ``pagedllm`` start)."""
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, sep, value = line.partition(":")
+        if sep and key in ("Name", "Version") and key not in fields:
+            fields[key] = value.strip()
+    name = fields.get("Name") or dist.name
+    version = fields.get("Version") or dist.version
+    return name, version
 
 
 def make_plugin_manager(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import types
 
@@ -11,7 +12,7 @@ from conftest import clean_env, make_distribution, run_cli
 from pagedllm import hookimpl
 from pagedllm.core.errors import PluginError
 from pagedllm.core.interfaces import Device, ToolParser
-from pagedllm.core.plugins import PluginStatus, Registry, make_plugin_manager
+from pagedllm.core.plugins import PluginStatus, Registry, _dist_identity, make_plugin_manager
 
 BUILTIN_DEVICES = {"cpu", "cuda", "xpu", "neuron", "tpu"}
 
@@ -24,6 +25,28 @@ def test_builtin_plugins_register_through_entry_points(pm):
     assert BUILTIN_DEVICES <= set(devices.names())
     assert devices.entry("cpu").source == "pagedllm.devices"
     assert {"auto", "safetensors", "pt", "npcache", "dummy"} <= set(pm.choices("load_formats"))
+
+
+def test_plugins_carry_their_package_and_version(pm):
+    for plugin, package in (("dummy", "pagedllm-dummy-plugin"), ("pagedllm.models", "pagedllm")):
+        info = pm.info(plugin)
+        assert (info.distribution, info.version) == (
+            package,
+            importlib.metadata.version(package),
+        )
+
+
+def test_a_package_identity_is_read_from_its_metadata_headers(tmp_path):
+    """Name and Version come from the header lines; the long description after the first
+    blank line is not read as headers, whatever it holds."""
+    info = tmp_path / "some_pkg-2.1.dist-info"
+    info.mkdir()
+    body = "Name: not-this\nVersion: 9.9\n" * 50
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: Some-Pkg\nVersion: 2.1\nSummary: s\n\n{body}"
+    )
+    dist = importlib.metadata.PathDistribution(info)
+    assert _dist_identity(dist) == ("Some-Pkg", "2.1") == (dist.name, dist.version)
 
 
 def test_third_party_plugin_registers_each_kind(pm):

@@ -99,3 +99,35 @@ def test_garbage_collection_is_off_while_serve_starts_only(startup, tiny_llama):
     lines = [line for line in result.stdout.splitlines() if line.startswith(marks)]
     expected = ["FAILED 2 True", "SERVING True", "STOPPED 0 True"]
     assert lines == expected, result.stdout + result.stderr[-3000:]
+
+
+def test_help_lists_the_subcommands_without_building_their_options():
+    """``pagedllm --help`` needs each subcommand's name and one-line help: not the engine
+    arguments, YAML (``--config`` only) or asyncio, which took half of its 0.5 s."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from pagedllm.entrypoints.cli.main import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "heavy = ('pagedllm.core.engine_args', 'pagedllm.core.argspec', 'yaml', 'asyncio')\n"
+        "print(out.getvalue())\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+        check=True,
+    )
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "[]", result.stdout
+    listing = "\n".join(lines[:-1])
+    for name, text in (
+        ("serve", "Start the OpenAI-compatible API server."),
+        ("run-batch", "Run batch prompts and write results to file."),
+        ("bench", "Benchmark latency"),
+    ):
+        assert any(line.split()[:1] == [name] and text in line for line in lines), listing

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.bench_data import (
     add_dataset_args,
@@ -25,6 +24,9 @@ from pagedllm.entrypoints.cli.types import CLISubcommand
 
 if TYPE_CHECKING:
     from pagedllm.core.plugins import PluginManager
+
+# The engine arguments are imported when the parser is built or a benchmark runs
+# (``pagedllm --help`` imports this module for the one-line help only).
 
 _KINDS = {
     "latency": "Benchmark the latency of a single batch of requests.",
@@ -128,6 +130,8 @@ class BenchSubcommand(CLISubcommand):
     def add_parser(
         self, subparsers: argparse._SubParsersAction, pm: PluginManager
     ) -> argparse.ArgumentParser:
+        from pagedllm.core.engine_args import EngineArgs
+
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
         kinds = parser.add_subparsers(dest="bench_type", required=True, metavar="BENCH")
         for kind, text in _KINDS.items():
@@ -152,6 +156,7 @@ class BenchSubcommand(CLISubcommand):
             from pagedllm.entrypoints.cli.bench_serve import run_serve_bench
 
             return run_serve_bench(args)
+        from pagedllm.core.engine_args import EngineArgs
         from pagedllm.entrypoints.llm import LLM
 
         _check_dataset(args)

@@ -17,10 +17,15 @@ _BUILTIN_ORDER = ["chat", "complete", "serve", "bench", "collect-env", "run-batc
 
 
 def build_parser(
-    pm: PluginManager, only: str | None = None
+    pm: PluginManager, only: str | None = None, *, listing: bool = False
 ) -> tuple[FlexibleArgumentParser, dict[str, CLISubcommand]]:
     """The ``pagedllm`` parser with every subcommand, or with ``only`` that one (which must
-    be registered): a run of one subcommand need not import and build the others."""
+    be registered): a run of one subcommand need not import and build the others.
+
+    ``listing``: each subcommand gets an empty parser carrying its name and one-line
+    ``help`` only, enough for ``pagedllm --help``, ``--version`` and the error for a name
+    that is not a subcommand (none of which parses a subcommand's options), without
+    building every subcommand's options (the engine arguments, the plugins' flags)."""
     parser = FlexibleArgumentParser(
         prog="pagedllm",
         description="pagedllm: LLM inference and serving with a paged KV cache and plugins.",
@@ -42,7 +47,10 @@ def build_parser(
     commands: dict[str, CLISubcommand] = {}
     for name in names:
         command = registry.load(name)()
-        command.add_parser(subparsers, pm)
+        if listing:
+            subparsers.add_parser(name, help=command.help)
+        else:
+            command.add_parser(subparsers, pm)
         commands[name] = command
     return parser, commands
 
@@ -61,10 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         pm = make_plugin_manager()
         args_list = list(sys.argv[1:] if argv is None else argv)
         # ``pagedllm SUBCOMMAND ...`` builds that subcommand's parser alone; anything else
-        # (top-level options first, a mistyped name) gets the whole parser and its help.
+        # (top-level options first, a mistyped name) gets the listing of them all, which
+        # never parses a subcommand's options.
         first = args_list[0] if args_list else None
         only = first if first in pm.registry("cli_subcommands").names() else None
-        parser, commands = build_parser(pm, only)
+        parser, commands = build_parser(pm, only, listing=only is None)
     except PagedLLMError as exc:
         print(f"pagedllm: error: {exc}", file=sys.stderr)
         return 2

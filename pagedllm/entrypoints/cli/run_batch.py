@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -14,15 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs
-from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
-from pagedllm.entrypoints.cli.run_batch_args import RunBatchArgs
 from pagedllm.entrypoints.cli.types import CLISubcommand
 
 if TYPE_CHECKING:
+    from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.entrypoints.cli.run_batch_args import RunBatchArgs
+
+# The engine arguments and the batch options are imported when the parser is built or the
+# command runs (``pagedllm --help`` imports this module for the one-line help only).
 
 logger = logging.getLogger("pagedllm.run_batch")
 STDIO = "-"
@@ -38,6 +39,10 @@ class RunBatchSubcommand(CLISubcommand):
         parser = subparsers.add_parser(
             self.name, help=self.help, description=self.help, epilog=HELP_TIP
         )
+        from pagedllm.core.argspec import add_dataclass_args
+        from pagedllm.core.engine_args import EngineArgs
+        from pagedllm.entrypoints.cli.run_batch_args import RunBatchArgs
+
         add_config_arg(parser)
         add_dataclass_args(parser, RunBatchArgs, pm.choices)
         EngineArgs.add_cli_args(parser, pm)
@@ -45,6 +50,9 @@ class RunBatchSubcommand(CLISubcommand):
         return parser
 
     def run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        from pagedllm.core.argspec import dataclass_kwargs
+        from pagedllm.core.engine_args import EngineArgs
+        from pagedllm.entrypoints.cli.run_batch_args import RunBatchArgs
         from pagedllm.entrypoints.openai.request_log import check_request_logging
 
         batch_args = RunBatchArgs(**dataclass_kwargs(RunBatchArgs, args))
@@ -116,6 +124,8 @@ def run_batch_file(
 
 
 def _run(lines: list[Any], serving: Any, batch_args: RunBatchArgs) -> list[dict[str, Any]]:
+    import asyncio
+
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -6,15 +6,18 @@ import argparse
 import gc
 from typing import TYPE_CHECKING
 
-from pagedllm.core.argspec import add_dataclass_args, dataclass_kwargs
-from pagedllm.core.engine_args import EngineArgs
 from pagedllm.core.errors import ConfigError
 from pagedllm.entrypoints.cli.common import HELP_TIP, add_config_arg
 from pagedllm.entrypoints.cli.types import CLISubcommand
-from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 
 if TYPE_CHECKING:
+    from pagedllm.core.engine_args import EngineArgs
     from pagedllm.core.plugins import PluginManager
+    from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
+# The engine arguments and the front end's options are imported when a parser is built or
+# a command runs, not with this module: ``pagedllm --help`` imports every subcommand's
+# module for its one-line help.
 
 
 class ServeSubcommand(CLISubcommand):
@@ -38,6 +41,10 @@ class ServeSubcommand(CLISubcommand):
             help="The model to serve: a local directory or file, or a Hugging Face id "
             "already in the local cache. Optional if given in --config or with --model.",
         )
+        from pagedllm.core.argspec import add_dataclass_args
+        from pagedllm.core.engine_args import EngineArgs
+        from pagedllm.entrypoints.openai.cli_args import FrontendArgs
+
         add_config_arg(parser)
         add_dataclass_args(parser, FrontendArgs, pm.choices)
         EngineArgs.add_cli_args(parser, pm)
@@ -56,6 +63,8 @@ class ServeSubcommand(CLISubcommand):
             gc.enable()
 
     def _run(self, args: argparse.Namespace, pm: PluginManager) -> int:
+        from pagedllm.core.argspec import dataclass_kwargs
+        from pagedllm.entrypoints.openai.cli_args import FrontendArgs
         from pagedllm.entrypoints.openai.serving_setup import (
             apply_log_config,
             start_serving,
@@ -96,6 +105,8 @@ class ServeSubcommand(CLISubcommand):
 
 def engine_args_from_serve(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs with the positional model (which must agree with ``--model``)."""
+    from pagedllm.core.engine_args import EngineArgs
+
     engine_args = EngineArgs.from_cli_args(args)
     default_model = EngineArgs().model
     if args.model_tag is not None:
