@@ -1153,7 +1153,32 @@ int pagedllm_paged_attention_bf16(PAGED_ATTENTION_ARGS) {
  * reference's search of a NaN distribution does. */
 #define SAMPLE_BLOCK 64
 
-static inline float sample_exp(float d) { return d < -87.0f ? 0.0f : fast_expf(d); }
+static inline float sample_exp(float d) {
+    const float e = fast_expf(d); /* (computed either way: the select vectorises) */
+    return d < -87.0f ? 0.0f : e;
+}
+
+/* The sum of sample_exp(x[i] - mx) over [lo, hi) in float32: eight lanes at a time on
+ * AVX2, where GCC leaves fast_expf's clamps as branches and the loop one token at a time
+ * (64 rows of SmolLM2's 49152 logits: 14.5 -> 3.0 ms); elsewhere the loop, vectorised. */
+static inline float sample_block_sum(const float *x, int64_t lo, int64_t hi, float mx) {
+    float s = 0.0f;
+    int64_t from = lo;
+#ifdef HAVE_VALUES_AVX2
+    const __m256 vm = _mm256_set1_ps(mx), floor = _mm256_set1_ps(-87.0f);
+    __m256 acc = _mm256_setzero_ps();
+    for (; from + 8 <= hi; from += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + from), vm);
+        /* (d < -87: 0; a NaN kept, as sample_exp keeps it) */
+        const __m256 keep = _mm256_cmp_ps(d, floor, _CMP_NLT_UQ);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(fast_exp8(d), keep));
+    }
+    s = hsum8(acc);
+#endif
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = from; i < hi; i++) s += sample_exp(x[i] - mx);
+    return s;
+}
 
 static int64_t sample_row(const float *x, int64_t n, double u, double *block_sums) {
     float mx = -INFINITY;
@@ -1164,9 +1189,7 @@ static int64_t sample_row(const float *x, int64_t n, double u, double *block_sum
     double total = 0.0;
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t lo = b * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < n ? lo + SAMPLE_BLOCK : n;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = lo; i < hi; i++) s += sample_exp(x[i] - mx);
+        const float s = sample_block_sum(x, lo, hi, mx);
         block_sums[b] = (double)s;
         total += (double)s;
     }
