@@ -357,9 +357,10 @@ def _haswell_ops():
 @pytest.mark.parametrize("build", ["native", "haswell"])
 def test_attention_is_the_same_however_the_work_is_split(ops, threads, cache_dtype, build):
     """The work items are whole query tokens (all KV heads; on AVX512-BF16 with a bfloat16
-    cache, a thread fetching its next item's first keys) where there are tokens enough,
-    else one KV head of a token: each sequence alone (a single decode token goes by heads)
-    gives the very values of the whole batch, in this CPU's build and the AVX2 one."""
+    cache, a thread fetching its next item's first keys; on AVX2, the keys taken a few
+    rows at a time for all the heads) where there are tokens enough, else one KV head of a
+    token: each sequence alone (a single decode token goes by heads) gives the very values
+    of the whole batch, in this CPU's build and the AVX2 one."""
     if build == "haswell":
         ops = _haswell_ops()
     if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(D):
