@@ -156,13 +156,15 @@ def test_bfloat16_elementwise_kernels_round_like_the_reference(ops):
 
 # (query_len, context_len, blocks): decodes, a prefill chunk after cached context, a whole
 # short prompt, and (for the backend) prompts past the kernel's query limit.
-# The last one's context spans several of the kernel's 64-key chunks (online softmax).
+# The last two contexts span several of the kernel's 64-key chunks (online softmax): a
+# prefill chunk's and a decode token's (which the AVX2 build reads rows at a time).
 SEQUENCES = [
     (1, 37, [5, 9, 2]),
     (4, 20, [7, 1]),
     (1, 1, [3]),
     (9, 9, [11]),
     (2, 150, [30, 27, 28, 29, 31, 32, 39, 34, 35, 36]),
+    (1, 150, [12, 13, 14, 15, 16, 17, 18, 19, 33, 37]),
 ]
 LONG = [(40, 40, [20, 21, 22]), (20, 50, [23, 24, 25, 26])]
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, D = 40, 16, 9, 3, 64

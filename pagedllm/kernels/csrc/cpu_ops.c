@@ -1060,35 +1060,23 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
 #pragma omp atomic write
             failed = 1;
         }
+#ifdef HAVE_VALUES_AVX2
+        /* attend_token_rows' state (whole decode tokens): acc [nq * head_dim], m [nq], l
+         * [nq], scores [nq * CHUNK]. */
+        float *rows_state =
+            per_token == 1 && head_dim % 8 == 0
+                ? (float *)malloc(sizeof(float) * (size_t)(nq * (head_dim + 2 + CHUNK)))
+                : NULL;
+        if (per_token == 1 && head_dim % 8 == 0 && rows_state == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#endif
         float scores[MAX_GROUP][CHUNK];
         float acc[MAX_GROUP][MAX_HEAD_DIM];
         float m[MAX_GROUP], l[MAX_GROUP];
         int64_t slots[CHUNK];
         int64_t seq = 0;
-#ifdef HAVE_VALUES_AVX2
-        if (per_token == 1 && head_dim % 8 == 0) {
-            /* (whole tokens: their rows read whole, attend_token_rows) */
-            float *state =
-                (float *)malloc(sizeof(float) * (size_t)(nq * (head_dim + 2 + CHUNK)));
-            if (state == NULL) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < total; item++) {
-                if (state == NULL) continue;
-                const query_item w = locate_item(item, seq, first, per_token, q_start, q_end,
-                                                 ctx_len, window);
-                seq = w.seq;
-                attend_token_rows(BF, nk, group, head_dim, q + w.t * q_ts, k_cache, v_cache,
-                                  block_tables + seq * bt_stride, block_size, row, w.lo, w.p,
-                                  scale, out + w.t * o_ts, state + nq * head_dim,
-                                  state + nq * (head_dim + 1), state,
-                                  state + nq * (head_dim + 2));
-            }
-            free(state);
-        } else
-#endif
 #ifdef HAVE_ATTEND_DP
         if (dp) {
             /* Items dealt round robin (thread i takes i, i + T, ...): a thread knows its next
@@ -1124,6 +1112,19 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                                              ctx_len, window);
             seq = w.seq;
             const int64_t t = w.t, p = w.p, lo = w.lo;
+#ifdef HAVE_VALUES_AVX2
+            /* A decode token (its sequence's only query): its context comes from memory,
+             * read whole rows at a time (attend_token_rows); a prefill's tokens find theirs
+             * in the cache, where the head-by-head loop's register tiles are faster. */
+            if (rows_state != NULL && q_end[seq] - q_start[seq] == 1) {
+                attend_token_rows(BF, nk, group, head_dim, q + t * q_ts, k_cache, v_cache,
+                                  block_tables + seq * bt_stride, block_size, row, lo, p, scale,
+                                  out + t * o_ts, rows_state + nq * head_dim,
+                                  rows_state + nq * (head_dim + 1), rows_state,
+                                  rows_state + nq * (head_dim + 2));
+                continue;
+            }
+#endif
             const int64_t kh_end = per_token == 1 ? nk : w.kh + 1;
             for (int64_t kh = per_token == 1 ? 0 : w.kh; kh < kh_end; kh++) {
                 const float *qt = q + t * q_ts + kh * group * head_dim;
@@ -1220,6 +1221,9 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
             }
         }
         free(dp_state);
+#ifdef HAVE_VALUES_AVX2
+        free(rows_state);
+#endif
     }
     free(first);
     return failed ? -2 : 0;
