@@ -14,6 +14,18 @@ from tiny_models import make_checkpoint
 SCRIPT = ROOT / "benchmarks" / "startup.py"
 
 
+def _python(code: str) -> str:
+    """What ``python -c code`` prints, in a clean environment (it must exit 0)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+        check=True,
+    ).stdout
+
+
 @pytest.fixture(scope="module")
 def startup():
     return load_script(SCRIPT)
@@ -49,15 +61,8 @@ def test_a_cpu_server_imports_neither_dynamo_nor_triton(tiny_llama):
         "llm.generate(['Hello'], use_tqdm=False)\n"
         "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=300,
-        check=True,
-    )
-    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    stdout = _python(code)
+    assert stdout.strip().splitlines()[-1] == "[]", stdout
 
 
 def test_garbage_collection_is_off_while_serve_starts_only(startup, tiny_llama):
@@ -114,16 +119,9 @@ def test_help_lists_the_subcommands_without_building_their_options():
         "print(out.getvalue())\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=300,
-        check=True,
-    )
-    lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "[]", result.stdout
+    stdout = _python(code)
+    lines = stdout.strip().splitlines()
+    assert lines[-1] == "[]", stdout
     listing = "\n".join(lines[:-1])
     for name, text in (
         ("serve", "Start the OpenAI-compatible API server."),
