@@ -538,7 +538,6 @@ static inline __attribute__((always_inline)) void attend_token_rows(
         l[h] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)(nq * head_dim));
-    const int64_t parts = nk * (SWEEP / 4);
     for (int64_t j0 = lo; j0 <= p; j0 += CHUNK) {
         const int64_t n = (p + 1 - j0) < CHUNK ? (p + 1 - j0) : CHUNK;
         chunk_rows(table, block_size, row, 0, j0, n, base);
@@ -567,9 +566,11 @@ static inline __attribute__((always_inline)) void attend_token_rows(
                     pf_n = phase ? next_n : (n < SWEEP ? n : SWEEP);
                 }
                 const int64_t pf_lines = pf_n * ((row_bytes + 63) / 64);
+                const int64_t sn = n - s0 < SWEEP ? n - s0 : SWEEP;
+                const int64_t parts = nk * ((sn + 3) / 4);
                 int64_t part = 0;
                 for (int64_t kh = 0; kh < nk; kh++)
-                    for (int64_t c0 = s0; c0 < s0 + SWEEP && c0 < n; c0 += 4, part++) {
+                    for (int64_t c0 = s0; c0 < s0 + sn; c0 += 4, part++) {
                         const int64_t cn = n - c0 < 4 ? n - c0 : 4;
                         prefetch_lines(pf_cache, elem, pf, row_bytes, pf_lines * part / parts,
                                        pf_lines * (part + 1) / parts);
