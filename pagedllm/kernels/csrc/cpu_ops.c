@@ -1064,11 +1064,11 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
 #ifdef HAVE_VALUES_AVX2
         /* attend_token_rows' state (whole decode tokens): acc [nq * head_dim], m [nq], l
          * [nq], scores [nq * CHUNK]. */
+        const int rows_path = per_token == 1 && head_dim % 8 == 0;
         float *rows_state =
-            per_token == 1 && head_dim % 8 == 0
-                ? (float *)malloc(sizeof(float) * (size_t)(nq * (head_dim + 2 + CHUNK)))
-                : NULL;
-        if (per_token == 1 && head_dim % 8 == 0 && rows_state == NULL) {
+            rows_path ? (float *)malloc(sizeof(float) * (size_t)(nq * (head_dim + 2 + CHUNK)))
+                      : NULL;
+        if (rows_path && rows_state == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -1284,7 +1284,8 @@ static inline float sample_exp(float d) {
 
 /* The sum of sample_exp(x[i] - mx) over [lo, hi) in float32: eight lanes at a time on
  * AVX2, where GCC leaves fast_expf's clamps as branches and the loop one token at a time
- * (64 rows of SmolLM2's 49152 logits: 14.5 -> 3.0 ms); elsewhere the loop, vectorised. */
+ * (64 rows of SmolLM2's 49152 logits: 14.5 -> 3.0 ms); elsewhere the loop (which GCC
+ * vectorises for AVX-512, the select after the exp). */
 static inline float sample_block_sum(const float *x, int64_t lo, int64_t hi, float mx) {
     float s = 0.0f;
     int64_t from = lo;
