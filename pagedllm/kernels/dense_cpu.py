@@ -8,10 +8,11 @@ multiply-adds with AVX-512F or AVX2, plain C elsewhere), where the BLAS GEMM beh
 ``F.linear`` reaches about half the bandwidth at one row. :func:`small_linear` takes it for
 up to :func:`small_rows_max` rows (by dtype); more rows (prefills, large batches) stay on the
 GEMM. On CPUs with AVX2 but not AVX-512 the kernel's tiles, blocked for the caches, take up
-to 64 float32 and 128 bfloat16 rows, and :func:`widened_linear` gives more bfloat16 rows to
-the float32 GEMM: torch's bfloat16 GEMM has no vector path there. Those larger float32
-products (:func:`gemm_linear`) go to oneDNN's GEMM, the library vLLM's CPU backend uses for
-its float products, rather than MKL's behind ``F.linear``.
+to 64 float32 and 128 bfloat16 rows (from 48 rows laying the weight out in packed panels
+for an outer-product kernel with the same sums), and :func:`widened_linear` gives more
+bfloat16 rows to the float32 GEMM: torch's bfloat16 GEMM has no vector path there. Those
+larger float32 products (:func:`gemm_linear`) go to oneDNN's GEMM, the library vLLM's CPU
+backend uses for its float products, rather than MKL's behind ``F.linear``.
 
 Each output is one fixed chain of operations over the input features, whatever rows,
 tiles or threads share the call (see the C file): a row's result does not depend on the
@@ -104,7 +105,7 @@ class DenseCpuKernels:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, n, dtype=out_dtype)
-        self.lib.pagedllm_dense_matmul_small(
+        status = self.lib.pagedllm_dense_matmul_small(
             weight.data_ptr(),
             int(weight.dtype == torch.bfloat16),
             n,
@@ -119,6 +120,8 @@ class DenseCpuKernels:
             torch.get_num_threads(),
             int(portable),
         )
+        if status != 0:
+            raise MemoryError(f"no memory for the dense product's buffers ({m} x {k} rows)")
         return y
 
 

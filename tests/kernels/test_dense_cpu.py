@@ -106,6 +106,40 @@ def test_many_rows(build, dtype):
         assert torch.equal(kernels.matmul(x[i : i + 1], w)[0], out[i])
 
 
+@pytest.mark.parametrize("build", ["native", "haswell"])
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype, out_dtype",
+    [
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float32),
+    ],
+)
+def test_packed_panels_give_the_tiles_bits(build, x_dtype, w_dtype, out_dtype):
+    """From 48 rows the AVX2 build lays the weight out in panels of 16 rows (outer-product
+    passes, one per lane of the tiles' chains): each row's bits are the tiles' (the row
+    alone), whatever the rows' stride, the threads, a weight of k past one pass (2048) or
+    a last panel of 5 rows, and more rows than one packing (1024)."""
+    kernels = _kernels(build)
+    g = torch.Generator().manual_seed(5)
+    for n, k, m in [(37, 2100, 61), (16, 8, 48), (53, 603, 1030)]:
+        w = torch.randn(n, k, generator=g).to(w_dtype)
+        x = torch.randn(m, k + 5, generator=g).to(x_dtype)[:, :k]  # (a row stride past k)
+        out = kernels.matmul(x, w, out_dtype=out_dtype)
+        expected = F.linear(x.double(), w.double())
+        torch.testing.assert_close(out.double(), expected, **_tolerance(out_dtype, k))
+        for i in sorted({0, 5, 6, 47, m // 2, m - 1}):
+            alone = kernels.matmul(x[i : i + 1].contiguous(), w, out_dtype=out_dtype)
+            assert torch.equal(alone[0], out[i]), (n, k, m, i)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(kernels.matmul(x, w, out_dtype=out_dtype), out)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def _avx512() -> bool:
     try:
         flags = open("/proc/cpuinfo").read()

@@ -7,7 +7,9 @@
  * A decode step reads every weight once from memory for a handful of rows: the product
  * is bound by memory bandwidth, and the BLAS GEMMs behind F.linear lose to a kernel that
  * streams each weight row once and meets every activation row with it in registers
- * (tiles of DENSE_NR weight rows x DENSE_MR activation rows).
+ * (tiles of DENSE_NR weight rows x DENSE_MR activation rows). With AVX2 and many rows (a
+ * decode step of many sequences) the weight is laid out in packed panels first, for an
+ * outer-product kernel with the same sums (dense_pk_matmul).
  *
  * Each output is one fixed chain of operations over k, whatever the rows, tiles or
  * threads of the call (threads split the output features), so one row's result does not
@@ -338,10 +340,281 @@ static inline void dense2_rows_f32(const void *x, int x_bf16, int64_t xs, int64_
     }
 }
 
+/* Products of DENSE_PK_MIN_ROWS rows or more (a decode step of many sequences): packed
+ * panels. The tiles above read 3 weight vectors and 4 activation vectors for 12
+ * multiply-adds, and a tile's rows come from L2 at every weight tile (64 rows of SmolLM2:
+ * 147 KB): that traffic, not the memory, holds them near 100 GFLOPS on two Zen 3 cores.
+ * Here 16 weight rows at a time are first laid out transposed, P[l][s][c] = w[j + c][8s + l]
+ * (a panel: 8x8 transposes, bfloat16 widened), and the rows likewise,
+ * X[l][tile][s][i] = x[6 tile + i][8s + l]; then each lane l of the tiles' chains is one pass
+ * of a 6 x 16 outer-product kernel: two weight vectors from L1 and six broadcast activations
+ * for 12 multiply-adds. Every output is still lane l's fused multiply-adds of elements
+ * l, l + 8, ... in order, then dense_hsum8's tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+ * (l3 + l7)): bit-equal to the tiles, so a row's result does not depend on how many rows
+ * share the call. The next panel's weight rows are fetched a share per kernel call. Zen 3,
+ * 2 cores, SmolLM2-135M's 120 products of a step from memory, ms (medians of 9 alternating
+ * runs, three runs): float32 64 rows 130-140 -> 114-122, bfloat16 weights 64 rows 149 ->
+ * 123, 128 rows 365 -> 282; at 40 rows and fewer the packing costs what it saves. */
+#define DENSE_PK_NB 16 /* weight rows (outputs) per panel */
+#define DENSE_PK_MR 6  /* activation rows per kernel call */
+#define DENSE_PK_RB 96 /* rows a panel meets before the next lane (their X in L1/L2) */
+#define DENSE_PK_KB 2048 /* k per pass: a lane's panel slice (16 x 256 floats) stays in L1 */
+#define DENSE_PK_CHUNK 1024 /* rows packed at once */
+#ifndef DENSE_PK_MIN_ROWS
+#define DENSE_PK_MIN_ROWS 48
+#endif
+
+/* t[l] = (v[0][l], ..., v[7][l]) */
+#define DENSE_PK_T8(v, t)                                                                  \
+    do {                                                                                   \
+        const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]); \
+        const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]); \
+        const __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]); \
+        const __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]); \
+        const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE); \
+        const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE); \
+        const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE); \
+        const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE); \
+        t[0] = _mm256_permute2f128_ps(b0, b4, 0x20);                                       \
+        t[4] = _mm256_permute2f128_ps(b0, b4, 0x31);                                       \
+        t[1] = _mm256_permute2f128_ps(b1, b5, 0x20);                                       \
+        t[5] = _mm256_permute2f128_ps(b1, b5, 0x31);                                       \
+        t[2] = _mm256_permute2f128_ps(b2, b6, 0x20);                                       \
+        t[6] = _mm256_permute2f128_ps(b2, b6, 0x31);                                       \
+        t[3] = _mm256_permute2f128_ps(b3, b7, 0x20);                                       \
+        t[7] = _mm256_permute2f128_ps(b3, b7, 0x31);                                       \
+    } while (0)
+
+/* The panel of weight rows j..j+15 over k0..k0+8S: P[l][s][c] = w[j + c][k0 + 8s + l],
+ * zeros past n and past k. */
+static void dense_pk_pack_w(const void *w, int bf16, int64_t n, int64_t k, int64_t j, int64_t k0,
+                            int64_t S, float *P) {
+    const size_t we = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t whole = (k - k0) / 8 < S ? (k - k0) / 8 : S; /* steps of 8 inside k */
+    for (int h = 0; h < 2; h++) {
+        const int64_t j0 = j + 8 * h;
+        float *Ph = P + 8 * h;
+        int64_t s = 0;
+        if (j0 + 8 <= n && bf16) {
+            const uint16_t *r0 = (const uint16_t *)w + (size_t)j0 * (size_t)k + (size_t)k0;
+            for (; s < whole; s++) {
+                __m256 v[8], t[8];
+                for (int r = 0; r < 8; r++) {
+                    const __m128i q = _mm_loadu_si128(
+                        (const __m128i *)(r0 + (size_t)r * (size_t)k + (size_t)(8 * s)));
+                    v[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(q), 16));
+                }
+                DENSE_PK_T8(v, t);
+                for (int l = 0; l < 8; l++)
+                    _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+            }
+        } else if (j0 + 8 <= n) {
+            const float *r0 = (const float *)w + (size_t)j0 * (size_t)k + (size_t)k0;
+            for (; s < whole; s++) {
+                __m256 v[8], t[8];
+                for (int r = 0; r < 8; r++)
+                    v[r] = _mm256_loadu_ps(r0 + (size_t)r * (size_t)k + (size_t)(8 * s));
+                DENSE_PK_T8(v, t);
+                for (int l = 0; l < 8; l++)
+                    _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+            }
+        }
+        for (; s < S; s++) { /* the last rows and k's tail */
+            __m256 v[8], t[8];
+            for (int r = 0; r < 8; r++)
+                v[r] = j0 + r < n ? dense2_w8((const char *)w + (size_t)(j0 + r) * (size_t)k * we,
+                                              bf16, k0 + 8 * s, k)
+                                  : _mm256_setzero_ps();
+            DENSE_PK_T8(v, t);
+            for (int l = 0; l < 8; l++)
+                _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+        }
+    }
+}
+
+/* Row tile t (rows i0 + 6t.., of `rows`) over k0..k0+8S into X (lane l's slice at
+ * X + l * rows * S, the tile's at 6t * S of it, [s][i]); bfloat16 widened, zeros past k. */
+static void dense_pk_pack_x(const void *x, int x_bf16, int64_t xs, int64_t k, int64_t i0,
+                            int64_t rows, int64_t t, int64_t k0, int64_t S, float *X) {
+    const int mr = (int)(rows - t * DENSE_PK_MR < DENSE_PK_MR ? rows - t * DENSE_PK_MR : DENSE_PK_MR);
+    const size_t xe = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const void *src[8];
+    for (int i = 0; i < 8; i++)
+        src[i] = i < mr ? (const char *)x + (size_t)((i0 + t * DENSE_PK_MR + i) * xs) * xe : NULL;
+    const __m256i keep =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(mr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    float *d = X + (size_t)(t * DENSE_PK_MR) * (size_t)S;
+    const size_t lane = (size_t)rows * (size_t)S;
+    for (int64_t s = 0; s < S; s++) {
+        __m256 v[8], tr[8];
+        for (int i = 0; i < 8; i++)
+            v[i] = src[i] ? dense2_w8(src[i], x_bf16, k0 + 8 * s, k) : _mm256_setzero_ps();
+        DENSE_PK_T8(v, tr);
+        for (int l = 0; l < 8; l++) _mm256_maskstore_ps(d + l * lane + s * mr, keep, tr[l]);
+    }
+}
+
+#define DENSE_PK_INIT(i)                                                                   \
+    if (MR > i) {                                                                          \
+        c##i##0 = first ? z : _mm256_load_ps(r + (i) * DENSE_PK_NB);                       \
+        c##i##1 = first ? z : _mm256_load_ps(r + (i) * DENSE_PK_NB + 8);                   \
+    }
+#define DENSE_PK_ROW(i)                                                                    \
+    if (MR > i) {                                                                          \
+        const __m256 b = _mm256_broadcast_ss(xp + s * MR + i);                             \
+        c##i##0 = _mm256_fmadd_ps(b, w0, c##i##0);                                         \
+        c##i##1 = _mm256_fmadd_ps(b, w1, c##i##1);                                         \
+    }
+#define DENSE_PK_SAVE(i)                                                                   \
+    if (MR > i) {                                                                          \
+        _mm256_store_ps(r + (i) * DENSE_PK_NB, c##i##0);                                   \
+        _mm256_store_ps(r + (i) * DENSE_PK_NB + 8, c##i##1);                               \
+    }
+/* One lane's chains for MR rows x 16 outputs over S steps: r[i][c] (from zero when
+ * `first`, else continued from r: a later k block) += xp[s][i] * wp[s][c] in order of s. */
+static inline __attribute__((always_inline)) void dense_pk_kernel(const int MR, const float *xp,
+                                                                  const float *wp, int64_t S,
+                                                                  float *r, int first) {
+    const __m256 z = _mm256_setzero_ps();
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    DENSE_PK_INIT(0) DENSE_PK_INIT(1) DENSE_PK_INIT(2) DENSE_PK_INIT(3) DENSE_PK_INIT(4)
+    DENSE_PK_INIT(5)
+    for (int64_t s = 0; s < S; s++) {
+        __m256 w0 = _mm256_load_ps(wp + s * DENSE_PK_NB), w1 = _mm256_load_ps(wp + s * DENSE_PK_NB + 8);
+        KEEP_IN_REGISTER(w0);
+        KEEP_IN_REGISTER(w1);
+        DENSE_PK_ROW(0) DENSE_PK_ROW(1) DENSE_PK_ROW(2) DENSE_PK_ROW(3) DENSE_PK_ROW(4)
+        DENSE_PK_ROW(5)
+    }
+    DENSE_PK_SAVE(0) DENSE_PK_SAVE(1) DENSE_PK_SAVE(2) DENSE_PK_SAVE(3) DENSE_PK_SAVE(4)
+    DENSE_PK_SAVE(5)
+}
+#undef DENSE_PK_INIT
+#undef DENSE_PK_ROW
+#undef DENSE_PK_SAVE
+
+static void dense_pk_kernel_any(int mr, const float *xp, const float *wp, int64_t S, float *r,
+                                int first) {
+    switch (mr) {
+    case 1: dense_pk_kernel(1, xp, wp, S, r, first); return;
+    case 2: dense_pk_kernel(2, xp, wp, S, r, first); return;
+    case 3: dense_pk_kernel(3, xp, wp, S, r, first); return;
+    case 4: dense_pk_kernel(4, xp, wp, S, r, first); return;
+    case 5: dense_pk_kernel(5, xp, wp, S, r, first); return;
+    default: dense_pk_kernel(6, xp, wp, S, r, first); return;
+    }
+}
+
+static void *dense_pk_alloc(size_t floats) {
+    return aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+}
+
+/* Rows i0..i0+rows of the product (see dense2_matmul for the arguments) by packed panels;
+ * threads split the panels. Returns 0, or -2 when a buffer cannot be allocated. */
+static int dense_pk_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
+                           int x_bf16, int64_t xs, int64_t i0, int64_t rows, void *y, int y_bf16,
+                           int64_t ys, int threads) {
+    const int64_t kp = (k + 7) / 8 * 8;
+    const int64_t kb = kp < DENSE_PK_KB ? kp : DENSE_PK_KB;
+    const int64_t panels = (n + DENSE_PK_NB - 1) / DENSE_PK_NB;
+    const int64_t tiles = (rows + DENSE_PK_MR - 1) / DENSE_PK_MR;
+    const int64_t kblocks = (kp + kb - 1) / kb;
+    const size_t we = w_bf16 ? sizeof(uint16_t) : sizeof(float);
+    float *X = (float *)dense_pk_alloc((size_t)(rows * kp));
+    if (X == NULL) return -2;
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *P = (float *)dense_pk_alloc((size_t)(DENSE_PK_NB * kb));
+        float *R = (float *)dense_pk_alloc((size_t)(8 * rows * DENSE_PK_NB)); /* [l][row][c] */
+        if (P == NULL || R == NULL) {
+#pragma omp atomic write
+            status = -2;
+        }
+        /* (k block b of X at X + rows * b * kb) */
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < tiles * kblocks; q++) {
+            const int64_t k0 = q / tiles * kb, S = (kp - k0 < kb ? kp - k0 : kb) / 8;
+            dense_pk_pack_x(x, x_bf16, xs, k, i0, rows, q % tiles, k0, S, X + rows * k0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (P == NULL || R == NULL) continue;
+            const int64_t j = p * DENSE_PK_NB;
+            for (int64_t k0 = 0; k0 < kp; k0 += kb) {
+                const int64_t S = (kp - k0 < kb ? kp - k0 : kb) / 8;
+                dense_pk_pack_w(w, w_bf16, n, k, j, k0, S, P);
+                /* The next panel's rows (contiguous), a share before each kernel call. */
+                const int64_t jn = j + DENSE_PK_NB;
+                const int fetch = jn < n && k0 + kb >= kp;
+                const size_t next_bytes =
+                    fetch ? (size_t)((n - jn < DENSE_PK_NB ? n - jn : DENSE_PK_NB) * k) * we : 0;
+                const char *next = (const char *)w + (size_t)jn * (size_t)k * we;
+                const size_t calls = (size_t)(8 * tiles);
+                size_t call = 0;
+                for (int64_t r0 = 0; r0 < rows; r0 += DENSE_PK_RB) {
+                    const int64_t rb = rows - r0 < DENSE_PK_RB ? rows - r0 : DENSE_PK_RB;
+                    const int64_t rb_tiles = (rb + DENSE_PK_MR - 1) / DENSE_PK_MR;
+                    for (int l = 0; l < 8; l++) {
+                        const float *Xl = X + rows * k0 + ((size_t)l * (size_t)rows + (size_t)r0) * (size_t)S;
+                        const float *Pl = P + (size_t)l * (size_t)S * DENSE_PK_NB;
+                        for (int64_t t = 0; t < rb_tiles; t++, call++) {
+                            if (fetch) {
+                                const size_t a = next_bytes * call / calls / 64 * 64;
+                                const size_t b = next_bytes * (call + 1) / calls;
+                                for (size_t o = a; o < b; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+                            }
+                            const int64_t t_rows = rb - t * DENSE_PK_MR;
+                            dense_pk_kernel_any(
+                                (int)(t_rows < DENSE_PK_MR ? t_rows : DENSE_PK_MR),
+                                Xl + t * DENSE_PK_MR * S, Pl, S,
+                                R + ((size_t)l * (size_t)rows + (size_t)(r0 + t * DENSE_PK_MR)) * DENSE_PK_NB,
+                                k0 == 0);
+                        }
+                    }
+                }
+            }
+            /* dense_hsum8's tree over the lanes, 8 outputs at a time */
+            const size_t L = (size_t)rows * DENSE_PK_NB;
+            for (int64_t i = 0; i < rows; i++) {
+                float o[DENSE_PK_NB];
+                for (int h = 0; h < 2; h++) {
+                    const float *b = R + (size_t)i * DENSE_PK_NB + 8 * h;
+                    const __m256 s04 = _mm256_add_ps(_mm256_load_ps(b), _mm256_load_ps(b + 4 * L));
+                    const __m256 s26 = _mm256_add_ps(_mm256_load_ps(b + 2 * L), _mm256_load_ps(b + 6 * L));
+                    const __m256 s15 = _mm256_add_ps(_mm256_load_ps(b + L), _mm256_load_ps(b + 5 * L));
+                    const __m256 s37 = _mm256_add_ps(_mm256_load_ps(b + 3 * L), _mm256_load_ps(b + 7 * L));
+                    const __m256 sum = _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37));
+                    if (!y_bf16 && j + 8 * h + 8 <= n)
+                        _mm256_storeu_ps((float *)y + (i0 + i) * ys + j + 8 * h, sum);
+                    else
+                        _mm256_storeu_ps(o + 8 * h, sum);
+                }
+                for (int64_t c = y_bf16 ? 0 : (n - j) / 8 * 8; c < DENSE_PK_NB && j + c < n; c++)
+                    dense_store(y, y_bf16, (i0 + i) * ys + j + c, o[c]);
+            }
+        }
+        free(P);
+        free(R);
+    }
+    free(X);
+    return status;
+}
+
 static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
                          int x_bf16, int64_t m, int64_t xs, void *y, int y_bf16, int64_t ys,
                          int nthreads) {
     const int64_t kp = (k + 7) / 8 * 8;
+    const int threads = n * k >= DENSE_MIN_PARALLEL ? nthreads : 1;
+    if (m >= DENSE_PK_MIN_ROWS) {
+        for (int64_t i0 = 0; i0 < m; i0 += DENSE_PK_CHUNK) {
+            const int64_t rows = m - i0 < DENSE_PK_CHUNK ? m - i0 : DENSE_PK_CHUNK;
+            const int status =
+                dense_pk_matmul(w, w_bf16, n, k, x, x_bf16, xs, i0, rows, y, y_bf16, ys, threads);
+            if (status != 0) return status;
+        }
+        return 0;
+    }
     /* Rows of a block: DENSE2_BLOCK bytes of float32 rows, whole tiles of rows. */
     int64_t block = DENSE2_BLOCK / (int64_t)(sizeof(float) * (size_t)kp);
     block = block < DENSE2_MR ? DENSE2_MR : block / DENSE2_MR * DENSE2_MR;
@@ -352,7 +625,6 @@ static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const 
     if (!direct && xb == NULL) return -2;
     const int64_t tiles = (n + DENSE2_NR - 1) / DENSE2_NR;
     const size_t we = w_bf16 ? sizeof(uint16_t) : sizeof(float);
-    const int threads = n * k >= DENSE_MIN_PARALLEL ? nthreads : 1;
     /* Each thread takes groups of DENSE2_GROUP bytes of weight tiles; each tile, once in
      * L1, meets the block's rows, DENSE2_MR at a time. The tile DENSE2_AHEAD tiles on (one
      * contiguous run of the weight) is fetched meanwhile on the weight's first pass, a share
