@@ -109,6 +109,10 @@ class AsyncLLMEngine:
         self.engine: LLMEngine
         self._built = threading.Event()
         self._failed: list[BaseException] = []
+        # The device's process settings (the allocator's) before the engine's threads
+        # exist: a thread takes its heap with its first allocation (model_setup's own call
+        # then finds them made).
+        config.device_config.device.prepare_process()
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=prepare_threads(), thread_name_prefix="pagedllm-prepare"
         )

@@ -282,3 +282,59 @@ def test_cpu_device_keeps_large_buffers_for_the_next_step():
     # Once start-up is over, the engine has what it freed given back.
     tuned, kept = probe(PAGEDLLM_PROBE_RELEASE="1")
     assert tuned and kept < 16
+
+
+_ARENA_PROBE = """
+import ctypes, os, tempfile, threading
+from pagedllm.plugins.devices.cpu import CpuDevice
+CpuDevice().prepare_process()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.fopen.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+libc.malloc_info.argtypes = libc.fclose.argtypes = None
+barrier = threading.Barrier(4)
+def allocate():
+    barrier.wait()  # all four at once: each would take a heap of its own
+    libc.malloc(1 << 16)
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "info.xml")
+    fp = ctypes.c_void_p(libc.fopen(path.encode(), b"w"))
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(open(path).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr"), reason="glibc only")
+def test_cpu_device_threads_share_one_heap():
+    """With the cpu device's malloc settings every thread allocates from glibc's one heap
+    (freed buffers of the engine's thread serve the server's, and the reverse); without
+    them, four threads allocating at once take heaps of their own; a MALLOC_ARENA_MAX of
+    the user's is left as it is."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            pytest.skip("glibc only")
+    except (ValueError, OSError):
+        pytest.skip("glibc only")
+    ours = ("PAGEDLLM_CPU_MALLOC_TUNING", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
+
+    def heaps(**extra) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _ARENA_PROBE],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout)
+
+    assert heaps() == 1
+    assert heaps(PAGEDLLM_CPU_MALLOC_TUNING="0") > 1
+    assert heaps(MALLOC_ARENA_MAX="2") == 2
