@@ -132,12 +132,16 @@ def test_packed_panels_give_the_tiles_bits(build, x_dtype, w_dtype, out_dtype):
         for i in sorted({0, 5, 6, 47, m // 2, m - 1}):
             alone = kernels.matmul(x[i : i + 1].contiguous(), w, out_dtype=out_dtype)
             assert torch.equal(alone[0], out[i]), (n, k, m, i)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(kernels.matmul(x, w, out_dtype=out_dtype), out)
-        finally:
-            torch.set_num_threads(threads)
+        assert torch.equal(_on_one_thread(kernels.matmul, x, w, out_dtype=out_dtype), out)
+
+
+def _on_one_thread(fn, *args, **kwargs):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _avx512() -> bool:
@@ -174,12 +178,7 @@ def test_a_row_ignores_the_others_and_the_threads(dtype, portable):
     for i in range(rows.shape[0]):
         alone = kernels.matmul(rows[i : i + 1].contiguous(), w, portable=portable)
         assert torch.equal(alone[0], together[i])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernels.matmul(rows, w, portable=portable), together)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(_on_one_thread(kernels.matmul, rows, w, portable=portable), together)
 
 
 def test_linear_takes_the_kernel_for_few_rows_only():

@@ -235,6 +235,22 @@ def test_cpu_auto_dtype_follows_the_cpu_arithmetic(monkeypatch, flags, float16_b
     assert device.auto_dtype(torch.float32) == torch.float32
 
 
+def _skip_unless_glibc() -> None:
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            pytest.skip("glibc only")
+    except (ValueError, OSError):
+        pytest.skip("glibc only")
+
+
+def _run_probe(code: str, env: dict[str, str]) -> str:
+    """What ``python -c code`` prints, in a process of its own (malloc's settings are the
+    process's)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
 _MALLOC_PROBE = """
 import os, torch
 from pagedllm.plugins.devices.cpu import CpuDevice, tune_malloc
@@ -255,23 +271,12 @@ def test_cpu_device_keeps_large_buffers_for_the_next_step():
     """The cpu device has glibc keep large freed buffers (the next step reuses their pages
     instead of faulting in fresh zeroed ones); PAGEDLLM_CPU_MALLOC_TUNING=0 or glibc's own
     settings leave glibc as it is (a 64 MiB buffer is then a mapping, given back on free)."""
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            pytest.skip("glibc only")
-    except (ValueError, OSError):
-        pytest.skip("glibc only")
+    _skip_unless_glibc()
     ours = ("PAGEDLLM_CPU_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
     env = {k: v for k, v in os.environ.items() if k not in ours}
 
     def probe(**extra):
-        out = subprocess.run(
-            [sys.executable, "-c", _MALLOC_PROBE],
-            env={**env, **extra},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        tuned, kept = out.stdout.split()
+        tuned, kept = _run_probe(_MALLOC_PROBE, {**env, **extra}).split()
         return tuned == "True", int(kept)
 
     tuned, kept = probe()
@@ -317,23 +322,12 @@ def test_cpu_device_threads_share_one_heap():
     (freed buffers of the engine's thread serve the server's, and the reverse); without
     them, four threads allocating at once take heaps of their own; a MALLOC_ARENA_MAX of
     the user's is left as it is."""
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            pytest.skip("glibc only")
-    except (ValueError, OSError):
-        pytest.skip("glibc only")
+    _skip_unless_glibc()
     ours = ("PAGEDLLM_CPU_MALLOC_TUNING", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST")
     env = {k: v for k, v in os.environ.items() if k not in ours}
 
     def heaps(**extra) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", _ARENA_PROBE],
-            env={**env, **extra},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return int(out.stdout)
+        return int(_run_probe(_ARENA_PROBE, {**env, **extra}))
 
     assert heaps() == 1
     assert heaps(PAGEDLLM_CPU_MALLOC_TUNING="0") > 1
