@@ -25,6 +25,7 @@
  *
  * Plain C, no torch headers: called through ctypes with raw pointers.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -510,7 +511,7 @@ static void *dense_pk_alloc(size_t floats) {
 }
 
 /* Rows i0..i0+rows of the product (see dense2_matmul for the arguments) by packed panels;
- * threads split the panels. Returns 0, or -2 when a buffer cannot be allocated. */
+ * threads split the panels. Returns 0, or -2 when the buffers cannot be allocated. */
 static int dense_pk_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
                            int x_bf16, int64_t xs, int64_t i0, int64_t rows, void *y, int y_bf16,
                            int64_t ys, int threads) {
@@ -520,17 +521,17 @@ static int dense_pk_matmul(const void *w, int w_bf16, int64_t n, int64_t k, cons
     const int64_t tiles = (rows + DENSE_PK_MR - 1) / DENSE_PK_MR;
     const int64_t kblocks = (kp + kb - 1) / kb;
     const size_t we = w_bf16 ? sizeof(uint16_t) : sizeof(float);
-    float *X = (float *)dense_pk_alloc((size_t)(rows * kp));
+    /* One allocation by the calling thread: the packed rows X, then each thread's panel P
+     * and lane sums R ([l][row][c]); sizes in floats, multiples of 16 (64 bytes). */
+    const size_t x_size = (size_t)(rows * kp + 15) / 16 * 16;
+    const size_t p_size = (size_t)(DENSE_PK_NB * kb), r_size = (size_t)(8 * rows * DENSE_PK_NB);
+    float *X = (float *)dense_pk_alloc(x_size + (size_t)threads * (p_size + r_size));
     if (X == NULL) return -2;
-    int status = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *P = (float *)dense_pk_alloc((size_t)(DENSE_PK_NB * kb));
-        float *R = (float *)dense_pk_alloc((size_t)(8 * rows * DENSE_PK_NB)); /* [l][row][c] */
-        if (P == NULL || R == NULL) {
-#pragma omp atomic write
-            status = -2;
-        }
+        const int me = omp_get_thread_num();
+        float *P = X + x_size + (size_t)me * (p_size + r_size);
+        float *R = P + p_size;
         /* (k block b of X at X + rows * b * kb) */
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < tiles * kblocks; q++) {
@@ -539,7 +540,6 @@ static int dense_pk_matmul(const void *w, int w_bf16, int64_t n, int64_t k, cons
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
-            if (P == NULL || R == NULL) continue;
             const int64_t j = p * DENSE_PK_NB;
             for (int64_t k0 = 0; k0 < kp; k0 += kb) {
                 const int64_t S = (kp - k0 < kb ? kp - k0 : kb) / 8;
@@ -594,11 +594,9 @@ static int dense_pk_matmul(const void *w, int w_bf16, int64_t n, int64_t k, cons
                     dense_store(y, y_bf16, (i0 + i) * ys + j + c, o[c]);
             }
         }
-        free(P);
-        free(R);
     }
     free(X);
-    return status;
+    return 0;
 }
 
 static int dense2_matmul(const void *w, int w_bf16, int64_t n, int64_t k, const void *x,
