@@ -386,6 +386,16 @@ static inline void dense2_rows_f32(const void *x, int x_bf16, int64_t xs, int64_
         t[7] = _mm256_permute2f128_ps(b3, b7, 0x31);                                       \
     } while (0)
 
+/* Step s of eight weight rows (v[r]: elements 8s.. of row r) into a panel's half Ph:
+ * Ph[l][s][r] = v[r][l]. */
+static inline __attribute__((always_inline)) void dense_pk_put(const __m256 v[8], float *Ph,
+                                                               int64_t S, int64_t s) {
+    __m256 t[8];
+    DENSE_PK_T8(v, t);
+    for (int l = 0; l < 8; l++)
+        _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+}
+
 /* The panel of weight rows j..j+15 over k0..k0+8S: P[l][s][c] = w[j + c][k0 + 8s + l],
  * zeros past n and past k. */
 static void dense_pk_pack_w(const void *w, int bf16, int64_t n, int64_t k, int64_t j, int64_t k0,
@@ -399,36 +409,30 @@ static void dense_pk_pack_w(const void *w, int bf16, int64_t n, int64_t k, int64
         if (j0 + 8 <= n && bf16) {
             const uint16_t *r0 = (const uint16_t *)w + (size_t)j0 * (size_t)k + (size_t)k0;
             for (; s < whole; s++) {
-                __m256 v[8], t[8];
+                __m256 v[8];
                 for (int r = 0; r < 8; r++) {
                     const __m128i q = _mm_loadu_si128(
                         (const __m128i *)(r0 + (size_t)r * (size_t)k + (size_t)(8 * s)));
                     v[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(q), 16));
                 }
-                DENSE_PK_T8(v, t);
-                for (int l = 0; l < 8; l++)
-                    _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+                dense_pk_put(v, Ph, S, s);
             }
         } else if (j0 + 8 <= n) {
             const float *r0 = (const float *)w + (size_t)j0 * (size_t)k + (size_t)k0;
             for (; s < whole; s++) {
-                __m256 v[8], t[8];
+                __m256 v[8];
                 for (int r = 0; r < 8; r++)
                     v[r] = _mm256_loadu_ps(r0 + (size_t)r * (size_t)k + (size_t)(8 * s));
-                DENSE_PK_T8(v, t);
-                for (int l = 0; l < 8; l++)
-                    _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+                dense_pk_put(v, Ph, S, s);
             }
         }
         for (; s < S; s++) { /* the last rows and k's tail */
-            __m256 v[8], t[8];
+            __m256 v[8];
             for (int r = 0; r < 8; r++)
                 v[r] = j0 + r < n ? dense2_w8((const char *)w + (size_t)(j0 + r) * (size_t)k * we,
                                               bf16, k0 + 8 * s, k)
                                   : _mm256_setzero_ps();
-            DENSE_PK_T8(v, t);
-            for (int l = 0; l < 8; l++)
-                _mm256_store_ps(Ph + ((size_t)l * (size_t)S + (size_t)s) * DENSE_PK_NB, t[l]);
+            dense_pk_put(v, Ph, S, s);
         }
     }
 }
