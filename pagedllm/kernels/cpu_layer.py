@@ -4,7 +4,8 @@ on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 :func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
 when every part qualifies (Q/K/V and gate/up each one fused weight, with the output and down
 projections either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases
-but the Q/K/V group's (Qwen2's), no LoRA, no Q/K norms, SiLU, plain RMSNorms, NeoX RoPE
+but the Q/K/V group's (Qwen2's), no LoRA, Q/K norms only as plain RMSNorms of each head
+(Qwen3's), SiLU, plain RMSNorms, NeoX RoPE
 tables in float32; a float32 model, or a bfloat16 one where the CPU has the attention
 kernel's bfloat16 cache, and for packed weights the bfloat16 products), else None. Dense
 products are :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call
@@ -95,6 +96,10 @@ class _LayerArgs(ctypes.Structure):
         *[(name, _f32) for name in ("eps1", "eps2", "scale", "pad")],
         ("qkv_bias", _ptr),
         ("qkv_bias_bf16", _i64),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("eps_q", _f32),
+        ("eps_k", _f32),
     ]
 
 
@@ -174,6 +179,14 @@ def _plain_norm(norm: Any, dtype: torch.dtype) -> bool:
     )
 
 
+def _qk_norms(attn: Any) -> tuple[Any, Any] | None:
+    """The attention's norms of each query and each key head (Qwen3's), or None."""
+    if not getattr(attn, "has_qk_norm", False):
+        return None
+    q_name, k_name = attn.qk_norm_names
+    return getattr(attn, q_name), getattr(attn, k_name)
+
+
 class NativeDecoderLayer:
     def __init__(self, lib: ctypes.CDLL, layer: Any, rotary: Any, parts: dict[str, Any]) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -201,6 +214,9 @@ class NativeDecoderLayer:
         bias = attn.qkv.runs[0].bias
         if bias is not None:
             self.tensors.append(bias)
+        qk_norms = _qk_norms(attn)
+        if qk_norms:
+            self.tensors += [norm.weight for norm in qk_norms]
         self.pointers = [t.data_ptr() for t in self.tensors]
         args = _LayerArgs()
         args.hidden = layer.input_layernorm.weight.shape[0]
@@ -223,6 +239,9 @@ class NativeDecoderLayer:
         args.window = attn.attn.sliding_window or 0
         if bias is not None:
             args.qkv_bias, args.qkv_bias_bf16 = bias.data_ptr(), int(bias.dtype == torch.bfloat16)
+        if qk_norms:
+            args.q_norm, args.k_norm = (norm.weight.data_ptr() for norm in qk_norms)
+            args.eps_q, args.eps_k = (norm.eps for norm in qk_norms)
         self.args = args
 
     def __call__(
@@ -328,7 +347,15 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     if tp_size() > 1:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if getattr(attn, "q_norm", None) is not None or not getattr(mlp, "silu", False):
+    if not getattr(mlp, "silu", False):
+        return None
+    qk_norms = _qk_norms(attn)
+    # (Qwen3's norms of each head: plain RMSNorms over head_dim)
+    if qk_norms is not None and not all(
+        _plain_norm(norm, layer.input_layernorm.weight.dtype)
+        and tuple(norm.weight.shape) == (attn.head_dim,)
+        for norm in qk_norms
+    ):
         return None
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None

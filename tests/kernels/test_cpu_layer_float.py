@@ -1,8 +1,8 @@
 """The native decoder layer (pagedllm/kernels/cpu_layer.py) with dense float32 / bfloat16
 weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
 as one native call per layer, bit-identical to the op-by-op module path, in
-batch-invariant mode too (Qwen2's Q/K/V biases included); layers it cannot compute (an
-output projection's bias) keep the module path."""
+batch-invariant mode too (Qwen2's Q/K/V biases and Qwen3's norms of each head included);
+layers it cannot compute (an output projection's bias) keep the module path."""
 
 from __future__ import annotations
 
@@ -129,6 +129,53 @@ def test_qwen2_layers_add_their_qkv_bias_natively(tmp_path, dtype):
     llm = LLM(str(checkpoint), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
     layers = llm.llm_engine.runner.model.model.layers
     assert layers[0].self_attn.qkv.runs[0].bias is not None
+    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = _run(llm, prompts, params)
+    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    _same(native, _run(llm, prompts, params))
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_layers_norm_each_head_natively(tmp_path, dtype, invariant):
+    """Qwen3 norms each query and key head (RMSNorm over head_dim) before the rotary
+    embedding: the native layer norms them with the modules' kernel, and its decode steps
+    give the module path's bits, one row or several, in batch-invariant mode too."""
+    if invariant and unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    if invariant and dtype == "bfloat16" and not cpu_kernels().bf16:
+        pytest.skip("no bfloat16 panels (AVX512-BF16) on this CPU")
+    checkpoint = make_checkpoint(
+        tmp_path,
+        "qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    # (transformers starts the norms' weights at one: random ones, and apart for Q and K,
+    # so that a norm given the other's weight, or none, changes the tokens)
+    weights = load_file(checkpoint / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    for name, tensor in weights.items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            weights[name] = (1 + torch.randn(tensor.shape, generator=g)).to(tensor.dtype)
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(
+        str(checkpoint),
+        dtype=dtype,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+        batch_invariant=invariant,
+    )
+    layers = llm.llm_engine.runner.model.model.layers
+    assert layers[0].self_attn.has_qk_norm
     prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
     native = _run(llm, prompts, params)

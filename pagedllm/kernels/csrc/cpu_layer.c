@@ -6,7 +6,8 @@
  * bit-identical to that path; what it saves is the Python between them (about 10 calls
  * and their tensors per layer).
  *
- *   normed = rms_norm(x, ln1)          qkv = normed @ Wqkv.T (+ bias)  rope(q, k)
+ *   normed = rms_norm(x, ln1)          qkv = normed @ Wqkv.T (+ bias)
+ *   (q, k = rms_norm of each head, Qwen3's)                             rope(q, k)
  *   attn = paged_attention(q, k, v)    o = attn @ Wo.T
  *   s = x + o, normed = rms_norm(s, ln2)
  *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
@@ -50,6 +51,10 @@ typedef struct {
     /* The Q/K/V products' bias (Qwen2's), float32 or bfloat16 (qkv_bias_bf16); NULL: none. */
     const void *qkv_bias;
     int64_t qkv_bias_bf16;
+    /* The RMSNorms of each query and each key head (Qwen3's; weights of head_dim, of the
+     * layer's type), before the rotary embedding; NULL: none. */
+    const void *q_norm, *k_norm;
+    float eps_q, eps_k;
 } layer_args;
 
 /* The bias added to T rows of n outputs as the modules add it, out += bias.to(out.dtype):
@@ -71,6 +76,31 @@ static void add_bias_bf16(const layer_args *L, uint16_t *y, int64_t T, int64_t n
     for (int64_t j = 0; j < n; j++) {
         const float b = from_bf16(to_bf16(bias_at(L, j)));
         for (int64_t t = 0; t < T; t++) y[t * n + j] = to_bf16(from_bf16(y[t * n + j]) + b);
+    }
+}
+
+/* Each token's query and key heads normed in place, as the modules norm them: one call a
+ * token (a token's heads are adjacent rows, the next token's are not), each row's result
+ * its own whatever the rows beside it or the threads. */
+static void qk_norms(const layer_args *L, float *qkv, int64_t T, int64_t nqkv) {
+    const int64_t D = L->head_dim, nq = L->heads * D;
+    for (int64_t t = 0; t < T; t++) {
+        float *q = qkv + t * nqkv;
+        pagedllm_rms_norm(q, D, NULL, NULL, (const float *)L->q_norm, 0.0f, L->eps_q, q, D,
+                          L->heads, D, 1);
+        pagedllm_rms_norm(q + nq, D, NULL, NULL, (const float *)L->k_norm, 0.0f, L->eps_k,
+                          q + nq, D, L->kv_heads, D, 1);
+    }
+}
+
+static void qk_norms_bf16(const layer_args *L, uint16_t *qkv, int64_t T, int64_t nqkv) {
+    const int64_t D = L->head_dim, nq = L->heads * D;
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *q = qkv + t * nqkv;
+        pagedllm_rms_norm_bf16(q, D, NULL, NULL, (const uint16_t *)L->q_norm, 0.0f, L->eps_q, q,
+                               D, L->heads, D, 1);
+        pagedllm_rms_norm_bf16(q + nq, D, NULL, NULL, (const uint16_t *)L->k_norm, 0.0f,
+                               L->eps_k, q + nq, D, L->kv_heads, D, 1);
     }
 }
 
@@ -164,6 +194,7 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     status = product(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     if (L->qkv_bias != NULL) add_bias(L, qkv, T, nqkv);
+    if (L->q_norm != NULL) qk_norms(L, qkv, T, nqkv);
     pagedllm_rotary_neox(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
                          L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
     status = pagedllm_paged_attention(qkv, nqkv, qkv + nq, nqkv, qkv + nq + nkv, nqkv, L->cache,
@@ -212,6 +243,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     status = product_bf16(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     if (L->qkv_bias != NULL) add_bias_bf16(L, qkv, T, nqkv);
+    if (L->q_norm != NULL) qk_norms_bf16(L, qkv, T, nqkv);
     pagedllm_rotary_neox_bf16(qkv, nqkv, L->heads, qkv + nq, nqkv, L->kv_heads, D, S->positions, T,
                               L->cos_table, L->sin_table, L->table_stride, L->rot_dim, nt);
     for (int64_t i = 0; i < T * nqkv; i++) qkv32[i] = from_bf16(qkv[i]);

@@ -130,8 +130,11 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
+            # (contiguous heads: the CPU norm kernel's rows at any number of tokens, as the
+            # native layer norms them, pagedllm.kernels.cpu_layer)
             q_name, k_name = self.qk_norm_names
-            q, k = getattr(self, q_name)(q), getattr(self, k_name)(k)
+            q = getattr(self, q_name)(q.contiguous())
+            k = getattr(self, k_name)(k.contiguous())
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
         return getattr(self, self.o_proj_name)(out)
