@@ -1,23 +1,24 @@
 """A Llama-family decoder layer as one native call (``csrc/cpu_layer.c``) for decode steps
 on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 
-:func:`native_decoder_layer` inspects a built layer and returns a :class:`NativeDecoderLayer`
-when every part qualifies (Q/K/V and gate/up each one fused weight, with the output and down
-projections either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases
-but the Q/K/V group's (Qwen2's), no LoRA, Q/K norms only as plain RMSNorms of each head
-(Qwen3's), SiLU, plain RMSNorms, NeoX RoPE
-tables in float32; a float32 model, or a bfloat16 one where the CPU has the attention
-kernel's bfloat16 cache, and for packed weights the bfloat16 products), else None. Dense
-products are :mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call
-for as many rows (:func:`~pagedllm.kernels.dense_cpu.small_rows_max`), so a dense layer
-takes steps of at most that many tokens; a bfloat16 one whose products the AMX kernel takes
+:func:`native_decoder_layer` inspects a built layer and returns a
+:class:`NativeDecoderLayer` when every part qualifies (Q/K/V and gate/up each one fused
+weight, a group's or as Phi-3's checkpoints fuse them, with the output and down projections
+either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases but the Q/K/V
+group's (Qwen2's), no LoRA, Q/K norms only as plain RMSNorms of each head (Qwen3's), SiLU,
+plain RMSNorms, NeoX RoPE tables in float32; a float32 model, or a bfloat16 one where the
+CPU has the attention kernel's bfloat16 cache, and for packed weights the bfloat16
+products), else None. Dense products are :mod:`pagedllm.kernels.dense_cpu`'s small-row
+kernel, which the modules call for as many rows
+(:func:`~pagedllm.kernels.dense_cpu.small_rows_max`), so a dense layer takes steps of at
+most that many tokens; a bfloat16 one whose products the AMX kernel takes
 (:mod:`pagedllm.kernels.dense_amx`, from four rows, as the modules do) up to its
 :data:`~pagedllm.kernels.dense_amx.AMX_ROWS` (batched decode steps). Calling it runs the
 layer for a step of at most :meth:`NativeDecoderLayer.max_tokens` tokens whose attention is
 all in the paged-attention kernel (decodes and short chunks), and returns None for any other
-step, which the module then computes op by op. The native call runs the very kernels of that path in
-the same order, so both give bit-identical results (in batch-invariant mode too, where
-both take the panel products at every row count).
+step, which the module then computes op by op. The native call runs the very kernels of that
+path in the same order, so both give bit-identical results (in batch-invariant mode too,
+where both take the panel products at every row count).
 
 The kernels sit below the plugins that build those parts, so they are recognised by what
 they hold, not by class: a packed product by its GGML type (a fused group of packed layers,
@@ -188,7 +189,14 @@ def _qk_norms(attn: Any) -> tuple[Any, Any] | None:
 
 
 class NativeDecoderLayer:
-    def __init__(self, lib: ctypes.CDLL, layer: Any, rotary: Any, parts: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layer: Any,
+        rotary: Any,
+        parts: dict[str, Any],
+        bias: torch.Tensor | None,
+    ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.lib = lib
         # float32, or bfloat16 (hidden states, norms and KV cache; AVX512-BF16 products).
@@ -211,7 +219,6 @@ class NativeDecoderLayer:
             rotary.cos,
             rotary.sin,
         ]
-        bias = attn.qkv.runs[0].bias
         if bias is not None:
             self.tensors.append(bias)
         qk_norms = _qk_norms(attn)
@@ -362,8 +369,7 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     dtype = layer.input_layernorm.weight.dtype
     if dtype not in DENSE_TYPES:
         return None
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj)
-    if any(getattr(lin, "lora", None) is not None for lin in (*linears, mlp.down_proj)):
+    if any(getattr(module, "lora", None) is not None for module in layer.modules()):
         return None  # (the layer adds no LoRA deltas)
     ops = cpu_ops()
     # The bfloat16 layer needs a bfloat16 cache the attention kernel reads.
@@ -376,21 +382,27 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     if cos is None or cos.dtype != torch.float32 or not cos.is_contiguous():
         return None
     q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    if len(attn.qkv.runs) != 1 or len(mlp.gate_up.runs) != 1:
+    qkv = _fused(getattr(attn, "qkv", None), getattr(attn, "qkv_proj", None))
+    gate_up = _fused(getattr(mlp, "gate_up", None), getattr(mlp, "gate_up_proj", None))
+    if qkv is None or gate_up is None:
         return None
     inter = mlp.down_proj.input_size
-    qkv_sizes, gate_up_sizes = [q_size, kv_size, kv_size], [inter, inter]
+    (qkv_module, qkv_grouped), (gate_up_module, gate_up_grouped) = qkv, gate_up
+    rows = {"qkv": q_size + 2 * kv_size, "gate_up": 2 * inter}
+    # (the sizes a group knows, checked; a layer's rows are checked below)
+    qkv_sizes = [q_size, kv_size, kv_size] if qkv_grouped else None
+    gate_up_sizes = [inter, inter] if gate_up_grouped else None
     parts = {
-        "qkv": _packed(attn.qkv.runs[0], qkv_sizes, bias=True),
+        "qkv": _packed(qkv_module, qkv_sizes, bias=True),
         "o": _packed(attn.o_proj),
-        "gate_up": _packed(mlp.gate_up.runs[0], gate_up_sizes),
+        "gate_up": _packed(gate_up_module, gate_up_sizes),
         "down": _packed(mlp.down_proj),
     }
     if any(part is None for part in parts.values()):
         parts = {
-            "qkv": _dense(attn.qkv.runs[0], dtype, qkv_sizes, bias=True),
+            "qkv": _dense(qkv_module, dtype, qkv_sizes, bias=True),
             "o": _dense(attn.o_proj, dtype),
-            "gate_up": _dense(mlp.gate_up.runs[0], dtype, gate_up_sizes),
+            "gate_up": _dense(gate_up_module, dtype, gate_up_sizes),
             "down": _dense(mlp.down_proj, dtype),
         }
         if any(part is None for part in parts.values()) or dense_kernels() is None:
@@ -400,7 +412,9 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
         kernels = cpu_kernels()
         if kernels is None or not kernels.bf16:
             return None
-    bias = attn.qkv.runs[0].bias
+    if any(parts[name][0].shape[0] != n for name, n in rows.items()):
+        return None
+    bias = qkv_module.bias
     if bias is not None and (
         bias.dtype not in DENSE_TYPES or bias.device.type != "cpu" or not bias.is_contiguous()
     ):
@@ -408,4 +422,13 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     lib = _library()
     if lib is None:
         return None
-    return NativeDecoderLayer(lib, layer, rotary, parts)
+    return NativeDecoderLayer(lib, layer, rotary, parts, bias)
+
+
+def _fused(group: Any, layer: Any) -> tuple[Any, bool] | None:
+    """``(module, grouped)``: the module computing a fused product, a group's one run
+    (``grouped``: it knows its parts' sizes), or else a layer whose weight holds the
+    parts' rows (Phi-3's ``qkv_proj``, ``gate_up_proj``); None: a group of several runs."""
+    if group is not None:
+        return (group.runs[0], True) if len(group.runs) == 1 else None
+    return None if layer is None else (layer, False)

@@ -1,8 +1,9 @@
 """The native decoder layer (pagedllm/kernels/cpu_layer.py) with dense float32 / bfloat16
 weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
 as one native call per layer, bit-identical to the op-by-op module path, in
-batch-invariant mode too (Qwen2's Q/K/V biases and Qwen3's norms of each head included);
-layers it cannot compute (an output projection's bias) keep the module path."""
+batch-invariant mode too (Qwen2's Q/K/V biases, Qwen3's norms of each head and Phi-3's
+fused checkpoint weights included); layers it cannot compute (an output projection's bias)
+keep the module path."""
 
 from __future__ import annotations
 
@@ -177,6 +178,31 @@ def test_qwen3_layers_norm_each_head_natively(tmp_path, dtype, invariant):
     layers = llm.llm_engine.runner.model.model.layers
     assert layers[0].self_attn.has_qk_norm
     prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = _run(llm, prompts, params)
+    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    _same(native, _run(llm, prompts, params))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_phi3_fused_checkpoint_layers_run_natively(tmp_path, dtype):
+    """Phi-3's checkpoints fuse Q/K/V and gate/up in one weight each (a layer, not a
+    group of them), rotate half of each head (partial_rotary_factor 0.5) and slide a
+    window: its decode steps run as one native call per layer (the MLP's SiLU on the
+    modules' kernel, as Llama's), bit-identical to the module path."""
+    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    checkpoint = make_checkpoint(
+        tmp_path, "phi3", hidden_size=128, intermediate_size=256, num_attention_heads=4
+    )
+    llm = LLM(str(checkpoint), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
+    layers = llm.llm_engine.runner.model.model.layers
+    assert llm.llm_engine.runner.model.model.rotary_emb.rotary_dim == 16
+    # (past the window of 20: the layers' attention slides)
+    prompts = [{"prompt_token_ids": list(range(100, 130))}]
+    prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
     native = _run(llm, prompts, params)
     assert all(layer._native and layer._native.steps >= 7 for layer in layers)

@@ -160,24 +160,33 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        ops = cpu_ops_for(gate) if gate.dim() == 2 and self.silu else None
-        # The kernel saves two torch calls on the few rows of a decode step; over many
-        # float32 rows (prefill) torch's own vectorised SiLU is faster unless the kernel's
-        # is vectorised too, over bfloat16 ones (which torch widens and narrows op by op)
-        # the kernel. (Batch-invariant mode: one SiLU whatever the row count.)
-        fits = ops is not None and (
-            gate.shape[0] <= SILU_KERNEL_MAX_ROWS
-            or gate.dtype == torch.bfloat16
-            or ops.silu_vector
-            or batch_invariant()
-        )
-        if fits and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
-            return self.down_proj(ops.silu_mul(gate, up))
-        if self.silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
-            from pagedllm.kernels.triton_attention import triton_silu_mul  # (GPUs only)
+        return self.down_proj(gated_activation(gate, up, self.silu, self.act_fn))
 
-            return self.down_proj(triton_silu_mul(gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
+
+def gated_activation(
+    gate: torch.Tensor, up: torch.Tensor, silu: bool, act_fn: nn.Module
+) -> torch.Tensor:
+    """``act_fn(gate) * up`` (``silu``: the activation is SiLU), on the CPU kernel or the
+    Triton one where they take the rows (the native decoder layer, which calls the CPU
+    kernel, relies on the modules taking it for the rows it takes)."""
+    ops = cpu_ops_for(gate) if gate.dim() == 2 and silu else None
+    # The kernel saves two torch calls on the few rows of a decode step; over many
+    # float32 rows (prefill) torch's own vectorised SiLU is faster unless the kernel's
+    # is vectorised too, over bfloat16 ones (which torch widens and narrows op by op)
+    # the kernel. (Batch-invariant mode: one SiLU whatever the row count.)
+    fits = ops is not None and (
+        gate.shape[0] <= SILU_KERNEL_MAX_ROWS
+        or gate.dtype == torch.bfloat16
+        or ops.silu_vector
+        or batch_invariant()
+    )
+    if fits and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
+        return ops.silu_mul(gate, up)
+    if silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
+        from pagedllm.kernels.triton_attention import triton_silu_mul  # (GPUs only)
+
+        return triton_silu_mul(gate, up)
+    return act_fn(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):

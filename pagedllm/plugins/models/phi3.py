@@ -13,8 +13,13 @@ from pagedllm.core.attention import Attention
 from pagedllm.core.layers.linear import Linear, fused_rows
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_rank, tp_size
-from pagedllm.plugins.models.common import activation, kv_head_share
-from pagedllm.plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagedllm.plugins.models.common import SILU_NAMES, activation, kv_head_share
+from pagedllm.plugins.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    gated_activation,
+)
 
 
 class Phi3Attention(nn.Module):
@@ -69,10 +74,11 @@ class Phi3MLP(nn.Module):
         fused_rows(self.gate_up_proj, [(start, local), (inter + start, local)], 2 * inter)
         self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj", parallel="row")
         self.act_fn = activation(config.hidden_act)
+        self.silu = config.hidden_act in SILU_NAMES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(up * self.act_fn(gate))
+        return self.down_proj(gated_activation(gate, up, self.silu, self.act_fn))
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):

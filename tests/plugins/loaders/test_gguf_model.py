@@ -254,6 +254,15 @@ def test_packed_layers_of_one_type_are_fused_when_built():
         assert torch.allclose(out, expected, atol=1e-4)
 
 
+def _same_outputs(native: list, modules: list) -> None:
+    """The same tokens and the same logprobs, bit for bit."""
+    for a, b in zip(native, modules, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs
+        ]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decoder_layers_match_the_module_path(dtype):
     """Decode steps of the Q4_1 Llama layers run as one native call per layer; their
@@ -278,11 +287,35 @@ def test_native_decoder_layers_match_the_module_path(dtype):
         layer._native = False
     modules = llm.generate(prompts, params, use_tqdm=False)
     modules += llm.generate(prompts[:1], params, use_tqdm=False)
-    for a, b in zip(native, modules, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [
-            {t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs
-        ]
+    _same_outputs(native, modules)
+
+
+def test_qwen3_packed_layers_norm_each_head_natively(tmp_path):
+    """A Qwen3 GGUF (Q8_0 products, float32 norms of each query and key head): its decode
+    steps run as one native call per layer, bit-identical to the module path."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_writer import gguf_checkpoint
+
+    directory, path, _ = gguf_checkpoint(tmp_path, "qwen3", T.Q8_0)
+    llm = LLM(
+        str(path),
+        tokenizer=str(directory),
+        dtype="float32",
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+    )
+    layers = llm.llm_engine.runner.model.model.layers
+    assert layers[0].self_attn.has_qk_norm
+    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    native += llm.generate(prompts[:1], params, use_tqdm=False)
+    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
+    for layer in layers:
+        layer._native = False
+    modules = llm.generate(prompts, params, use_tqdm=False)
+    modules += llm.generate(prompts[:1], params, use_tqdm=False)
+    _same_outputs(native, modules)
 
 
 def test_bad_activation_mode_is_refused_at_start(monkeypatch):
