@@ -395,3 +395,39 @@ def assert_matches_reference(
         assert completion.token_ids == tokens
         for step, token in enumerate(tokens):
             assert abs(completion.logprobs[step][token].logprob - top[step][token]) < tolerance
+
+
+def randomize_weights(checkpoint: Path, suffixes: tuple[str, ...], seed: int, base: float) -> None:
+    """Give the checkpoint's tensors whose names end in one of ``suffixes`` random values
+    (``base`` + standard normal): transformers starts biases at zero and norms at one,
+    which a kernel that dropped them, or swapped them, would not show."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in weights.items():
+        if name.endswith(suffixes):
+            noise = torch.randn(tensor.shape, generator=generator)
+            weights[name] = (base + noise).to(tensor.dtype)
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+def assert_native_layers_match(llm: Any, prompts: list, params: Any, min_steps: int = 7) -> None:
+    """Generate ``prompts``, then the first alone (decode steps of one row), with the native
+    decoder layers (pagedllm.kernels.cpu_layer), each of which must have run at least
+    ``min_steps`` steps; then again op by op: the same tokens and logprobs, bit for bit."""
+    layers = llm.llm_engine.runner.model.model.layers
+
+    def run() -> list:
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return out + llm.generate(prompts[:1], params, use_tqdm=False)
+
+    native = run()
+    assert all(layer._native and layer._native.steps >= min_steps for layer in layers)
+    for layer in layers:
+        layer._native = False
+    for a, b in zip(native, run(), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in s.items()} for s in a.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in s.items()} for s in b.outputs[0].logprobs
+        ]

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tiny_models import make_checkpoint
+from tiny_models import assert_native_layers_match, make_checkpoint, randomize_weights
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.batch_invariant import unavailable_reason
@@ -37,6 +36,32 @@ def llama(tmp_path_factory):
     )
 
 
+def _skip_unless_supported(dtype: str, invariant: bool) -> None:
+    if invariant and unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
+        pytest.skip("no bfloat16 attention cache kernel on this CPU")
+    if invariant and dtype == "bfloat16" and not cpu_kernels().bf16:
+        # (the panels then widen the rows to float32, which the native layer does not: it
+        # declines those steps, test_native_layer_declines_widened_panels)
+        pytest.skip("no bfloat16 panels (AVX512-BF16) on this CPU")
+
+
+def _llm(checkpoint, dtype: str, invariant: bool = False) -> LLM:
+    return LLM(
+        str(checkpoint),
+        dtype=dtype,
+        disable_log_stats=True,
+        enable_prefix_caching=False,
+        batch_invariant=invariant,
+    )
+
+
+# Six short prompts, greedy with logprobs: decode steps of up to six rows.
+_SHORT_PROMPTS = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
+_PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+
+
 def _run(llm: LLM, prompts, params):
     out = llm.generate(prompts, params, use_tqdm=False)
     # (and one prompt alone: decode steps of one row)
@@ -54,21 +79,8 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
-    if invariant and unavailable_reason() is not None:
-        pytest.skip(unavailable_reason())
-    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
-        pytest.skip("no bfloat16 attention cache kernel on this CPU")
-    if invariant and dtype == "bfloat16" and not cpu_kernels().bf16:
-        # (the panels then widen the rows to float32, which the native layer does not: it
-        # declines those steps, test_native_layer_declines_widened_panels)
-        pytest.skip("no bfloat16 panels (AVX512-BF16) on this CPU")
-    llm = LLM(
-        str(llama),
-        dtype=dtype,
-        disable_log_stats=True,
-        enable_prefix_caching=False,
-        batch_invariant=invariant,
-    )
+    _skip_unless_supported(dtype, invariant)
+    llm = _llm(llama, dtype, invariant)
     layers = llm.llm_engine.runner.model.model.layers
     limit = small_rows_max(layers[0].input_layernorm.weight.dtype)
     if dtype == "bfloat16" and _amx():
@@ -120,23 +132,10 @@ def test_qwen2_layers_add_their_qkv_bias_natively(tmp_path, dtype):
     checkpoint = make_checkpoint(
         tmp_path, "qwen2", hidden_size=128, intermediate_size=256, num_attention_heads=4
     )
-    # (transformers starts biases at zero, which would add nothing to compare)
-    weights = load_file(checkpoint / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    for name, tensor in weights.items():
-        if name.endswith("_proj.bias"):
-            weights[name] = torch.randn(tensor.shape, generator=g).to(tensor.dtype)
-    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    randomize_weights(checkpoint, ("_proj.bias",), seed=5, base=0.0)
     llm = LLM(str(checkpoint), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
-    layers = llm.llm_engine.runner.model.model.layers
-    assert layers[0].self_attn.qkv.runs[0].bias is not None
-    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = _run(llm, prompts, params)
-    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
-    for layer in layers:
-        layer._native = False
-    _same(native, _run(llm, prompts, params))
+    assert llm.llm_engine.runner.model.model.layers[0].self_attn.qkv.runs[0].bias is not None
+    assert_native_layers_match(llm, _SHORT_PROMPTS, _PARAMS)
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
@@ -145,12 +144,7 @@ def test_qwen3_layers_norm_each_head_natively(tmp_path, dtype, invariant):
     """Qwen3 norms each query and key head (RMSNorm over head_dim) before the rotary
     embedding: the native layer norms them with the modules' kernel, and its decode steps
     give the module path's bits, one row or several, in batch-invariant mode too."""
-    if invariant and unavailable_reason() is not None:
-        pytest.skip(unavailable_reason())
-    if dtype == "bfloat16" and not cpu_ops().bf16_cache_ok(32):
-        pytest.skip("no bfloat16 attention cache kernel on this CPU")
-    if invariant and dtype == "bfloat16" and not cpu_kernels().bf16:
-        pytest.skip("no bfloat16 panels (AVX512-BF16) on this CPU")
+    _skip_unless_supported(dtype, invariant)
     checkpoint = make_checkpoint(
         tmp_path,
         "qwen3",
@@ -160,30 +154,11 @@ def test_qwen3_layers_norm_each_head_natively(tmp_path, dtype, invariant):
         num_key_value_heads=2,
         head_dim=32,
     )
-    # (transformers starts the norms' weights at one: random ones, and apart for Q and K,
-    # so that a norm given the other's weight, or none, changes the tokens)
-    weights = load_file(checkpoint / "model.safetensors")
-    g = torch.Generator().manual_seed(3)
-    for name, tensor in weights.items():
-        if name.endswith(("q_norm.weight", "k_norm.weight")):
-            weights[name] = (1 + torch.randn(tensor.shape, generator=g)).to(tensor.dtype)
-    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
-    llm = LLM(
-        str(checkpoint),
-        dtype=dtype,
-        disable_log_stats=True,
-        enable_prefix_caching=False,
-        batch_invariant=invariant,
-    )
-    layers = llm.llm_engine.runner.model.model.layers
-    assert layers[0].self_attn.has_qk_norm
-    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(6)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = _run(llm, prompts, params)
-    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
-    for layer in layers:
-        layer._native = False
-    _same(native, _run(llm, prompts, params))
+    # (random norms, apart for Q and K: a norm given the other's weight, or none, shows)
+    randomize_weights(checkpoint, ("q_norm.weight", "k_norm.weight"), seed=3, base=1.0)
+    llm = _llm(checkpoint, dtype, invariant)
+    assert llm.llm_engine.runner.model.model.layers[0].self_attn.has_qk_norm
+    assert_native_layers_match(llm, _SHORT_PROMPTS, _PARAMS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -197,18 +172,11 @@ def test_phi3_fused_checkpoint_layers_run_natively(tmp_path, dtype):
     checkpoint = make_checkpoint(
         tmp_path, "phi3", hidden_size=128, intermediate_size=256, num_attention_heads=4
     )
-    llm = LLM(str(checkpoint), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
-    layers = llm.llm_engine.runner.model.model.layers
+    llm = _llm(checkpoint, dtype)
     assert llm.llm_engine.runner.model.model.rotary_emb.rotary_dim == 16
     # (past the window of 20: the layers' attention slides)
-    prompts = [{"prompt_token_ids": list(range(100, 130))}]
-    prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = _run(llm, prompts, params)
-    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
-    for layer in layers:
-        layer._native = False
-    _same(native, _run(llm, prompts, params))
+    prompts = [{"prompt_token_ids": list(range(100, 130))}, *_SHORT_PROMPTS[:5]]
+    assert_native_layers_match(llm, prompts, _PARAMS)
 
 
 def test_layers_with_biases_keep_the_module_path(tmp_path):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from gguf_reference import assert_greedy_parity, hf_gguf_model
+from tiny_models import assert_native_layers_match
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.errors import ConfigError
@@ -254,15 +255,6 @@ def test_packed_layers_of_one_type_are_fused_when_built():
         assert torch.allclose(out, expected, atol=1e-4)
 
 
-def _same_outputs(native: list, modules: list) -> None:
-    """The same tokens and the same logprobs, bit for bit."""
-    for a, b in zip(native, modules, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == [
-            {t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs
-        ]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decoder_layers_match_the_module_path(dtype):
     """Decode steps of the Q4_1 Llama layers run as one native call per layer; their
@@ -273,21 +265,13 @@ def test_native_decoder_layers_match_the_module_path(dtype):
     if dtype == "bfloat16" and (cpu_kernels() is None or not cpu_kernels().bf16):
         pytest.skip("no bfloat16 GGUF products on this CPU (AVX512-BF16)")
     llm = LLM(str(SMOLLM2_GGUF), dtype=dtype, disable_log_stats=True, enable_prefix_caching=False)
-    layers = llm.llm_engine.runner.model.model.layers
     prompts = [{"prompt_token_ids": list(range(1000, 1100))}, {"prompt_token_ids": [5, 6, 7]}]
     # 68 more short prompts: decode steps of 70 rows (the float32 layer declines those,
     # past the module path's SiLU-kernel limit; the bfloat16 one takes them).
     prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(68)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=3)
     # (and one prompt alone: decode steps of one row, which have their own products)
-    native = llm.generate(prompts, params, use_tqdm=False)
-    native += llm.generate(prompts[:1], params, use_tqdm=False)
-    assert all(layer._native for layer in layers)
-    for layer in layers:
-        layer._native = False
-    modules = llm.generate(prompts, params, use_tqdm=False)
-    modules += llm.generate(prompts[:1], params, use_tqdm=False)
-    _same_outputs(native, modules)
+    assert_native_layers_match(llm, prompts, params, min_steps=1)
 
 
 def test_qwen3_packed_layers_norm_each_head_natively(tmp_path):
@@ -304,18 +288,10 @@ def test_qwen3_packed_layers_norm_each_head_natively(tmp_path):
         disable_log_stats=True,
         enable_prefix_caching=False,
     )
-    layers = llm.llm_engine.runner.model.model.layers
-    assert layers[0].self_attn.has_qk_norm
+    assert llm.llm_engine.runner.model.model.layers[0].self_attn.has_qk_norm
     prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = llm.generate(prompts, params, use_tqdm=False)
-    native += llm.generate(prompts[:1], params, use_tqdm=False)
-    assert all(layer._native and layer._native.steps >= 7 for layer in layers)
-    for layer in layers:
-        layer._native = False
-    modules = llm.generate(prompts, params, use_tqdm=False)
-    modules += llm.generate(prompts[:1], params, use_tqdm=False)
-    _same_outputs(native, modules)
+    assert_native_layers_match(llm, prompts, params)
 
 
 def test_bad_activation_mode_is_refused_at_start(monkeypatch):
