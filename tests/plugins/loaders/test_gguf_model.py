@@ -274,13 +274,16 @@ def test_native_decoder_layers_match_the_module_path(dtype):
     assert_native_layers_match(llm, prompts, params, min_steps=1)
 
 
-def test_qwen3_packed_layers_norm_each_head_natively(tmp_path):
-    """A Qwen3 GGUF (Q8_0 products, float32 norms of each query and key head): its decode
-    steps run as one native call per layer, bit-identical to the module path."""
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_packed_qwen3_and_phi3_layers_run_natively(tmp_path, arch):
+    """GGUF files with Q8_0 products: Qwen3's layers (float32 norms of each query and key
+    head) and Phi-3's (Q/K/V and gate/up each one fused tensor, partial rotary, a sliding
+    window) run their decode steps as one native call per layer, bit-identical to the
+    module path."""
     from gguf import GGMLQuantizationType as T
     from gguf_writer import gguf_checkpoint
 
-    directory, path, _ = gguf_checkpoint(tmp_path, "qwen3", T.Q8_0)
+    directory, path, _ = gguf_checkpoint(tmp_path, arch, T.Q8_0)
     llm = LLM(
         str(path),
         tokenizer=str(directory),
@@ -288,8 +291,11 @@ def test_qwen3_packed_layers_norm_each_head_natively(tmp_path):
         disable_log_stats=True,
         enable_prefix_caching=False,
     )
-    assert llm.llm_engine.runner.model.model.layers[0].self_attn.has_qk_norm
-    prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
+    attn = llm.llm_engine.runner.model.model.layers[0].self_attn
+    assert getattr(attn, "has_qk_norm", False) == (arch == "qwen3")
+    # (the first prompt past Phi-3's window of 20)
+    prompts = [{"prompt_token_ids": list(range(100, 130))}]
+    prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
     assert_native_layers_match(llm, prompts, params)
 
