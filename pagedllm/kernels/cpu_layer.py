@@ -356,18 +356,17 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
     if not getattr(mlp, "silu", False):
         return None
-    qk_norms = _qk_norms(attn)
-    # (Qwen3's norms of each head: plain RMSNorms over head_dim)
-    if qk_norms is not None and not all(
-        _plain_norm(norm, layer.input_layernorm.weight.dtype)
-        and tuple(norm.weight.shape) == (attn.head_dim,)
-        for norm in qk_norms
-    ):
-        return None
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None
     dtype = layer.input_layernorm.weight.dtype
     if dtype not in DENSE_TYPES:
+        return None
+    qk_norms = _qk_norms(attn)
+    # (Qwen3's norms of each head: plain RMSNorms over head_dim)
+    if qk_norms is not None and not all(
+        _plain_norm(norm, dtype) and tuple(norm.weight.shape) == (attn.head_dim,)
+        for norm in qk_norms
+    ):
         return None
     if any(getattr(module, "lora", None) is not None for module in layer.modules()):
         return None  # (the layer adds no LoRA deltas)
