@@ -22,6 +22,9 @@ import shutil
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shape import add_shape_arguments, check_shape
+
 # The tokenizer's files a checkpoint directory may hold, copied as they are.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,20 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="The directory to write.")
     parser.add_argument("--arch", required=True, help="transformers model_type, e.g. qwen3.")
-    parser.add_argument("--hidden", type=int, required=True, help="Embedding width.")
-    parser.add_argument("--layers", type=int, required=True, help="Decoder layers.")
-    parser.add_argument("--heads", type=int, required=True, help="Attention heads.")
-    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads).")
-    parser.add_argument(
-        "--head-dim", type=int, default=None, help="Width of a head (default: hidden / heads)."
-    )
-    parser.add_argument("--ffn", type=int, required=True, help="Feed-forward width.")
-    parser.add_argument(
-        "--vocab",
-        type=int,
-        default=None,
-        help="Vocabulary size, at least the tokenizer's (default: the tokenizer's).",
-    )
+    add_shape_arguments(parser, head_dim=True)
     parser.add_argument("--context", type=int, default=8192, help="max_position_embeddings.")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--untied", action="store_true", help="An output head of its own.")
@@ -62,16 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Checkpoint directory whose tokenizer files are copied (tokenizer.json, ...).",
     )
     args = parser.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
-    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
+    check_shape(parser, args)
     if args.head_dim is None:
         if args.hidden % args.heads:
             parser.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
         args.head_dim = args.hidden // args.heads
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if not (args.tokenizer_from / "tokenizer.json").is_file():
         parser.error(f"--tokenizer-from {args.tokenizer_from}: no tokenizer.json there")
     return args

@@ -25,6 +25,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shape import add_shape_arguments, check_shape
+
 # The types gguf.quants can write, as --type spells them.
 TYPES = {
     "f32": GGMLQuantizationType.F32,
@@ -52,17 +55,7 @@ FILE_TYPES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="The GGUF file to write.")
-    parser.add_argument("--hidden", type=int, required=True, help="Embedding width.")
-    parser.add_argument("--layers", type=int, required=True, help="Decoder layers.")
-    parser.add_argument("--heads", type=int, required=True, help="Attention heads.")
-    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads).")
-    parser.add_argument("--ffn", type=int, required=True, help="Feed-forward width.")
-    parser.add_argument(
-        "--vocab",
-        type=int,
-        default=None,
-        help="Vocabulary size, at least the tokenizer's (default: the tokenizer's).",
-    )
+    add_shape_arguments(parser)
     parser.add_argument("--type", choices=sorted(TYPES), default="q4_0", help="2-D weights' type.")
     parser.add_argument("--context", type=int, default=4096, help="context_length (tokens).")
     parser.add_argument("--rope-theta", type=float, default=500000.0, help="RoPE base.")
@@ -76,14 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GGUF file whose tokenizer.* metadata is copied (default: the default model).",
     )
     args = parser.parse_args(argv)
-    args.kv_heads = args.kv_heads or args.heads
-    for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "context"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
+    check_shape(parser, args)
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
         parser.error(f"--hidden {args.hidden} must be an even multiple of --heads {args.heads}")
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     block = gguf.GGML_QUANT_SIZES[TYPES[args.type]][0]
     for name in ("hidden", "ffn"):  # the rows' lengths (the products' input widths)
         if getattr(args, name) % block:
