@@ -417,16 +417,23 @@ def assert_native_layers_match(llm: Any, prompts: list, params: Any, min_steps: 
     decoder layers (pagedllm.kernels.cpu_layer), each of which must have run at least
     ``min_steps`` steps; then again op by op: the same tokens and logprobs, bit for bit."""
     layers = llm.llm_engine.runner.model.model.layers
-
-    def run() -> list:
-        out = llm.generate(prompts, params, use_tqdm=False)
-        return out + llm.generate(prompts[:1], params, use_tqdm=False)
-
-    native = run()
+    native = generate_with_first_alone(llm, prompts, params)
     assert all(layer._native and layer._native.steps >= min_steps for layer in layers)
     for layer in layers:
         layer._native = False
-    for a, b in zip(native, run(), strict=True):
+    assert_same_outputs(native, generate_with_first_alone(llm, prompts, params))
+
+
+def generate_with_first_alone(llm: Any, prompts: list, params: Any) -> list:
+    """``llm``'s outputs for ``prompts``, then for the first prompt alone (decode steps of
+    one row)."""
+    out = llm.generate(prompts, params, use_tqdm=False)
+    return out + llm.generate(prompts[:1], params, use_tqdm=False)
+
+
+def assert_same_outputs(first: list, second: list) -> None:
+    """The same tokens and logprobs in both lists of outputs, bit for bit."""
+    for a, b in zip(first, second, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in s.items()} for s in a.outputs[0].logprobs] == [
             {t: lp.logprob for t, lp in s.items()} for s in b.outputs[0].logprobs

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import assert_native_layers_match, make_checkpoint, randomize_weights
+from tiny_models import (
+    assert_native_layers_match,
+    assert_same_outputs,
+    generate_with_first_alone,
+    make_checkpoint,
+    randomize_weights,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.batch_invariant import unavailable_reason
@@ -62,20 +68,6 @@ _SHORT_PROMPTS = [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in
 _PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
 
 
-def _run(llm: LLM, prompts, params):
-    out = llm.generate(prompts, params, use_tqdm=False)
-    # (and one prompt alone: decode steps of one row)
-    return out + llm.generate(prompts[:1], params, use_tqdm=False)
-
-
-def _same(a, b) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in s.items()} for s in x.outputs[0].logprobs] == [
-            {t: lp.logprob for t, lp in s.items()} for s in y.outputs[0].logprobs
-        ]
-
-
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
@@ -90,14 +82,14 @@ def test_dense_native_layers_match_the_module_path(llama, dtype, invariant):
     # More prompts than the layer takes rows: those decode steps stay op by op.
     prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(limit + 2)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = _run(llm, prompts, params)
+    native = generate_with_first_alone(llm, prompts, params)
     assert all(layer._native for layer in layers)
     # (the steps of one row at least: 7 decode steps of the prompt alone)
     assert all(layer._native.steps >= 7 for layer in layers)
     assert layers[0]._native.max_tokens() == limit
     for layer in layers:
         layer._native = False
-    _same(native, _run(llm, prompts, params))
+    assert_same_outputs(native, generate_with_first_alone(llm, prompts, params))
 
 
 def _amx() -> bool:
@@ -119,7 +111,7 @@ def test_bfloat16_batched_decodes_run_natively_on_amx(llama, rows):
     assert all(layer._native.steps >= 5 for layer in layers)
     for layer in layers:
         layer._native = False
-    _same(native, llm.generate(prompts, params, use_tqdm=False))
+    assert_same_outputs(native, llm.generate(prompts, params, use_tqdm=False))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -206,8 +198,8 @@ def test_native_layer_declines_widened_panels(llama):
     layers = llm.llm_engine.runner.model.model.layers
     prompts = [{"prompt_token_ids": [7 + i, 300 + i, 9]} for i in range(3)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3)
-    native = _run(llm, prompts, params)
+    native = generate_with_first_alone(llm, prompts, params)
     assert all(layer._native and layer._native.steps == 0 for layer in layers)
     for layer in layers:
         layer._native = False
-    _same(native, _run(llm, prompts, params))
+    assert_same_outputs(native, generate_with_first_alone(llm, prompts, params))
