@@ -1,12 +1,14 @@
-"""A Llama-family decoder layer as one native call (``csrc/cpu_layer.c``) for decode steps
-on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
+"""A Llama-family (or Gemma 3) decoder layer as one native call (``csrc/cpu_layer.c``) for
+decode steps on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 
 :func:`native_decoder_layer` inspects a built layer and returns a
 :class:`NativeDecoderLayer` when every part qualifies (Q/K/V and gate/up each one fused
 weight, a group's or as Phi-3's checkpoints fuse them, with the output and down projections
 either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases but the Q/K/V
-group's (Qwen2's), no LoRA, Q/K norms only as plain RMSNorms of each head (Qwen3's), SiLU,
-plain RMSNorms, NeoX RoPE tables in float32; a float32 model, or a bfloat16 one where the
+group's (Qwen2's), no LoRA, Q/K norms only as RMSNorms of each head (Qwen3's, Gemma 3's),
+SiLU or GELU's tanh form (Gemma's) on the modules' kernel, RMSNorms of one weight offset (0,
+or Gemma's 1) with Gemma 3's norms of the attention's and the MLP's outputs, no soft-capped
+scores, NeoX RoPE tables in float32; a float32 model, or a bfloat16 one where the
 CPU has the attention kernel's bfloat16 cache, and for packed weights the bfloat16
 products), else None. Dense products are :mod:`pagedllm.kernels.dense_cpu`'s small-row
 kernel, which the modules call for as many rows
@@ -38,6 +40,7 @@ import torch
 from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels.batch_invariant import batch_invariant
 from pagedllm.kernels.cpu_ops import (
+    GATED_KERNELS,
     MAX_GROUP,
     MAX_HEAD_DIM,
     SILU_KERNEL_MAX_ROWS,
@@ -101,6 +104,10 @@ class _LayerArgs(ctypes.Structure):
         ("k_norm", _ptr),
         ("eps_q", _f32),
         ("eps_k", _f32),
+        *[(name, _f32) for name in ("norm_offset", "eps_post_attn", "eps_post_mlp", "pad2")],
+        ("post_attn", _ptr),
+        ("post_mlp", _ptr),
+        ("activation", _i64),
     ]
 
 
@@ -172,16 +179,32 @@ def _amx_fits(parts: dict[str, Any]) -> bool:
     return all(kernels.fits(w[:1], w) for w in weights)
 
 
-def _plain_norm(norm: Any, dtype: torch.dtype) -> bool:
+def _plain_norm(norm: Any, dtype: torch.dtype, offset: float = 0.0) -> bool:
+    """An RMSNorm (the modules' kernel) whose weights, of ``dtype``, are offset by
+    ``offset``."""
     return (
-        getattr(norm, "offset", None) == 0.0
+        getattr(norm, "offset", None) == offset
         and norm.weight.dtype == dtype
         and norm.weight.is_contiguous()
     )
 
 
+def _norms(layer: Any) -> dict[str, Any]:
+    """The layer's norms by their role in csrc/cpu_layer.c: ``ln1`` before the attention,
+    ``ln2`` before the MLP and, in Gemma 3's layers, ``post_attn`` and ``post_mlp`` of the
+    attention's and the MLP's outputs."""
+    if getattr(layer, "pre_feedforward_layernorm", None) is not None:
+        return {
+            "ln1": layer.input_layernorm,
+            "ln2": layer.pre_feedforward_layernorm,
+            "post_attn": layer.post_attention_layernorm,
+            "post_mlp": layer.post_feedforward_layernorm,
+        }
+    return {"ln1": layer.input_layernorm, "ln2": layer.post_attention_layernorm}
+
+
 def _qk_norms(attn: Any) -> tuple[Any, Any] | None:
-    """The attention's norms of each query and each key head (Qwen3's), or None."""
+    """The attention's norms of each query and each key head (Qwen3's, Gemma 3's), or None."""
     if not getattr(attn, "has_qk_norm", False):
         return None
     q_name, k_name = attn.qk_norm_names
@@ -211,10 +234,10 @@ class NativeDecoderLayer:
         self._max_tokens: int | None = None
         # Steps computed natively (for tests and profiles).
         self.steps = 0
+        norms = _norms(layer)
         # Kept so the pointers below stay valid (and are checked against on every call).
         self.tensors = [
-            layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight,
+            *(norm.weight for norm in norms.values()),
             *(parts[name][0] for name in ("qkv", "o", "gate_up", "down")),
             rotary.cos,
             rotary.sin,
@@ -229,9 +252,14 @@ class NativeDecoderLayer:
         args.hidden = layer.input_layernorm.weight.shape[0]
         args.heads, args.kv_heads, args.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         args.inter = mlp.down_proj.input_size
-        args.ln1, args.ln2 = self.pointers[0], self.pointers[1]
-        args.eps1 = layer.input_layernorm.eps
-        args.eps2 = layer.post_attention_layernorm.eps
+        args.ln1, args.eps1 = norms["ln1"].weight.data_ptr(), norms["ln1"].eps
+        args.ln2, args.eps2 = norms["ln2"].weight.data_ptr(), norms["ln2"].eps
+        if "post_attn" in norms:
+            args.post_attn = norms["post_attn"].weight.data_ptr()
+            args.post_mlp = norms["post_mlp"].weight.data_ptr()
+            args.eps_post_attn, args.eps_post_mlp = norms["post_attn"].eps, norms["post_mlp"].eps
+        args.norm_offset = norms["ln1"].offset
+        args.activation = GATED_KERNELS[mlp.gated_kernel]
         self.dense = parts["qkv"][1] < 0
         # (bfloat16 dense weights the AMX kernel takes: steps of its rows too, see max_tokens)
         self.amx = self.dense and self.dtype == torch.bfloat16 and _amx_fits(parts)
@@ -354,17 +382,23 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     if tp_size() > 1:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if not getattr(mlp, "silu", False):
+    if getattr(mlp, "gated_kernel", None) not in GATED_KERNELS:
         return None
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None
+    if getattr(attn.attn, "logits_soft_cap", None) is not None:
+        return None  # (Gemma 2's soft-capped scores: not the paged-attention kernel's)
     dtype = layer.input_layernorm.weight.dtype
     if dtype not in DENSE_TYPES:
         return None
+    # (every norm of the layer with the first one's weight offset)
+    offset = getattr(layer.input_layernorm, "offset", None)
+    if not isinstance(offset, float):
+        return None  # (not an RMSNorm)
     qk_norms = _qk_norms(attn)
-    # (Qwen3's norms of each head: plain RMSNorms over head_dim)
+    # (Qwen3's and Gemma 3's norms of each head: RMSNorms over head_dim)
     if qk_norms is not None and not all(
-        _plain_norm(norm, dtype) and tuple(norm.weight.shape) == (attn.head_dim,)
+        _plain_norm(norm, dtype, offset) and tuple(norm.weight.shape) == (attn.head_dim,)
         for norm in qk_norms
     ):
         return None
@@ -374,8 +408,7 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     # The bfloat16 layer needs a bfloat16 cache the attention kernel reads.
     if dtype == torch.bfloat16 and (ops is None or not ops.bf16_cache_ok(attn.head_dim)):
         return None
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not all(_plain_norm(norm, dtype) for norm in norms):
+    if not all(_plain_norm(norm, dtype, offset) for norm in _norms(layer).values()):
         return None
     cos = getattr(rotary, "cos", None)
     if cos is None or cos.dtype != torch.float32 or not cos.is_contiguous():

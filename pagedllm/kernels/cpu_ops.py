@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BF16_HEAD_DIMS",
+    "GATED_ACTIVATIONS",
+    "GATED_KERNELS",
     "MAX_GROUP",
     "MAX_HEAD_DIM",
     "SILU_KERNEL_MAX_ROWS",
@@ -44,6 +46,13 @@ BF16_HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
 # decoder layer (pagedllm.kernels.cpu_layer) keeps to it too, so that both paths agree bit
 # for bit.
 SILU_KERNEL_MAX_ROWS = 64
+# The kernels of act(gate) * up, by the name of the activations they compute
+# (transformers' names; GELU's tanh approximation is Gemma's): the models' gated MLPs call
+# them (pagedllm.plugins.models.llama.gated_activation), as does the native decoder layer.
+# The float32 ones are vectorised together (CpuOps.silu_vector) and keep to
+# SILU_KERNEL_MAX_ROWS alike where they are not.
+GATED_KERNELS = {"silu_mul": 0, "gelu_tanh_mul": 1}
+GATED_ACTIVATIONS = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul"}
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,10 +119,12 @@ class CpuOps:
             i32,
         ]
         lib.pagedllm_rotary_neox.restype = None
-        lib.pagedllm_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
-        lib.pagedllm_silu_mul.restype = None
+        for name in GATED_KERNELS:
+            gated = getattr(lib, f"pagedllm_{name}")
+            gated.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32]
+            gated.restype = None
         # The bfloat16 forms take the same arguments.
-        for name in ("rms_norm", "rotary_neox", "silu_mul"):
+        for name in ("rms_norm", "rotary_neox", *GATED_KERNELS):
             bf16 = getattr(lib, f"pagedllm_{name}_bf16")
             bf16.argtypes = getattr(lib, f"pagedllm_{name}").argtypes
             bf16.restype = None
@@ -157,8 +168,9 @@ class CpuOps:
         self._bf16_products = bool(lib.pagedllm_attention_bf16_products())
         lib.pagedllm_silu_vector.argtypes = []
         lib.pagedllm_silu_vector.restype = i32
-        # Whether the float32 SiLU kernel is vectorised (then faster than torch's SiLU and
-        # product at any row count: 2048 rows of SmolLM2's 1536 on Zen 3, 8.1 ms / 13.0)
+        # Whether the float32 SiLU and GELU kernels are vectorised (then faster than torch's
+        # activation and product at any row count: SiLU, 2048 rows of SmolLM2's 1536 on
+        # Zen 3, 8.1 ms / 13.0)
         self.silu_vector = bool(lib.pagedllm_silu_vector())
         self.lib = lib
 
@@ -259,11 +271,18 @@ class CpuOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``[T, n]`` rows (each evenly strided, one dtype)."""
+        return self.gated_mul("silu_mul", gate, up)
+
+    def gated_mul(self, kernel: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` for ``[T, n]`` rows (each evenly strided, one dtype) by one of
+        :data:`GATED_KERNELS` (``silu_mul``, ``gelu_tanh_mul``)."""
+        if kernel not in GATED_KERNELS:
+            raise ValueError(f"no gated kernel {kernel!r}")
         tokens, n = gate.shape
         if up.dtype != gate.dtype:
-            raise TypeError("silu_mul takes gate and up of one dtype")
+            raise TypeError(f"{kernel} takes gate and up of one dtype")
         out = torch.empty(tokens, n, dtype=gate.dtype)
-        self._kernel("silu_mul", gate)(
+        self._kernel(kernel, gate)(
             gate.data_ptr(),
             gate.stride(0),
             up.data_ptr(),

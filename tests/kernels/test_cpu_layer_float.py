@@ -1,9 +1,9 @@
 """The native decoder layer (pagedllm/kernels/cpu_layer.py) with dense float32 / bfloat16
 weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
 as one native call per layer, bit-identical to the op-by-op module path, in
-batch-invariant mode too (Qwen2's Q/K/V biases, Qwen3's norms of each head and Phi-3's
-fused checkpoint weights included); layers it cannot compute (an output projection's bias)
-keep the module path."""
+batch-invariant mode too (Qwen2's Q/K/V biases, Qwen3's norms of each head, Phi-3's fused
+checkpoint weights and Gemma 3's layers included); layers it cannot compute (an output
+projection's bias, Gemma 2's soft-capped scores) keep the module path."""
 
 from __future__ import annotations
 
@@ -169,6 +169,45 @@ def test_phi3_fused_checkpoint_layers_run_natively(tmp_path, dtype):
     # (past the window of 20: the layers' attention slides)
     prompts = [{"prompt_token_ids": list(range(100, 130))}, *_SHORT_PROMPTS[:5]]
     assert_native_layers_match(llm, prompts, _PARAMS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma3_layers_run_natively(tmp_path, dtype):
+    """Gemma 3's layers: four norms scaling by (1 + w), the attention's and the MLP's
+    outputs normed before their residual adds, norms of each query and key head, GELU's
+    tanh form, a query scale of its own, sliding and global layers with their own RoPE
+    tables: one native call per layer and decode step, the module path's bits. (Gemma 3
+    has no batch-invariant mode.)"""
+    _skip_unless_supported(dtype, False)
+    checkpoint = make_checkpoint(
+        tmp_path,
+        "gemma3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+    )
+    # (each norm its own random weights: one given another's, or dropped, shows)
+    norms = ("layernorm.weight", "q_norm.weight", "k_norm.weight")
+    randomize_weights(checkpoint, norms, seed=5, base=0.0)
+    llm = _llm(checkpoint, dtype)
+    layers = llm.llm_engine.runner.model.model.layers
+    assert {layer.layer_type for layer in layers} == {"sliding_attention", "full_attention"}
+    # (past the window of 12: the sliding layers' attention slides)
+    prompts = [{"prompt_token_ids": list(range(100, 120))}, *_SHORT_PROMPTS[:5]]
+    assert_native_layers_match(llm, prompts, _PARAMS)
+
+
+def test_gemma2_soft_capped_layers_keep_the_module_path(tmp_path):
+    """Gemma 2 soft-caps its attention scores, which the paged-attention kernel does not:
+    its layers decline the native call."""
+    checkpoint = make_checkpoint(tmp_path, "gemma2")
+    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert all(layer._native is False for layer in llm.llm_engine.runner.model.model.layers)
 
 
 def test_layers_with_biases_keep_the_module_path(tmp_path):

@@ -14,6 +14,7 @@ from kernel_checks import skip_unless_build_failed
 
 from pagedllm.core.attention.metadata import AttentionMetadata
 from pagedllm.core.attention.torch_backend import TorchSDPABackend
+from pagedllm.kernels.cpu_ops import GATED_KERNELS
 from pagedllm.kernels.native import CSRC, c_compiler, load_kernel_library
 from pagedllm.kernels.norms import rms_norm
 from pagedllm.kernels.rotary import apply_rotary
@@ -80,32 +81,61 @@ def test_rotary_is_bit_exact_on_views_of_a_fused_buffer(ops, rotary_dim):
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
 
-def test_silu_mul_matches_reference(ops):
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form as x * sigmoid(2u) in float64, rounded to ``x``'s dtype: the
+    function torch computes as 0.5 x (1 + tanh(u)), whose 1 + tanh(u) cancels to zero
+    (even in float64) where x * sigmoid(2u) is still exact, below x = -5 or so."""
+    x64 = x.double()
+    u = math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64**3)
+    return (x64 * torch.sigmoid(2 * u)).to(x.dtype)
+
+
+# The gated kernels (cpu_ops.GATED_KERNELS) and the activation each computes.
+_GATED = {"silu_mul": F.silu, "gelu_tanh_mul": _gelu_tanh}
+
+
+def test_gated_kernels_are_the_tested_ones():
+    assert set(_GATED) == set(GATED_KERNELS)
+    x = torch.linspace(-12, 12, 4801)
+    torch.testing.assert_close(_gelu_tanh(x), F.gelu(x, approximate="tanh"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", sorted(_GATED))
+def test_gated_kernels_match_reference(ops, kernel):
     g = torch.Generator().manual_seed(3)
     gate_up = torch.randn(5, 2 * 1536, generator=g) * 6
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     gate, up = gate_up.split([1536, 1536], dim=-1)
-    expected = F.silu(gate) * up
-    assert torch.allclose(ops.silu_mul(gate, up), expected, rtol=1e-6, atol=1e-6)
+    expected = _GATED[kernel](gate) * up
+    got = ops.gated_mul(kernel, gate, up)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # (each row's result its own)
+    assert torch.equal(ops.gated_mul(kernel, gate[2:3], up[2:3]), got[2:3])
 
 
-def test_silu_mul_lanes_equal_the_plain_loop(ops):
-    """The float32 SiLU's vector lanes (where the build has them) compute what its plain
-    loop computes, bit for bit: each column once among 1536 (eight lanes at a time) and
-    once as the first of 7 columns (fewer than eight: the loop)."""
+@pytest.mark.parametrize("kernel", sorted(_GATED))
+def test_gated_kernel_lanes_equal_the_plain_loop(ops, kernel):
+    """A float32 gated kernel's vector lanes (where the build has them) compute what its
+    plain loop computes, bit for bit: each column once among 1536 (eight lanes at a time)
+    and once as the first of 7 columns (fewer than eight: the loop)."""
     g = torch.Generator().manual_seed(5)
     gate_up = torch.randn(3, 2 * 1536, generator=g) * 8
     special = [-100.0, 100.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 88.0, -87.0]
     gate_up[0, : len(special)] = torch.tensor(special)
     gate, up = gate_up.split([1536, 1536], dim=-1)
-    lanes = ops.silu_mul(gate, up)
+    lanes = ops.gated_mul(kernel, gate, up)
     loop = torch.stack(
-        [ops.silu_mul(gate[:, j : j + 7], up[:, j : j + 7])[:, 0] for j in range(1536 - 7)], 1
+        [
+            ops.gated_mul(kernel, gate[:, j : j + 7], up[:, j : j + 7])[:, 0]
+            for j in range(1536 - 7)
+        ],
+        1,
     )
     assert torch.equal(lanes[:, : 1536 - 7].isnan(), loop.isnan())
     assert torch.equal(lanes[:, : 1536 - 7].nan_to_num(0.5), loop.nan_to_num(0.5))
     finite = gate.isfinite()
-    torch.testing.assert_close(lanes[finite], (F.silu(gate) * up)[finite], rtol=1e-6, atol=1e-6)
+    expected = (_GATED[kernel](gate) * up)[finite]
+    torch.testing.assert_close(lanes[finite], expected, rtol=1e-6, atol=1e-6)
 
 
 def _bf16_mismatch(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -137,9 +167,10 @@ def test_bfloat16_elementwise_kernels_round_like_the_reference(ops):
 
     gate_up = (torch.randn(70, 2 * 1536, generator=g) * 6).bfloat16()
     gate, up = gate_up.split([1536, 1536], dim=-1)
-    got = ops.silu_mul(gate, up)
-    assert got.dtype == torch.bfloat16
-    assert _bf16_mismatch(got, F.silu(gate) * up) < 0.01
+    for kernel, act in _GATED.items():
+        got = ops.gated_mul(kernel, gate, up)
+        assert got.dtype == torch.bfloat16
+        assert _bf16_mismatch(got, act(gate) * up) < 0.01
 
     tokens, heads, kv_heads, d = 7, 9, 3, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).bfloat16()

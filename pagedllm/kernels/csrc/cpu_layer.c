@@ -1,6 +1,6 @@
-/* One Llama-family decoder layer in a single call, for decode steps on the CPU with GGUF
- * or dense float32 / bfloat16 weights (pagedllm/kernels/cpu_layer.py builds and loads this
- * file). It runs the same kernels the layer's modules call one by one from Python
+/* One Llama-family (or Gemma 3) decoder layer in a single call, for decode steps on the CPU
+ * with GGUF or dense float32 / bfloat16 weights (pagedllm/kernels/cpu_layer.py builds and
+ * loads this file). It runs the same kernels the layer's modules call one by one from Python
  * (gguf_cpu.c, dense_cpu.c, cpu_ops.c, compiled into this library), in the same order on
  * the same buffers, so its results are
  * bit-identical to that path; what it saves is the Python between them (about 10 calls
@@ -11,6 +11,10 @@
  *   attn = paged_attention(q, k, v)    o = attn @ Wo.T
  *   s = x + o, normed = rms_norm(s, ln2)
  *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
+ *
+ * Gemma 3's form: every norm scales by (1 + w) (norm_offset), GELU's tanh form in place of
+ * SiLU, and the attention's and the MLP's outputs each normed before their residual add
+ * (post_attn, post_mlp): s = x + rms_norm(o, post_attn), y = s + rms_norm(down, post_mlp).
  */
 #include "gguf_cpu.c"
 #include "dense_cpu.c"
@@ -55,7 +59,16 @@ typedef struct {
      * layer's type), before the rotary embedding; NULL: none. */
     const void *q_norm, *k_norm;
     float eps_q, eps_k;
+    /* Added to every norm's weights (Gemma's 1; else 0), and the norms of the attention's
+     * and the MLP's outputs before their residual adds (Gemma 3's; NULL: none). */
+    float norm_offset, eps_post_attn, eps_post_mlp, pad2;
+    const void *post_attn, *post_mlp;
+    /* The MLP's activation: ACT_SILU or ACT_GELU_TANH (cpu_ops.py's GATED_KERNELS). */
+    int64_t activation;
 } layer_args;
+
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
 
 /* The bias added to T rows of n outputs as the modules add it, out += bias.to(out.dtype):
  * the float32 layer's sums widen a bfloat16 bias exactly; the bfloat16 layer's round the
@@ -84,22 +97,24 @@ static void add_bias_bf16(const layer_args *L, uint16_t *y, int64_t T, int64_t n
  * its own whatever the rows beside it or the threads. */
 static void qk_norms(const layer_args *L, float *qkv, int64_t T, int64_t nqkv) {
     const int64_t D = L->head_dim, nq = L->heads * D;
+    const float off = L->norm_offset;
     for (int64_t t = 0; t < T; t++) {
         float *q = qkv + t * nqkv;
-        pagedllm_rms_norm(q, D, NULL, NULL, (const float *)L->q_norm, 0.0f, L->eps_q, q, D,
+        pagedllm_rms_norm(q, D, NULL, NULL, (const float *)L->q_norm, off, L->eps_q, q, D,
                           L->heads, D, 1);
-        pagedllm_rms_norm(q + nq, D, NULL, NULL, (const float *)L->k_norm, 0.0f, L->eps_k,
+        pagedllm_rms_norm(q + nq, D, NULL, NULL, (const float *)L->k_norm, off, L->eps_k,
                           q + nq, D, L->kv_heads, D, 1);
     }
 }
 
 static void qk_norms_bf16(const layer_args *L, uint16_t *qkv, int64_t T, int64_t nqkv) {
     const int64_t D = L->head_dim, nq = L->heads * D;
+    const float off = L->norm_offset;
     for (int64_t t = 0; t < T; t++) {
         uint16_t *q = qkv + t * nqkv;
-        pagedllm_rms_norm_bf16(q, D, NULL, NULL, (const uint16_t *)L->q_norm, 0.0f, L->eps_q, q,
+        pagedllm_rms_norm_bf16(q, D, NULL, NULL, (const uint16_t *)L->q_norm, off, L->eps_q, q,
                                D, L->heads, D, 1);
-        pagedllm_rms_norm_bf16(q + nq, D, NULL, NULL, (const uint16_t *)L->k_norm, 0.0f,
+        pagedllm_rms_norm_bf16(q + nq, D, NULL, NULL, (const uint16_t *)L->k_norm, off,
                                L->eps_k, q + nq, D, L->kv_heads, D, 1);
     }
 }
@@ -190,7 +205,8 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     float *sum = o + T * H, *normed2 = sum + T * H, *gu = normed2 + T * H, *act = gu + T * 2 * I;
     float *down = y; /* the down projection lands in y, then the residual is added */
     int status;
-    pagedllm_rms_norm(x, H, NULL, NULL, (const float *)L->ln1, 0.0f, L->eps1, normed, H, T, H, nt);
+    const float off = L->norm_offset;
+    pagedllm_rms_norm(x, H, NULL, NULL, (const float *)L->ln1, off, L->eps1, normed, H, T, H, nt);
     status = product(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     if (L->qkv_bias != NULL) add_bias(L, qkv, T, nqkv);
@@ -205,12 +221,26 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
     if (status != 0) goto done;
     status = product(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
     if (status != 0) goto done;
-    pagedllm_rms_norm(o, H, x, sum, (const float *)L->ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
+    if (L->post_attn != NULL) { /* s = x + rms_norm(o), then its norm (the modules' order) */
+        pagedllm_rms_norm(o, H, NULL, NULL, (const float *)L->post_attn, off, L->eps_post_attn,
+                          o, H, T, H, nt);
+        for (int64_t i = 0; i < T * H; i++) sum[i] = x[i] + o[i];
+        pagedllm_rms_norm(sum, H, NULL, NULL, (const float *)L->ln2, off, L->eps2, normed2, H, T,
+                          H, nt);
+    } else {
+        pagedllm_rms_norm(o, H, x, sum, (const float *)L->ln2, off, L->eps2, normed2, H, T, H, nt);
+    }
     status = product(S, L->gate_up_type, L->gate_up, 2 * I, L->gate_up_row_bytes, H, normed2, T, gu);
     if (status != 0) goto done;
-    pagedllm_silu_mul(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    if (L->activation == ACT_GELU_TANH)
+        pagedllm_gelu_tanh_mul(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    else
+        pagedllm_silu_mul(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
     status = product(S, L->down_type, L->down, H, L->down_row_bytes, I, act, T, down);
     if (status != 0) goto done;
+    if (L->post_mlp != NULL)
+        pagedllm_rms_norm(down, H, NULL, NULL, (const float *)L->post_mlp, off, L->eps_post_mlp,
+                          down, H, T, H, nt);
     for (int64_t i = 0; i < T * H; i++) y[i] = sum[i] + down[i];
 done:
     free(buf);
@@ -228,6 +258,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     const int64_t nq = L->heads * D, nkv = L->kv_heads * D, nqkv = nq + 2 * nkv, I = L->inter;
     const int nt = (int)S->nthreads;
     const uint16_t *ln1 = (const uint16_t *)L->ln1, *ln2 = (const uint16_t *)L->ln2;
+    const float off = L->norm_offset;
     /* bfloat16 buffers, then the float32 ones of the attention */
     const size_t halves = (size_t)(T * (H + nqkv + nq + H + H + H + 2 * I + I + H));
     const size_t floats = (size_t)(T * (nqkv + nq));
@@ -239,7 +270,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     uint16_t *sum = o + T * H, *normed2 = sum + T * H, *gu = normed2 + T * H, *act = gu + T * 2 * I;
     uint16_t *down = act + T * I;
     float *qkv32 = fbuf, *attn32 = qkv32 + T * nqkv;
-    pagedllm_rms_norm_bf16(x, H, NULL, NULL, ln1, 0.0f, L->eps1, normed, H, T, H, nt);
+    pagedllm_rms_norm_bf16(x, H, NULL, NULL, ln1, off, L->eps1, normed, H, T, H, nt);
     status = product_bf16(S, L->qkv_type, L->qkv, nqkv, L->qkv_row_bytes, H, normed, T, qkv);
     if (status != 0) goto done;
     if (L->qkv_bias != NULL) add_bias_bf16(L, qkv, T, nqkv);
@@ -256,13 +287,26 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
     for (int64_t i = 0; i < T * nq; i++) attn[i] = to_bf16(attn32[i]);
     status = product_bf16(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
     if (status != 0) goto done;
-    pagedllm_rms_norm_bf16(o, H, x, sum, ln2, 0.0f, L->eps2, normed2, H, T, H, nt);
+    if (L->post_attn != NULL) {
+        pagedllm_rms_norm_bf16(o, H, NULL, NULL, (const uint16_t *)L->post_attn, off,
+                               L->eps_post_attn, o, H, T, H, nt);
+        for (int64_t i = 0; i < T * H; i++) sum[i] = to_bf16(from_bf16(x[i]) + from_bf16(o[i]));
+        pagedllm_rms_norm_bf16(sum, H, NULL, NULL, ln2, off, L->eps2, normed2, H, T, H, nt);
+    } else {
+        pagedllm_rms_norm_bf16(o, H, x, sum, ln2, off, L->eps2, normed2, H, T, H, nt);
+    }
     status = product_bf16(S, L->gate_up_type, L->gate_up, 2 * I, L->gate_up_row_bytes, H, normed2,
                           T, gu);
     if (status != 0) goto done;
-    pagedllm_silu_mul_bf16(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    if (L->activation == ACT_GELU_TANH)
+        pagedllm_gelu_tanh_mul_bf16(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
+    else
+        pagedllm_silu_mul_bf16(gu, 2 * I, gu + I, 2 * I, act, I, T, I, nt);
     status = product_bf16(S, L->down_type, L->down, H, L->down_row_bytes, I, act, T, down);
     if (status != 0) goto done;
+    if (L->post_mlp != NULL)
+        pagedllm_rms_norm_bf16(down, H, NULL, NULL, (const uint16_t *)L->post_mlp, off,
+                               L->eps_post_mlp, down, H, T, H, nt);
     for (int64_t i = 0; i < T * H; i++) y[i] = to_bf16(from_bf16(sum[i]) + from_bf16(down[i]));
 done:
     free(hbuf);

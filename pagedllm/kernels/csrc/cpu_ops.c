@@ -226,6 +226,57 @@ void pagedllm_silu_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *
     }
 }
 
+/* ---- GELU(gate) * up, GELU's tanh form ------------------------------------------------- */
+
+/* GELU's tanh approximation (transformers' gelu_pytorch_tanh, Gemma's activation) as
+ * x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3): the same function as
+ * 0.5 x (1 + tanh(u)), on fast_expf as SiLU is (within a few ulp of torch's, which
+ * computes the tanh; more exact where 1 + tanh(u) cancels). */
+static inline float gelu_tanh(float v) {
+    const float inner = v + 0.044715f * (v * v * v);
+    return v / (1.0f + fast_expf(-1.5957691216057308f * inner));
+}
+
+static void gelu_tanh_mul_row(const float *restrict g, const float *restrict u,
+                              float *restrict o, int64_t n) {
+    int64_t i = 0;
+#ifdef HAVE_FAST_EXP8
+    /* (gelu_tanh's operations eight lanes at a time: the same bits) */
+    const __m256 one = _mm256_set1_ps(1.0f), cubic = _mm256_set1_ps(0.044715f);
+    const __m256 scale = _mm256_set1_ps(-1.5957691216057308f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+        const __m256 inner = _mm256_add_ps(v, _mm256_mul_ps(cubic, v3));
+        const __m256 e = fast_exp8(_mm256_mul_ps(scale, inner));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = gelu_tanh(g[i]) * u[i];
+}
+
+void pagedllm_gelu_tanh_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
+                            float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
+    for (int64_t t = 0; t < tokens; t++)
+        gelu_tanh_mul_row(gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
+}
+
+/* bfloat16 rows: GELU rounded to bfloat16, then the product rounded, as torch's
+ * gelu(gate, approximate="tanh") * up rounds in bfloat16. */
+void pagedllm_gelu_tanh_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up,
+                                 int64_t u_ts, uint16_t *out, int64_t o_ts, int64_t tokens,
+                                 int64_t n, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *g = gate + t * g_ts, *u = up + t * u_ts;
+        uint16_t *o = out + t * o_ts;
+        for (int64_t i = 0; i < n; i++)
+            o[i] = to_bf16(round_bf16(gelu_tanh(from_bf16(g[i]))) * from_bf16(u[i]));
+    }
+}
+
 /* ---- Paged attention ------------------------------------------------------------------- */
 
 #pragma GCC push_options
@@ -1234,8 +1285,8 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
  * loop, keys and values widened). */
 int pagedllm_attention_bf16_cache(void) { return 1; }
 
-/* Whether this build's float32 SiLU-and-product runs eight lanes at a time (AVX2 without
- * AVX-512; elsewhere the plain loop, which GCC does not vectorise). */
+/* Whether this build's float32 SiLU-and-product and GELU-and-product run eight lanes at a
+ * time (AVX2 without AVX-512; elsewhere the plain loops, which GCC does not vectorise). */
 int pagedllm_silu_vector(void) {
 #ifdef HAVE_FAST_EXP8
     return 1;

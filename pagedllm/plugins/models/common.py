@@ -92,9 +92,6 @@ class LayerNorm(nn.LayerNorm):
         return total, self(total)
 
 
-SILU_NAMES = frozenset({"silu", "swish"})
-
-
 # The common activations, computed as transformers' ACT2FN computes them (the same
 # torch functions), without importing transformers.activations, which pulls in
 # torch._dynamo and hub kernels at start-up. tests/plugins/models/test_parity.py checks the table.

@@ -26,7 +26,7 @@ from pagedllm.plugins.models.common import (
     held_part,
     layer_sliding_windows,
 )
-from pagedllm.plugins.models.llama import LlamaMLP, qkv_projections
+from pagedllm.plugins.models.llama import LlamaMLP, native_forward, qkv_projections
 
 
 def _norm(size: int, config: Any) -> RMSNorm:
@@ -53,6 +53,9 @@ class Gemma3Attention(nn.Module):
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = _norm(self.head_dim, config) if self.qk_norm else None
         self.k_norm = _norm(self.head_dim, config) if self.qk_norm else None
+        # (as LlamaAttention tells its norms of each head to the native decoder layer)
+        self.has_qk_norm = self.qk_norm
+        self.qk_norm_names = ("q_norm", "k_norm")
         scale = config.query_pre_attn_scalar**-0.5
         cap = config.attn_logit_softcapping if self.soft_cap else None
         self.attn = Attention(
@@ -65,7 +68,9 @@ class Gemma3Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # (contiguous heads: the CPU norm kernel's rows at any number of tokens, as the
+            # native layer norms them)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, metadata)
         return self.o_proj(out)
@@ -85,7 +90,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _norm(size, config)
         self.post_feedforward_layernorm = _norm(size, config)
 
+    # The layer as one native call where it qualifies (see LlamaDecoderLayer).
+    _native: Any = None
+
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
+        out = native_forward(self, positions, hidden, rotary, metadata)
+        if out is not None:
+            return out
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))

@@ -27,9 +27,8 @@ from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_size
 from pagedllm.kernels import triton_rows
 from pagedllm.kernels.batch_invariant import batch_invariant
-from pagedllm.kernels.cpu_ops import SILU_KERNEL_MAX_ROWS, cpu_ops_for
+from pagedllm.kernels.cpu_ops import GATED_ACTIVATIONS, SILU_KERNEL_MAX_ROWS, cpu_ops_for
 from pagedllm.plugins.models.common import (
-    SILU_NAMES,
     CausalLM,
     DecoderStack,
     RMSNorm,
@@ -156,24 +155,26 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias, quant, f"{prefix}.down_proj", parallel="row")
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.act_fn = activation(act)
-        self.silu = act in SILU_NAMES
+        # (the CPU kernel of act(gate) * up, where there is one)
+        self.gated_kernel = GATED_ACTIVATIONS.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(gated_activation(gate, up, self.silu, self.act_fn))
+        return self.down_proj(gated_activation(gate, up, self.gated_kernel, self.act_fn))
 
 
 def gated_activation(
-    gate: torch.Tensor, up: torch.Tensor, silu: bool, act_fn: nn.Module
+    gate: torch.Tensor, up: torch.Tensor, kernel: str | None, act_fn: nn.Module
 ) -> torch.Tensor:
-    """``act_fn(gate) * up`` (``silu``: the activation is SiLU), on the CPU kernel or the
-    Triton one where they take the rows (the native decoder layer, which calls the CPU
-    kernel, relies on the modules taking it for the rows it takes)."""
-    ops = cpu_ops_for(gate) if gate.dim() == 2 and silu else None
-    # The kernel saves two torch calls on the few rows of a decode step; over many
-    # float32 rows (prefill) torch's own vectorised SiLU is faster unless the kernel's
-    # is vectorised too, over bfloat16 ones (which torch widens and narrows op by op)
-    # the kernel. (Batch-invariant mode: one SiLU whatever the row count.)
+    """``act_fn(gate) * up``, on the CPU kernel of the activation (``kernel``, one of
+    pagedllm.kernels.cpu_ops' GATED_KERNELS; None: there is none) or the Triton one (SiLU)
+    where they take the rows (the native decoder layer, which calls the CPU kernel, relies
+    on the modules taking it for the rows it takes)."""
+    ops = cpu_ops_for(gate) if gate.dim() == 2 and kernel else None
+    # The kernel saves torch calls on the few rows of a decode step; over many float32
+    # rows (prefill) torch's own vectorised activation is faster unless the kernel's is
+    # vectorised too, over bfloat16 ones (which torch widens and narrows op by op) the
+    # kernel. (Batch-invariant mode: one activation whatever the row count.)
     fits = ops is not None and (
         gate.shape[0] <= SILU_KERNEL_MAX_ROWS
         or gate.dtype == torch.bfloat16
@@ -181,7 +182,8 @@ def gated_activation(
         or batch_invariant()
     )
     if fits and ops.rows_ok(gate) and ops.rows_ok(up) and gate.dtype == up.dtype:
-        return ops.silu_mul(gate, up)
+        return ops.gated_mul(kernel, gate, up)
+    silu = kernel == "silu_mul"
     if silu and triton_rows(gate) and triton_rows(up) and gate.dtype == up.dtype:
         from pagedllm.kernels.triton_attention import triton_silu_mul  # (GPUs only)
 
@@ -221,15 +223,9 @@ class LlamaDecoderLayer(nn.Module):
     _native: Any = None
 
     def forward(self, positions, hidden, rotary, metadata) -> torch.Tensor:
-        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-            if self._native is None:
-                from pagedllm.kernels.cpu_layer import native_decoder_layer
-
-                self._native = native_decoder_layer(self, rotary) or False
-            if self._native:
-                out = self._native(positions, hidden, metadata)
-                if out is not None:
-                    return out
+        out = native_forward(self, positions, hidden, rotary, metadata)
+        if out is not None:
+            return out
         if self.parallel:
             normed = self.input_layernorm(hidden)
             attn = self.self_attn(positions, normed, rotary, metadata)
@@ -237,6 +233,19 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, metadata)
         hidden, normed = self.post_attention_layernorm.add_forward(attn, hidden)
         return hidden + self.mlp(normed)
+
+
+def native_forward(layer: Any, positions, hidden, rotary, metadata) -> torch.Tensor | None:
+    """A decoder layer's step as one native call on the CPU (the layer's ``_native``,
+    pagedllm.kernels.cpu_layer's, built at its first step, once the weights are loaded;
+    False where the layer does not qualify), or None: the modules compute the step."""
+    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if layer._native is None:
+        from pagedllm.kernels.cpu_layer import native_decoder_layer
+
+        layer._native = native_decoder_layer(layer, rotary) or False
+    return layer._native(positions, hidden, metadata) if layer._native else None
 
 
 class LlamaModel(DecoderStack):

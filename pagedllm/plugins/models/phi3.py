@@ -13,7 +13,8 @@ from pagedllm.core.attention import Attention
 from pagedllm.core.layers.linear import Linear, fused_rows
 from pagedllm.core.layers.rotary import RotaryEmbedding
 from pagedllm.distributed.parallel_state import tp_rank, tp_size
-from pagedllm.plugins.models.common import SILU_NAMES, activation, kv_head_share
+from pagedllm.kernels.cpu_ops import GATED_ACTIVATIONS
+from pagedllm.plugins.models.common import activation, kv_head_share
 from pagedllm.plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -74,11 +75,11 @@ class Phi3MLP(nn.Module):
         fused_rows(self.gate_up_proj, [(start, local), (inter + start, local)], 2 * inter)
         self.down_proj = Linear(inter, hidden, False, quant, f"{prefix}.down_proj", parallel="row")
         self.act_fn = activation(config.hidden_act)
-        self.silu = config.hidden_act in SILU_NAMES
+        self.gated_kernel = GATED_ACTIVATIONS.get(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(gated_activation(gate, up, self.silu, self.act_fn))
+        return self.down_proj(gated_activation(gate, up, self.gated_kernel, self.act_fn))
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):

@@ -274,12 +274,12 @@ def test_native_decoder_layers_match_the_module_path(dtype):
     assert_native_layers_match(llm, prompts, params, min_steps=1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-def test_packed_qwen3_and_phi3_layers_run_natively(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
+def test_packed_qwen3_phi3_and_gemma3_layers_run_natively(tmp_path, arch):
     """GGUF files with Q8_0 products: Qwen3's layers (float32 norms of each query and key
-    head) and Phi-3's (Q/K/V and gate/up each one fused tensor, partial rotary, a sliding
-    window) run their decode steps as one native call per layer, bit-identical to the
-    module path."""
+    head), Phi-3's (Q/K/V and gate/up each one fused tensor, partial rotary, a sliding
+    window) and Gemma 3's (four norms, GELU, sliding and global layers) run their decode
+    steps as one native call per layer, bit-identical to the module path."""
     from gguf import GGMLQuantizationType as T
     from gguf_writer import gguf_checkpoint
 
@@ -292,8 +292,8 @@ def test_packed_qwen3_and_phi3_layers_run_natively(tmp_path, arch):
         enable_prefix_caching=False,
     )
     attn = llm.llm_engine.runner.model.model.layers[0].self_attn
-    assert getattr(attn, "has_qk_norm", False) == (arch == "qwen3")
-    # (the first prompt past Phi-3's window of 20)
+    assert getattr(attn, "has_qk_norm", False) == (arch in ("qwen3", "gemma3"))
+    # (the first prompt past Phi-3's window of 20, Gemma 3's of 12)
     prompts = [{"prompt_token_ids": list(range(100, 130))}]
     prompts += [{"prompt_token_ids": [7 + i, 300 + i, 9, 11 + 2 * i]} for i in range(5)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
