@@ -1,4 +1,4 @@
-"""A Llama-family (or Gemma 3) decoder layer as one native call (``csrc/cpu_layer.c``) for
+"""A Llama-family (or Gemma 2 / 3) decoder layer as one native call (``csrc/cpu_layer.c``) for
 decode steps on the CPU with GGUF weights or dense (safetensors) float32 / bfloat16 ones.
 
 :func:`native_decoder_layer` inspects a built layer and returns a
@@ -7,11 +7,11 @@ weight, a group's or as Phi-3's checkpoints fuse them, with the output and down 
 either all packed Q4_0/Q4_1/Q8_0 or all dense in the model's dtype; no biases but the Q/K/V
 group's (Qwen2's), no LoRA, Q/K norms only as RMSNorms of each head (Qwen3's, Gemma 3's),
 SiLU or GELU's tanh form (Gemma's) on the modules' kernel, RMSNorms of one weight offset (0,
-or Gemma's 1) with Gemma 3's norms of the attention's and the MLP's outputs, no soft-capped
-scores, NeoX RoPE tables in float32; a float32 model, or a bfloat16 one where the
-CPU has the attention kernel's bfloat16 cache, and for packed weights the bfloat16
-products), else None. Dense products are :mod:`pagedllm.kernels.dense_cpu`'s small-row
-kernel, which the modules call for as many rows
+or Gemma's 1) with Gemma's norms of the attention's and the MLP's outputs, scores
+soft-capped or not (Gemma 2's), NeoX RoPE tables in float32; a float32 model, or a
+bfloat16 one where the CPU has the attention kernel's bfloat16 cache, and for packed
+weights the bfloat16 products), else None. Dense products are
+:mod:`pagedllm.kernels.dense_cpu`'s small-row kernel, which the modules call for as many rows
 (:func:`~pagedllm.kernels.dense_cpu.small_rows_max`), so a dense layer takes steps of at
 most that many tokens; a bfloat16 one whose products the AMX kernel takes
 (:mod:`pagedllm.kernels.dense_amx`, from four rows, as the modules do) up to its
@@ -108,6 +108,8 @@ class _LayerArgs(ctypes.Structure):
         ("post_attn", _ptr),
         ("post_mlp", _ptr),
         ("activation", _i64),
+        ("soft_cap", _f32),
+        ("pad3", _f32),
     ]
 
 
@@ -191,7 +193,7 @@ def _plain_norm(norm: Any, dtype: torch.dtype, offset: float = 0.0) -> bool:
 
 def _norms(layer: Any) -> dict[str, Any]:
     """The layer's norms by their role in csrc/cpu_layer.c: ``ln1`` before the attention,
-    ``ln2`` before the MLP and, in Gemma 3's layers, ``post_attn`` and ``post_mlp`` of the
+    ``ln2`` before the MLP and, in Gemma's layers, ``post_attn`` and ``post_mlp`` of the
     attention's and the MLP's outputs."""
     if getattr(layer, "pre_feedforward_layernorm", None) is not None:
         return {
@@ -260,6 +262,7 @@ class NativeDecoderLayer:
             args.eps_post_attn, args.eps_post_mlp = norms["post_attn"].eps, norms["post_mlp"].eps
         args.norm_offset = norms["ln1"].offset
         args.activation = GATED_KERNELS[mlp.gated_kernel]
+        args.soft_cap = attn.attn.logits_soft_cap or 0.0
         self.dense = parts["qkv"][1] < 0
         # (bfloat16 dense weights the AMX kernel takes: steps of its rows too, see max_tokens)
         self.amx = self.dense and self.dtype == torch.bfloat16 and _amx_fits(parts)
@@ -386,8 +389,6 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
         return None
     if attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
         return None
-    if getattr(attn.attn, "logits_soft_cap", None) is not None:
-        return None  # (Gemma 2's soft-capped scores: not the paged-attention kernel's)
     dtype = layer.input_layernorm.weight.dtype
     if dtype not in DENSE_TYPES:
         return None

@@ -154,6 +154,7 @@ class CpuOps:
             ptr,
             i64,
             i32,
+            f32,
         ]
         lib.pagedllm_paged_attention.restype = i32
         lib.pagedllm_paged_attention_bf16.argtypes = lib.pagedllm_paged_attention.argtypes
@@ -356,6 +357,7 @@ class CpuOps:
         scale: float,
         sliding_window: int | None,
         out: torch.Tensor,
+        soft_cap: float | None = None,
     ) -> None:
         """Writes ``key``/``value`` (``[T, kv_heads*d]``) at ``slot_mapping`` into
         ``kv_cache`` (``[2, blocks, block_size, kv_heads, d]``, contiguous), then attends
@@ -368,7 +370,10 @@ class CpuOps:
         ``seq_ranges`` is int64 ``[3, S]``: each sequence's first and end token in the
         flat batch and its context length with this step's tokens; ``block_tables`` is
         int32 ``[S, max_blocks]``. Tokens of sequences not listed are written to the cache
-        but not attended."""
+        but not attended. ``soft_cap``: the scores become ``cap * tanh(score / cap)``
+        before the softmax (Gemma 2)."""
+        if soft_cap is not None and not soft_cap > 0:
+            raise ValueError(f"soft_cap must be positive, not {soft_cap}")
         _, num_blocks, block_size = kv_cache.shape[:3]
         num_seqs = seq_ranges.shape[1]
         if kv_cache.dtype == torch.bfloat16:
@@ -403,6 +408,7 @@ class CpuOps:
             out.data_ptr(),
             out.stride(0),
             torch.get_num_threads(),
+            soft_cap or 0.0,
         )
         if status == -1 and kv_cache.dtype == torch.bfloat16:
             raise ValueError(

@@ -1,15 +1,26 @@
 """Attention logit soft-capping (Gemma 2: scores become ``cap * tanh(score / cap)``
-before the softmax): the reference backend, the cpu device's backend (which sends
-soft-capped layers past its C kernel, whose other layers are unchanged) and the Triton
-backend against a float64 reference, on one step of decodes, chunks over cached context
-and whole prompts; models with such layers on a backend that does not compute it are
-refused by name before their weights load."""
+before the softmax): the reference backend, the cpu device's backend (its C kernel caps
+the scores of decodes and short chunks, in every build: the AVX-512 ones send capped layers
+past their tiles to the loop the generic build runs) and the Triton backend against a
+float64 reference, on one step of decodes, chunks over cached context and whole prompts;
+models with such layers on a backend that does not compute it are refused by name before
+their weights load."""
 
 from __future__ import annotations
 
+import math
+import platform
+
 import pytest
 import torch
-from test_cpu_ops import LONG, SEQUENCES, _batch, _metadata_args, _reference_attention
+from test_cpu_ops import (
+    LONG,
+    SEQUENCES,
+    _batch,
+    _kernel_inputs,
+    _metadata_args,
+    _reference_attention,
+)
 from tiny_models import make_checkpoint
 
 from pagedllm import LLM
@@ -53,8 +64,9 @@ def test_torch_and_cpu_backends_cap_the_scores(backend_cls, sequences, window):
     assert not torch.allclose(got, uncapped, rtol=1e-2, atol=1e-2)
 
 
-def test_the_cpu_kernel_still_takes_uncapped_layers(monkeypatch):
-    """The same step without a cap: the C kernel's path (where it is built), counted."""
+def test_the_cpu_kernel_takes_capped_and_uncapped_layers(monkeypatch):
+    """The same step with and without a cap: the C kernel's path (where it is built),
+    counted."""
     from pagedllm.kernels.cpu_ops import cpu_ops
 
     ops = cpu_ops()
@@ -71,10 +83,76 @@ def test_the_cpu_kernel_still_takes_uncapped_layers(monkeypatch):
     _, got, truth, _ = _step(sequences, CpuPagedBackend(), _layer(None, cap=None), seed=12)
     assert calls and torch.allclose(got, truth, rtol=1e-5, atol=1e-5)
     calls.clear()
-    metadata, got, truth, _ = _step(sequences, CpuPagedBackend(), _layer(None), seed=12)
-    assert isinstance(metadata, PagedMetadata) and not calls
+    metadata, got, truth, uncapped = _step(sequences, CpuPagedBackend(), _layer(None), seed=12)
+    assert isinstance(metadata, PagedMetadata) and calls
     assert torch.allclose(got, truth, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, uncapped, rtol=1e-2, atol=1e-2)
     assert cpu_attention.KERNEL_MAX_QUERY >= max(s[0] for s in sequences)
+
+
+def _build(march: str):
+    """The CPU kernels compiled for ``march`` (``native``: this CPU's build)."""
+    from pagedllm.kernels.cpu_ops import CpuOps, cpu_ops
+    from pagedllm.kernels.native import load_kernel_library
+
+    if march == "native":
+        ops = cpu_ops()
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    else:
+        lib = load_kernel_library("cpu_ops", march=march)
+        ops = None if lib is None else CpuOps(lib)
+    if ops is None:
+        pytest.skip(f"no build of the CPU kernels for -march={march}")
+    return ops
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+def test_every_kernel_build_caps_the_scores(march, cache_dtype):
+    """This CPU's build, the AVX2 one and the generic x86-64 one (the loop that AVX-512
+    builds give capped layers) cap the scores of decodes and short chunks, over a float32
+    or bfloat16 cache, as the float64 truth does; each sequence alone gives the batch's
+    bits."""
+    ops = _build(march)
+    if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(D):
+        pytest.skip("this build reads no bfloat16 cache")
+    sequences = [*SEQUENCES, (24, 50, [23, 24, 25, 26])]
+    cache, q, k, v = _batch(sequences, seed=14)
+    q = q * 6
+    window = 24
+    if cache_dtype == torch.bfloat16:  # (what the kernel stores: bfloat16 rows)
+        cache, k, v = cache.bfloat16(), k.bfloat16().float(), v.bfloat16().float()
+    truth, _ = _reference_attention(cache.float(), q, k, v, sequences, window, soft_cap=CAP)
+    uncapped, _ = _reference_attention(cache.float(), q, k, v, sequences, window)
+
+    def attend(rows, seqs):
+        out = torch.full((rows.stop - rows.start, HEADS * D), math.nan)
+        ops.paged_attention(
+            q[rows], k[rows], v[rows], cache.clone(), *_kernel_inputs(seqs), HEADS, KV_HEADS,
+            D, D**-0.5, window, out, CAP,
+        )  # fmt: skip
+        return out
+
+    whole = attend(slice(0, q.shape[0]), sequences)
+    assert torch.allclose(whole, truth, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(whole, uncapped, rtol=1e-2, atol=1e-2)
+    offset = 0
+    for seq in sequences:
+        rows = slice(offset, offset + seq[0])
+        assert torch.equal(attend(rows, [seq]), whole[rows]), seq
+        offset += seq[0]
+
+
+def test_a_soft_cap_must_be_positive():
+    ops = _build("native")
+    cache, q, k, v = _batch(SEQUENCES, seed=15)
+    out = torch.empty(q.shape[0], HEADS * D)
+    with pytest.raises(ValueError, match="soft_cap must be positive"):
+        ops.paged_attention(
+            q, k, v, cache, *_kernel_inputs(SEQUENCES), HEADS, KV_HEADS, D, D**-0.5, None,
+            out, 0.0,
+        )  # fmt: skip
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs the triton package")

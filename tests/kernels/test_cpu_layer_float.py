@@ -2,8 +2,8 @@
 weights (a safetensors checkpoint): decode steps of up to the small-row kernel's rows run
 as one native call per layer, bit-identical to the op-by-op module path, in
 batch-invariant mode too (Qwen2's Q/K/V biases, Qwen3's norms of each head, Phi-3's fused
-checkpoint weights and Gemma 3's layers included); layers it cannot compute (an output
-projection's bias, Gemma 2's soft-capped scores) keep the module path."""
+checkpoint weights, Gemma 3's layers and Gemma 2's soft-capped scores included); layers it
+cannot compute (an output projection's bias) keep the module path."""
 
 from __future__ import annotations
 
@@ -200,14 +200,26 @@ def test_gemma3_layers_run_natively(tmp_path, dtype):
     assert_native_layers_match(llm, prompts, _PARAMS)
 
 
-def test_gemma2_soft_capped_layers_keep_the_module_path(tmp_path):
-    """Gemma 2 soft-caps its attention scores, which the paged-attention kernel does not:
-    its layers decline the native call."""
-    checkpoint = make_checkpoint(tmp_path, "gemma2")
-    llm = LLM(str(checkpoint), dtype="float32", disable_log_stats=True)
-    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-    assert all(layer._native is False for layer in llm.llm_engine.runner.model.model.layers)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma2_layers_soft_cap_natively(tmp_path, dtype):
+    """Gemma 2's layers (Gemma 3's without norms of each head, with soft-capped attention
+    scores: the paged-attention kernel's cap) run natively, the module path's bits."""
+    _skip_unless_supported(dtype, False)
+    checkpoint = make_checkpoint(
+        tmp_path,
+        "gemma2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    randomize_weights(checkpoint, ("layernorm.weight",), seed=6, base=0.0)
+    llm = _llm(checkpoint, dtype)
+    layers = llm.llm_engine.runner.model.model.layers
+    assert all(layer.self_attn.attn.logits_soft_cap == 1.0 for layer in layers)
+    prompts = [{"prompt_token_ids": list(range(100, 120))}, *_SHORT_PROMPTS[:5]]
+    assert_native_layers_match(llm, prompts, _PARAMS)
 
 
 def test_layers_with_biases_keep_the_module_path(tmp_path):

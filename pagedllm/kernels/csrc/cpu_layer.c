@@ -1,4 +1,4 @@
-/* One Llama-family (or Gemma 3) decoder layer in a single call, for decode steps on the CPU
+/* One Llama-family (or Gemma 2 / 3) decoder layer in a single call, for decode steps on the CPU
  * with GGUF or dense float32 / bfloat16 weights (pagedllm/kernels/cpu_layer.py builds and
  * loads this file). It runs the same kernels the layer's modules call one by one from Python
  * (gguf_cpu.c, dense_cpu.c, cpu_ops.c, compiled into this library), in the same order on
@@ -12,9 +12,10 @@
  *   s = x + o, normed = rms_norm(s, ln2)
  *   gu = normed @ Wgate_up.T           y = s + (silu(gate) * up) @ Wdown.T
  *
- * Gemma 3's form: every norm scales by (1 + w) (norm_offset), GELU's tanh form in place of
+ * Gemma's form: every norm scales by (1 + w) (norm_offset), GELU's tanh form in place of
  * SiLU, and the attention's and the MLP's outputs each normed before their residual add
- * (post_attn, post_mlp): s = x + rms_norm(o, post_attn), y = s + rms_norm(down, post_mlp).
+ * (post_attn, post_mlp): s = x + rms_norm(o, post_attn), y = s + rms_norm(down, post_mlp);
+ * Gemma 2's attention soft-caps its scores (soft_cap), Gemma 3's norms each head.
  */
 #include "gguf_cpu.c"
 #include "dense_cpu.c"
@@ -65,6 +66,8 @@ typedef struct {
     const void *post_attn, *post_mlp;
     /* The MLP's activation: ACT_SILU or ACT_GELU_TANH (cpu_ops.py's GATED_KERNELS). */
     int64_t activation;
+    /* The attention scores' soft cap (Gemma 2's; 0: none). */
+    float soft_cap, pad3;
 } layer_args;
 
 #define ACT_SILU 0
@@ -217,7 +220,7 @@ int pagedllm_llama_layer(const layer_args *L, const step_args *S, const float *x
                                       L->num_slots, L->block_size, S->slot_mapping, T, L->heads,
                                       L->kv_heads, D, S->num_seqs, S->q_start, S->q_end,
                                       S->ctx_len, S->block_tables, S->bt_stride, L->scale,
-                                      L->window, attn, nq, nt);
+                                      L->window, attn, nq, nt, L->soft_cap);
     if (status != 0) goto done;
     status = product(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);
     if (status != 0) goto done;
@@ -282,7 +285,7 @@ int pagedllm_llama_layer_bf16(const layer_args *L, const step_args *S, const uin
                                            L->cache, L->num_slots, L->block_size, S->slot_mapping,
                                            T, L->heads, L->kv_heads, D, S->num_seqs, S->q_start,
                                            S->q_end, S->ctx_len, S->block_tables, S->bt_stride,
-                                           L->scale, L->window, attn32, nq, nt);
+                                           L->scale, L->window, attn32, nq, nt, L->soft_cap);
     if (status != 0) goto done;
     for (int64_t i = 0; i < T * nq; i++) attn[i] = to_bf16(attn32[i]);
     status = product_bf16(S, L->o_type, L->o, H, L->o_row_bytes, nq, attn, T, o);

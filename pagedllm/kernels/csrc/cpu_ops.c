@@ -347,6 +347,12 @@ static inline void chunk_rows(const int32_t *table, int64_t block_size, int64_t 
     }
 }
 
+/* Soft-capped scores (Gemma 2's attention): cap * tanh(score * scale / cap) in place, as the
+ * torch reference caps them; the softmax then takes them as they are (scale 1). */
+static void cap_scores(float *sc, int64_t n, float scale, float cap) {
+    for (int64_t c = 0; c < n; c++) sc[c] = tanhf((sc[c] * scale) / cap) * cap;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_VALUES_AVX2 1
@@ -385,8 +391,12 @@ static inline float hsum8(__m256 v) {
  * comparison does), the running maximum m and sum l updated (the head's accumulators
  * acc[0..head_dim) scaled to the new maximum where it grew), sc[c] = exp(sc[c] - m). The
  * sum's order depends on n only, so a sequence's result is the same in any batch. */
-static inline void softmax_chunk8(float *sc, int64_t n, float scale, float *m, float *l,
-                                  float *acc, int64_t head_dim) {
+static inline void softmax_chunk8(float *sc, int64_t n, float scale, float cap, float *m,
+                                  float *l, float *acc, int64_t head_dim) {
+    if (cap > 0.0f) { /* (soft-capped scores: capped, then taken as they are) */
+        cap_scores(sc, n, scale, cap);
+        scale = 1.0f;
+    }
     const int64_t full = n - n % 8;
     const __m256 vs = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -580,8 +590,8 @@ static inline __attribute__((always_inline)) void values_chunk(
 static inline __attribute__((always_inline)) void attend_token_rows(
     const int BF, int64_t nk, int64_t group, int64_t head_dim, const float *qt,
     const void *k_cache, const void *v_cache, const int32_t *table, int64_t block_size,
-    int64_t row, int64_t lo, int64_t p, float scale, float *o, float *m, float *l, float *acc,
-    float *scores) {
+    int64_t row, int64_t lo, int64_t p, float scale, float cap, float *o, float *m, float *l,
+    float *acc, float *scores) {
     const int64_t nq = nk * group, elem = BF ? 2 : 4, row_bytes = row * elem;
     int64_t base[CHUNK], slots[4], next[SWEEP];
     for (int64_t h = 0; h < nq; h++) {
@@ -602,8 +612,8 @@ static inline __attribute__((always_inline)) void attend_token_rows(
             const void *cache = phase ? v_cache : k_cache;
             if (phase == 1)
                 for (int64_t h = 0; h < nq; h++)
-                    softmax_chunk8(scores + h * CHUNK, n, scale, &m[h], &l[h], acc + h * head_dim,
-                                   head_dim);
+                    softmax_chunk8(scores + h * CHUNK, n, scale, cap, &m[h], &l[h],
+                                   acc + h * head_dim, head_dim);
             for (int64_t s0 = 0; s0 < n; s0 += SWEEP) {
                 /* The next sweep's rows, whole, a share before each four keys of a head:
                  * this phase's next keys, else the values' first (phase 0) or the next
@@ -1044,7 +1054,9 @@ static inline query_item locate_item(int64_t item, int64_t seq, const int64_t *f
  * Sequence i owns flat-batch tokens [q_start[i], q_end[i]) and has ctx_len[i] tokens of
  * context once this step's are in: its token t sits at position ctx_len - (q_end - t) and
  * sees positions [max(0, p - window + 1), p] (window <= 0: no window). Block table rows
- * are int32 with row stride bt_stride. Returns 0; -1 for a head size over 512 or more
+ * are int32 with row stride bt_stride. soft_cap > 0: the scores are soft-capped (Gemma 2),
+ * cap * tanh(score / cap), in the loops (not the AVX-512 tiles nor the bfloat16
+ * dot-product path, which such layers skip). Returns 0; -1 for a head size over 512 or more
  * than 16 query heads per KV head (the caller then uses its reference). */
 
 #define PAGED_ATTENTION_ARGS                                                                  \
@@ -1053,7 +1065,7 @@ static inline query_item locate_item(int64_t item, int64_t seq, const int64_t *f
         int64_t tokens, int64_t nq, int64_t nk, int64_t head_dim, int64_t num_seqs,             \
         const int64_t *q_start, const int64_t *q_end, const int64_t *ctx_len,                   \
         const int32_t *block_tables, int64_t bt_stride, float scale, int64_t window,            \
-        float *out, int64_t o_ts, int nthreads
+        float *out, int64_t o_ts, int nthreads, float soft_cap
 
 /* BF: the cache holds bfloat16 (written rounded to nearest even, read widened to float32;
  * queries, scores and outputs stay float32), head sizes 16, 32, 64, 128 and 256 only. */
@@ -1086,7 +1098,9 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
     int64_t queries = 0;
     for (int64_t i = 0; i < num_seqs; i++) queries += q_end[i] - q_start[i];
 #ifdef HAVE_ATTEND_DP
-    const int dp = BF && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+    /* (soft-capped scores: the loops below; the dot-product path has no cap) */
+    const int dp = BF && soft_cap <= 0.0f &&
+                   (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
 #else
     const int dp = 0;
 #endif
@@ -1171,7 +1185,7 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
             if (rows_state != NULL && q_end[seq] - q_start[seq] == 1) {
                 attend_token_rows(BF, nk, group, head_dim, q + t * q_ts, k_cache, v_cache,
                                   block_tables + seq * bt_stride, block_size, row, lo, p, scale,
-                                  out + t * o_ts, rows_state + nq * head_dim,
+                                  soft_cap, out + t * o_ts, rows_state + nq * head_dim,
                                   rows_state + nq * (head_dim + 1), rows_state,
                                   rows_state + nq * (head_dim + 2));
                 continue;
@@ -1183,7 +1197,9 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                 const int32_t *table = block_tables + seq * bt_stride;
 #ifdef __AVX512F__
                 float *ot = out + t * o_ts + kh * group * head_dim;
-                if (attend_item(BF, group, head_dim, qt, k_cache, v_cache, table, block_size,
+                /* (its tiles have no soft cap: capped scores take the loop below) */
+                if (soft_cap <= 0.0f &&
+                    attend_item(BF, group, head_dim, qt, k_cache, v_cache, table, block_size,
                                 row, kh * head_dim, lo, p, scale, ot))
                     continue;
 #endif
@@ -1202,7 +1218,8 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                         scores_chunk(BF, group, head_dim, qt, k_cache, slots, n, &scores[0][0],
                                      CHUNK);
                         for (int64_t g = 0; g < group; g++)
-                            softmax_chunk8(scores[g], n, scale, &m[g], &l[g], acc[g], head_dim);
+                            softmax_chunk8(scores[g], n, scale, soft_cap, &m[g], &l[g], acc[g],
+                                           head_dim);
                         values_chunk(BF, group, head_dim, &acc[0][0], MAX_HEAD_DIM, &scores[0][0],
                                      CHUNK, BF ? (const void *)hv : (const void *)fv, slots, n);
                         continue;
@@ -1237,12 +1254,16 @@ static inline __attribute__((always_inline)) int paged_attention(const int BF,
                             sc[c] = four[0];
                         }
 #ifdef HAVE_VALUES_AVX2
-                        softmax_chunk8(sc, n, scale, &m[g], &l[g], acc[g], head_dim);
+                        softmax_chunk8(sc, n, scale, soft_cap, &m[g], &l[g], acc[g], head_dim);
                         continue;
 #endif
-                        float cmax = -INFINITY;
+                        float cmax = -INFINITY, sc_scale = scale;
+                        if (soft_cap > 0.0f) {
+                            cap_scores(sc, n, scale, soft_cap);
+                            sc_scale = 1.0f;
+                        }
                         for (c = 0; c < n; c++) {
-                            sc[c] *= scale;
+                            sc[c] *= sc_scale;
                             cmax = sc[c] > cmax ? sc[c] : cmax;
                         }
                         if (cmax > m[g]) {
@@ -1308,13 +1329,15 @@ int pagedllm_attention_bf16_products(void) {
 int pagedllm_paged_attention(PAGED_ATTENTION_ARGS) {
     return paged_attention(0, q, q_ts, k, k_ts, v, v_ts, cache, num_slots, block_size,
                            slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,
-                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads);
+                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads,
+                           soft_cap);
 }
 
 int pagedllm_paged_attention_bf16(PAGED_ATTENTION_ARGS) {
     return paged_attention(1, q, q_ts, k, k_ts, v, v_ts, cache, num_slots, block_size,
                            slot_mapping, tokens, nq, nk, head_dim, num_seqs, q_start, q_end,
-                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads);
+                           ctx_len, block_tables, bt_stride, scale, window, out, o_ts, nthreads,
+                           soft_cap);
 }
 
 /* ---- Sampling: the inverse CDF of softmax(logits) ---------------------------------------

@@ -6,9 +6,9 @@ Decodes and short prefill chunks (up to :data:`KERNEL_MAX_QUERY` tokens) go to t
 kernel, all of them in one call; longer prefills to ``scaled_dot_product_attention`` as
 in the reference backend, whose GEMM-based kernel is faster over many query rows. A
 bfloat16 cache (``--dtype bfloat16``) is read and written by the kernel on AVX-512 CPUs
-for head sizes 16 to 256 (queries and outputs in float32). Where the kernel cannot run
-(not built, or another cache type) every step takes the reference path, and so do layers
-with soft-capped attention scores (Gemma 2), which the kernel does not compute.
+for head sizes 16 to 256 (queries and outputs in float32). Soft-capped attention scores
+(Gemma 2) are the kernel's too. Where the kernel cannot run (not built, or another cache
+type) every step takes the reference path.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ class CpuPagedBackend(TorchSDPABackend):
         ):
             return f"the paged-attention kernel reads no {kv_cache_dtype} KV cache on this CPU"
         for layer in layers:
-            if soft_cap(layer) is not None:
-                return "the paged-attention kernel does not soft-cap attention scores"
             if layer.head_dim > MAX_HEAD_DIM or layer.num_heads // layer.num_kv_heads > MAX_GROUP:
                 return (
                     f"the paged-attention kernel takes head sizes up to {MAX_HEAD_DIM} and up "
@@ -176,10 +174,8 @@ class CpuPagedBackend(TorchSDPABackend):
             or not kernel_reads_cache
             or head_dim > MAX_HEAD_DIM
             or heads // kv_heads > MAX_GROUP
-            or soft_cap(layer) is not None
         ):
-            # Past the kernel's limits (soft-capped scores included): every request
-            # through the reference attention.
+            # Past the kernel's limits: every request through the reference attention.
             write_kv_cache(
                 key.view(num_tokens, kv_heads, head_dim),
                 value.view(num_tokens, kv_heads, head_dim),
@@ -204,6 +200,7 @@ class CpuPagedBackend(TorchSDPABackend):
             layer.scale,
             layer.sliding_window,
             out,
+            soft_cap(layer),
         )
         for seq in metadata.prefills:
             _sdpa(layer, query, key, value, kv_cache, seq, out)
