@@ -221,7 +221,11 @@ class NativeDecoderLayer:
         rotary: Any,
         parts: dict[str, Any],
         bias: torch.Tensor | None,
+        norms: dict[str, Any],
+        qk_norms: tuple[Any, Any] | None,
     ) -> None:
+        """``parts``, ``bias``, ``norms`` (:func:`_norms`) and ``qk_norms``
+        (:func:`_qk_norms`): the layer's, as :func:`native_decoder_layer` checked them."""
         attn, mlp = layer.self_attn, layer.mlp
         self.lib = lib
         # float32, or bfloat16 (hidden states, norms and KV cache; AVX512-BF16 products).
@@ -236,7 +240,6 @@ class NativeDecoderLayer:
         self._max_tokens: int | None = None
         # Steps computed natively (for tests and profiles).
         self.steps = 0
-        norms = _norms(layer)
         # Kept so the pointers below stay valid (and are checked against on every call).
         self.tensors = [
             *(norm.weight for norm in norms.values()),
@@ -246,7 +249,6 @@ class NativeDecoderLayer:
         ]
         if bias is not None:
             self.tensors.append(bias)
-        qk_norms = _qk_norms(attn)
         if qk_norms:
             self.tensors += [norm.weight for norm in qk_norms]
         self.pointers = [t.data_ptr() for t in self.tensors]
@@ -409,7 +411,8 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     # The bfloat16 layer needs a bfloat16 cache the attention kernel reads.
     if dtype == torch.bfloat16 and (ops is None or not ops.bf16_cache_ok(attn.head_dim)):
         return None
-    if not all(_plain_norm(norm, dtype, offset) for norm in _norms(layer).values()):
+    norms = _norms(layer)
+    if not all(_plain_norm(norm, dtype, offset) for norm in norms.values()):
         return None
     cos = getattr(rotary, "cos", None)
     if cos is None or cos.dtype != torch.float32 or not cos.is_contiguous():
@@ -455,7 +458,7 @@ def native_decoder_layer(layer: Any, rotary: Any) -> NativeDecoderLayer | None:
     lib = _library()
     if lib is None:
         return None
-    return NativeDecoderLayer(lib, layer, rotary, parts, bias)
+    return NativeDecoderLayer(lib, layer, rotary, parts, bias, norms, qk_norms)
 
 
 def _fused(group: Any, layer: Any) -> tuple[Any, bool] | None:

@@ -270,10 +270,6 @@ class CpuOps:
             torch.get_num_threads(),
         )
 
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``[T, n]`` rows (each evenly strided, one dtype)."""
-        return self.gated_mul("silu_mul", gate, up)
-
     def gated_mul(self, kernel: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` for ``[T, n]`` rows (each evenly strided, one dtype) by one of
         :data:`GATED_KERNELS` (``silu_mul``, ``gelu_tanh_mul``)."""

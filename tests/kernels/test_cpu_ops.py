@@ -303,7 +303,7 @@ def test_paged_attention_matches_reference(ops, window, shape, cache_dtype):
 def test_avx2_build_reads_a_bfloat16_cache(window, shape):
     """The AVX2 build (-march=haswell), run here: its loop reads a bfloat16 cache, keys
     and values widened, and writes the new rows rounded, as the reference does."""
-    ops = _haswell_ops()
+    ops = _march_ops()
     assert ops.bf16_cache_ok(64) and not ops.bf16_products(64)
     _check_paged_attention(ops, window, shape, torch.bfloat16)
 
@@ -374,14 +374,15 @@ def _kernel_inputs(sequences):
     return torch.tensor(slots), torch.tensor(ranges), tables
 
 
-def _haswell_ops():
+def _march_ops(march: str = "haswell"):
+    """The CPU kernels built for another x86 target (-march=``march``), run here."""
     from pagedllm.kernels.cpu_ops import CpuOps
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 targets")
-    lib = load_kernel_library("cpu_ops", march="haswell")
+    lib = load_kernel_library("cpu_ops", march=march)
     if lib is None:
-        pytest.skip("no build for -march=haswell")
+        pytest.skip(f"no build for -march={march}")
     return CpuOps(lib)
 
 
@@ -395,7 +396,7 @@ def test_attention_is_the_same_however_the_work_is_split(ops, threads, cache_dty
     token: each sequence alone (a single decode token goes by heads) gives the very values
     of the whole batch, in this CPU's build and the AVX2 one."""
     if build == "haswell":
-        ops = _haswell_ops()
+        ops = _march_ops()
     if cache_dtype == torch.bfloat16 and not ops.bf16_cache_ok(D):
         pytest.skip("this build reads no bfloat16 cache")
     cache, q, k, v = _batch(SEQUENCES, seed=6)

@@ -182,51 +182,9 @@ static inline void rotate_head_bf16(uint16_t *x, const float *c, const float *s,
 
 ROTARY_NEOX(pagedllm_rotary_neox_bf16, uint16_t, rotate_head_bf16)
 
-/* ---- SiLU(gate) * up ------------------------------------------------------------------ */
+/* ---- act(gate) * up: SiLU, or GELU's tanh form ------------------------------------------ */
 
-static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
-                         int64_t n) {
-    int64_t i = 0;
-#ifdef HAVE_FAST_EXP8
-    /* (the same operations as the loop below, eight lanes at a time: the same bits) */
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(g + i);
-        const __m256 e = fast_exp8(_mm256_xor_ps(v, sign));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)),
-                                              _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < n; i++) {
-        const float v = g[i];
-        o[i] = (v / (1.0f + fast_expf(-v))) * u[i];
-    }
-}
-
-void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
-                       float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
-    for (int64_t t = 0; t < tokens; t++)
-        silu_mul_row(gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
-}
-
-/* bfloat16 rows: SiLU rounded to bfloat16, then the product rounded, as torch's
- * silu(gate) * up rounds in bfloat16. */
-void pagedllm_silu_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up, int64_t u_ts,
-                            uint16_t *out, int64_t o_ts, int64_t tokens, int64_t n,
-                            int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *g = gate + t * g_ts, *u = up + t * u_ts;
-        uint16_t *o = out + t * o_ts;
-        for (int64_t i = 0; i < n; i++) {
-            const float v = from_bf16(g[i]);
-            o[i] = to_bf16(round_bf16(v / (1.0f + fast_expf(-v))) * from_bf16(u[i]));
-        }
-    }
-}
-
-/* ---- GELU(gate) * up, GELU's tanh form ------------------------------------------------- */
+static inline float silu(float v) { return v / (1.0f + fast_expf(-v)); }
 
 /* GELU's tanh approximation (transformers' gelu_pytorch_tanh, Gemma's activation) as
  * x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3): the same function as
@@ -237,44 +195,80 @@ static inline float gelu_tanh(float v) {
     return v / (1.0f + fast_expf(-1.5957691216057308f * inner));
 }
 
-static void gelu_tanh_mul_row(const float *restrict g, const float *restrict u,
-                              float *restrict o, int64_t n) {
+#ifdef HAVE_FAST_EXP8
+/* silu and gelu_tanh on eight lanes, operation for operation (the same bits). */
+static inline __attribute__((always_inline)) __m256 silu8(__m256 v) {
+    const __m256 e = fast_exp8(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+static inline __attribute__((always_inline)) __m256 gelu_tanh8(__m256 v) {
+    const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+    const __m256 inner = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(0.044715f), v3));
+    const __m256 e = fast_exp8(_mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f), inner));
+    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+#endif
+
+/* One body for both activations (gelu: GELU's tanh form, else SiLU; a constant at each
+ * call, so each exported kernel compiles to its own loop). */
+static inline __attribute__((always_inline)) void gated_mul_row(
+    int gelu, const float *restrict g, const float *restrict u, float *restrict o, int64_t n) {
     int64_t i = 0;
 #ifdef HAVE_FAST_EXP8
-    /* (gelu_tanh's operations eight lanes at a time: the same bits) */
-    const __m256 one = _mm256_set1_ps(1.0f), cubic = _mm256_set1_ps(0.044715f);
-    const __m256 scale = _mm256_set1_ps(-1.5957691216057308f);
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(g + i);
-        const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
-        const __m256 inner = _mm256_add_ps(v, _mm256_mul_ps(cubic, v3));
-        const __m256 e = fast_exp8(_mm256_mul_ps(scale, inner));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)),
-                                              _mm256_loadu_ps(u + i)));
+        const __m256 a = gelu ? gelu_tanh8(v) : silu8(v);
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
     }
 #endif
-    for (; i < n; i++) o[i] = gelu_tanh(g[i]) * u[i];
+    for (; i < n; i++) o[i] = (gelu ? gelu_tanh(g[i]) : silu(g[i])) * u[i];
 }
 
-void pagedllm_gelu_tanh_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
-                            float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
+static inline __attribute__((always_inline)) void gated_mul(
+    int gelu, const float *gate, int64_t g_ts, const float *up, int64_t u_ts, float *out,
+    int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
     for (int64_t t = 0; t < tokens; t++)
-        gelu_tanh_mul_row(gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
+        gated_mul_row(gelu, gate + t * g_ts, up + t * u_ts, out + t * o_ts, n);
 }
 
-/* bfloat16 rows: GELU rounded to bfloat16, then the product rounded, as torch's
- * gelu(gate, approximate="tanh") * up rounds in bfloat16. */
-void pagedllm_gelu_tanh_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up,
-                                 int64_t u_ts, uint16_t *out, int64_t o_ts, int64_t tokens,
-                                 int64_t n, int nthreads) {
+/* bfloat16 rows: the activation rounded to bfloat16, then the product rounded, as torch's
+ * act(gate) * up rounds in bfloat16. */
+static inline __attribute__((always_inline)) void gated_mul_bf16(
+    int gelu, const uint16_t *gate, int64_t g_ts, const uint16_t *up, int64_t u_ts,
+    uint16_t *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (tokens >= 4)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *g = gate + t * g_ts, *u = up + t * u_ts;
         uint16_t *o = out + t * o_ts;
-        for (int64_t i = 0; i < n; i++)
-            o[i] = to_bf16(round_bf16(gelu_tanh(from_bf16(g[i]))) * from_bf16(u[i]));
+        for (int64_t i = 0; i < n; i++) {
+            const float v = from_bf16(g[i]);
+            o[i] = to_bf16(round_bf16(gelu ? gelu_tanh(v) : silu(v)) * from_bf16(u[i]));
+        }
     }
+}
+
+void pagedllm_silu_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
+                       float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
+    gated_mul(0, gate, g_ts, up, u_ts, out, o_ts, tokens, n, nthreads);
+}
+
+void pagedllm_silu_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up, int64_t u_ts,
+                            uint16_t *out, int64_t o_ts, int64_t tokens, int64_t n,
+                            int nthreads) {
+    gated_mul_bf16(0, gate, g_ts, up, u_ts, out, o_ts, tokens, n, nthreads);
+}
+
+void pagedllm_gelu_tanh_mul(const float *gate, int64_t g_ts, const float *up, int64_t u_ts,
+                            float *out, int64_t o_ts, int64_t tokens, int64_t n, int nthreads) {
+    gated_mul(1, gate, g_ts, up, u_ts, out, o_ts, tokens, n, nthreads);
+}
+
+void pagedllm_gelu_tanh_mul_bf16(const uint16_t *gate, int64_t g_ts, const uint16_t *up,
+                                 int64_t u_ts, uint16_t *out, int64_t o_ts, int64_t tokens,
+                                 int64_t n, int nthreads) {
+    gated_mul_bf16(1, gate, g_ts, up, u_ts, out, o_ts, tokens, n, nthreads);
 }
 
 /* ---- Paged attention ------------------------------------------------------------------- */
